@@ -1,0 +1,75 @@
+"""Re-materialization: keep only a cell's boundary input and recompute its forward during backward.
+
+GPipe trades compute for memory: during the forward pass a checkpointed cell stores nothing but its input, and the
+backward pass runs the cell's forward again to rebuild the activations it needs. The recomputation must see the same
+random numbers (dropout masks) as the first forward, and it must not repeat side effects such as BatchNorm running
+statistics; :func:`is_recomputing` lets a layer tell the two apart.
+
+Non-reentrant checkpointing (``use_reentrant=False``) is used on purpose: reentrant checkpointing runs a nested
+backward that DistributedDataParallel sees as a second gradient ready event ("Expected to mark a variable ready only
+once"), the failure that kept torchgpipe and PyTorch's old ``Pipe`` from combining re-materialization with DDP.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Literal
+
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+__all__ = ["CHECKPOINT_MODES", "CheckpointMode", "checkpointed", "checkpoint_stop", "is_recomputing", "validate_mode"]
+
+CheckpointMode = Literal["always", "except_last", "never"]
+CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+
+_state = threading.local()
+
+
+def validate_mode(mode: object) -> CheckpointMode:
+    """Return ``mode`` if it names a re-materialization mode, else raise a ``ValueError`` that lists the valid ones."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"checkpoint={mode!r} is not a re-materialization mode. Use one of "
+            f"{', '.join(map(repr, CHECKPOINT_MODES))}: 'except_last' (default) recomputes every micro-batch but "
+            "the last, 'always' recomputes all of them, 'never' keeps every activation."
+        )
+    return mode  # type: ignore[return-value]
+
+
+def checkpoint_stop(mode: CheckpointMode, num_microbatches: int) -> int:
+    """How many leading micro-batches are re-materialized: micro-batch ``i`` is checkpointed iff ``i < stop``.
+
+    ``except_last`` spares the last micro-batch because its backward runs first, right after its forward, so
+    recomputing it would buy no memory; with a single micro-batch it therefore checkpoints nothing.
+    """
+    return {"always": num_microbatches, "except_last": num_microbatches - 1, "never": 0}[mode]
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed cell is being recomputed for backward (in this thread)."""
+    return getattr(_state, "recomputing", False)
+
+
+@contextmanager
+def _recomputing() -> Iterator[None]:
+    previous = is_recomputing()
+    _state.recomputing = True
+    try:
+        yield
+    finally:
+        _state.recomputing = previous
+
+
+def _contexts() -> tuple[Any, Any]:
+    return nullcontext(), _recomputing()
+
+
+def checkpointed(function: Callable[[Any], Any], value: Any) -> Any:
+    """Run ``function(value)`` keeping only ``value``; the forward is replayed with the same RNG state in backward.
+
+    Callers decide when to checkpoint: in eval mode or under ``torch.no_grad`` there is no backward to recompute for,
+    so they should call ``function`` directly.
+    """
+    return _torch_checkpoint(function, value, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts)

@@ -1,0 +1,375 @@
+"""Per-layer costs that partitioning balances (the paper's c_i).
+
+Each source returns one non-negative float per layer of an ``nn.Sequential``, for
+:func:`~lightning_gpipe.partition.balance_by_cost`:
+
+- :func:`param_cost`: parameters per layer. Needs no input and works on the meta device.
+- :func:`flops_cost`: analytic forward FLOPs on a sample. Deterministic, works on the meta device.
+- :func:`time_cost`: measured forward + backward seconds. What the pipeline actually waits for, but noisy.
+- :func:`memory_cost`: bytes a layer holds during training: saved activations, parameters, gradients and optimizer
+  state. Deterministic; works on the meta device.
+
+The sources that run the layers (flops, time, memory) feed each layer the previous layer's output, as
+``nn.Sequential`` does, and leave the module as they found it: buffers (BatchNorm running statistics) and the torch
+random number generators are restored, parameter ``.grad`` is never touched. Layers run in whatever mode (train or
+eval) they are in; call ``.train()`` first to profile training.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = [
+    "COST_SOURCES",
+    "CostFn",
+    "flops_cost",
+    "layer_costs",
+    "memory_cost",
+    "param_cost",
+    "time_cost",
+]
+
+CostFn = Callable[[nn.Module], float]
+COST_SOURCES: tuple[str, ...] = ("params", "flops", "time", "memory")
+_NEEDS_SAMPLE = ("flops", "time", "memory")
+
+
+def layer_costs(layers: Iterable[nn.Module], how: str | CostFn | None = None, sample: Any = None) -> list[float]:
+    """Return one cost per layer, computed the way ``how`` names.
+
+    Args:
+        layers: the layers to partition, usually an ``nn.Sequential``.
+        how: ``"params"``, ``"flops"``, ``"time"``, ``"memory"`` (see the module docstring), or a callable
+            ``cost(layer) -> float``. ``None`` picks an analytic source: ``"flops"`` when a ``sample`` is given,
+            otherwise ``"params"``. Measured time is left to an explicit ``"time"`` because it differs from run to run,
+            and so would the partition: every process of a job must agree on it, and a checkpoint's layout should not
+            depend on how busy the machine was.
+        sample: one micro-batch of input for the first layer (a tensor, or a tuple/list of tensors); needed by
+            ``"flops"``, ``"time"`` and ``"memory"``.
+
+    Raises:
+        ValueError: unknown ``how``, a source that needs a sample without one, or a callable returning a negative or
+            non-finite cost.
+        TypeError: ``how`` is neither a string nor callable, or a callable returns something that is not a number.
+    """
+    layers = list(layers)
+    if how is None:
+        how = "flops" if sample is not None else "params"
+    if callable(how):
+        return _called_costs(layers, how)
+    if not isinstance(how, str):
+        raise TypeError(
+            f"the cost source must be a string or a callable cost(layer) -> float, got {how!r} ({type(how).__name__})"
+        )
+    if how not in COST_SOURCES:
+        raise ValueError(
+            f"unknown cost source {how!r}; use one of {', '.join(map(repr, COST_SOURCES))},"
+            " or a callable cost(layer) -> float"
+        )
+    if how in _NEEDS_SAMPLE and sample is None:
+        raise ValueError(
+            f"cost source {how!r} runs the layers, so it needs a sample input; pass one micro-batch as sample="
+            " (e.g. the LightningModule's example_input_array), or use 'params', which needs none"
+        )
+    if how == "params":
+        return param_cost(layers)
+    if how == "flops":
+        return flops_cost(layers, sample)
+    if how == "time":
+        return time_cost(layers, sample)
+    return memory_cost(layers, sample)
+
+
+def _called_costs(layers: list[nn.Module], cost: CostFn) -> list[float]:
+    costs: list[float] = []
+    for index, layer in enumerate(layers):
+        result = cost(layer)
+        try:
+            value = float(result)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"the cost function returned {result!r} ({type(result).__name__}) for layer {index}"
+                f" ({type(layer).__name__}); it must return a number"
+            ) from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"the cost function returned {value!r} for layer {index} ({type(layer).__name__});"
+                " costs must be non-negative and finite"
+            )
+        costs.append(value)
+    return costs
+
+
+def param_cost(layers: Iterable[nn.Module]) -> list[float]:
+    """Return the number of parameters of each layer.
+
+    A parameter shared by several layers (tied embeddings) is counted once, in the first layer that holds it, so the
+    costs add up to the model's parameter count. Frozen parameters count too: they occupy memory all the same.
+    """
+    seen: set[int] = set()
+    costs: list[float] = []
+    for layer in layers:
+        count = 0
+        for param in layer.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                count += param.numel()
+        costs.append(float(count))
+    return costs
+
+
+def flops_cost(layers: Iterable[nn.Module], sample: Any) -> list[float]:
+    """Return the forward FLOPs of each layer on ``sample``, as counted by ``torch.utils.flop_counter``.
+
+    The counter's convention is two FLOPs per multiply-add of matrix products and convolutions (``nn.Linear(i, o)``
+    on a batch of ``n`` costs ``2·n·i·o``); elementwise operations, normalisation and bias additions count zero, so
+    an activation or BatchNorm layer costs 0. The backward pass is roughly twice the forward for these operations,
+    so forward FLOPs rank layers the same way training does.
+
+    Works with meta-device layers and a meta sample: FLOPs depend only on shapes.
+    """
+    layers = list(layers)
+    costs: list[float] = []
+    with _preserved_state(layers, sample), torch.no_grad():
+        # A copy, so that an in-place first layer (ReLU(inplace=True)) cannot change the caller's tensor.
+        x = _map_tensors(sample, lambda t: t.clone())
+        for layer in layers:
+            counter = FlopCounterMode(display=False)
+            with counter:
+                x = layer(x)
+            costs.append(float(counter.get_total_flops()))
+    return costs
+
+
+def time_cost(layers: Iterable[nn.Module], sample: Any, *, repeats: int = 5, warmup: int = 1) -> list[float]:
+    """Return the median seconds of a forward plus a backward pass of each layer on ``sample``.
+
+    Every layer is timed ``warmup + repeats`` times and the first ``warmup`` runs are dropped (they pay for lazy
+    initialisation, allocator growth and kernel selection). The layers are timed round-robin rather than one after
+    the other, so a burst of load on a shared machine spreads over all layers instead of inflating one. The median
+    of the remaining runs is reported: unlike the mean it ignores a few runs delayed by the scheduler or the garbage
+    collector, and unlike the minimum it does not reward a single lucky run.
+
+    The backward pass is ``torch.autograd.grad`` with respect to the layer's input and parameters, with ones as the
+    output gradient, so parameter ``.grad`` is left untouched. CUDA work is synchronised before the clock is read.
+
+    Raises:
+        ValueError: a layer or the sample is on the meta device (there is nothing to time), or ``repeats < 1`` or
+            ``warmup < 0``.
+    """
+    layers = list(layers)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1: the median needs at least one timed run")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be an int >= 0 (the number of untimed runs per layer)")
+    _refuse_meta(layers, sample)
+
+    runs: list[list[float]] = [[] for _ in layers]
+    with _preserved_state(layers, sample), torch.enable_grad():
+        inputs = _layer_inputs(layers, sample)
+        for run in range(warmup + repeats):
+            for index, layer in enumerate(layers):
+                seconds = _forward_backward_seconds(layer, inputs[index])
+                if run >= warmup:
+                    runs[index].append(seconds)
+    return [statistics.median(seconds) for seconds in runs]
+
+
+def _forward_backward_seconds(layer: nn.Module, value: Any) -> float:
+    leaves, x = _leaf_input(value)
+    params = [param for param in layer.parameters() if param.requires_grad]
+    devices = _cuda_devices(layer, value)
+    _synchronize(devices)
+    start = time.perf_counter()
+    output = layer(x)
+    outputs = [t for t in _tensors(output) if t.requires_grad]
+    wrt = leaves + params
+    if outputs and wrt:
+        torch.autograd.grad(outputs, wrt, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True)
+    _synchronize(devices | {t.device for t in _tensors(output) if t.is_cuda})
+    return time.perf_counter() - start
+
+
+def memory_cost(layers: Iterable[nn.Module], sample: Any, *, optimizer_slots: float = 2.0) -> list[float]:
+    """Return the bytes each layer occupies during training with micro-batches shaped like ``sample``.
+
+    The sum of
+
+    - activations: tensors autograd saves for the layer's backward pass (found with
+      ``torch.autograd.graph.saved_tensors_hooks``), each storage counted once; parameters and buffers the layer
+      saves are not activations and are left out;
+    - parameters and buffers (a tensor shared by several layers counts in the first one only);
+    - gradients: one per trainable parameter;
+    - optimizer state: ``optimizer_slots`` × the trainable parameters' bytes (2 for Adam's two moments, 1 for SGD
+      with momentum, 0 for plain SGD).
+
+    The count is deterministic and needs no allocator statistics, so it is the same on CPU, CUDA and the meta device.
+    It is per micro-batch: with re-materialization a stage keeps the activations of one micro-batch at a time.
+
+    Raises:
+        ValueError: ``optimizer_slots`` is negative or not finite.
+    """
+    layers = list(layers)
+    slots = float(optimizer_slots)
+    if not math.isfinite(slots) or slots < 0:
+        raise ValueError(
+            f"optimizer_slots={optimizer_slots!r} must be a non-negative number of parameter-sized optimizer"
+            " tensors per parameter: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD"
+        )
+    # Any layer may save a parameter or buffer (its own or a tied one); none of them is a per-micro-batch activation.
+    state_storages = {_storage_key(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    seen: set[int] = set()
+    costs: list[float] = []
+    with _preserved_state(layers, sample):
+        inputs = _layer_inputs(layers, sample)
+        for index, layer in enumerate(layers):
+            activation = _saved_activation_bytes(layer, inputs[index], state_storages)
+            state = 0.0
+            for param in layer.parameters():
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                nbytes = param.numel() * param.element_size()
+                state += nbytes
+                if param.requires_grad:
+                    state += nbytes * (1.0 + slots)
+            for buffer in layer.buffers():
+                if id(buffer) not in seen:
+                    seen.add(id(buffer))
+                    state += buffer.numel() * buffer.element_size()
+            costs.append(activation + state)
+    return costs
+
+
+def _saved_activation_bytes(layer: nn.Module, value: Any, state_storages: set[tuple[object, ...]]) -> float:
+    sizes: dict[tuple[object, ...], int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in state_storages:
+            # A view keeps its whole storage alive, so the storage's size is what the layer holds on to.
+            sizes[key] = t.untyped_storage().nbytes()
+        return t
+
+    _, x = _leaf_input(value)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    return float(sum(sizes.values()))
+
+
+def _storage_key(t: Tensor) -> tuple[object, ...]:
+    """Identify the memory behind ``t``, so views of one tensor count once."""
+    storage = t.untyped_storage()
+    if t.is_meta:
+        # Meta storages have no address; _cdata is the identity of the storage object, alive as long as ``t``.
+        return ("meta", storage._cdata)
+    return (t.device, storage.data_ptr())
+
+
+def _layer_inputs(layers: list[nn.Module], sample: Any) -> list[Any]:
+    """Run ``sample`` through ``layers`` once and return each layer's input, detached."""
+    inputs: list[Any] = []
+    with torch.no_grad():
+        x = _map_tensors(sample, lambda t: t.detach())
+        for layer in layers:
+            inputs.append(x)
+            # Clone: an in-place layer would otherwise overwrite the input just recorded.
+            x = _map_tensors(layer(_map_tensors(x, lambda t: t.clone())), lambda t: t.detach())
+    return inputs
+
+
+def _leaf_input(value: Any) -> tuple[list[Tensor], Any]:
+    """Return fresh leaves (float tensors that require grad) and a copy of ``value`` computed from them.
+
+    The layer gets the copy, not the leaves: an in-place first operation (``ReLU(inplace=True)``) is an error on a
+    leaf that requires grad, and must not corrupt the recorded input for the next run either.
+    """
+    leaves: list[Tensor] = []
+
+    def prepare(t: Tensor) -> Tensor:
+        if t.is_floating_point() or t.is_complex():
+            leaf = t.detach().requires_grad_()
+            leaves.append(leaf)
+            return leaf.clone()
+        return t.clone()
+
+    return leaves, _map_tensors(value, prepare)
+
+
+def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(item, fn) for item in value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, fn) for key, item in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def _refuse_meta(layers: list[nn.Module], sample: Any) -> None:
+    if any(t.is_meta for t in _tensors(sample)):
+        raise ValueError(
+            "time_cost runs the layers, but the sample is on the meta device; give a real tensor on the device the"
+            " layers run on, or use the analytic 'flops' or 'params' cost, which work on meta"
+        )
+    for index, layer in enumerate(layers):
+        if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+            raise ValueError(
+                f"time_cost runs the layers, but layer {index} ({type(layer).__name__}) is on the meta device;"
+                " materialize the model first (model.to_empty(device=...) and initialise it), or use the analytic"
+                " 'flops' or 'params' cost, which work on meta"
+            )
+
+
+def _cuda_devices(layer: nn.Module, value: Any) -> set[torch.device]:
+    tensors = (*layer.parameters(), *layer.buffers(), *_tensors(value))
+    return {t.device for t in tensors if t.is_cuda}
+
+
+def _synchronize(devices: set[torch.device]) -> None:
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def _preserved_state(layers: list[nn.Module], sample: Any) -> Iterator[None]:
+    """Restore every buffer and the torch random number generators when profiling is done.
+
+    Profiling runs training-mode forwards, which move BatchNorm running statistics and draw dropout masks; a cost
+    estimate must not change the model it measures, nor the random stream the training run will see. Buffers are
+    restored in place and re-registered, so a layer that replaced one (``self.buf = new``) gets the original back.
+    """
+    snapshot: list[tuple[nn.Module, str, Tensor, Tensor]] = []
+    for layer in layers:
+        for module in layer.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                snapshot.append((module, name, buffer, buffer.detach().clone()))
+    tensors = [t for layer in layers for t in (*layer.parameters(), *layer.buffers())] + _tensors(sample)
+    cuda_indices = sorted({t.get_device() for t in tensors if t.is_cuda})
+    with torch.random.fork_rng(devices=cuda_indices, device_type="cuda"):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for module, name, buffer, saved in snapshot:
+                    buffer.copy_(saved)
+                    setattr(module, name, buffer)

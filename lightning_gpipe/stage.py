@@ -1,0 +1,153 @@
+"""Stage execution: one cell of the pipeline running the forward and backward actions of its micro-batches.
+
+A stage owns one cell (a slice of the layers). For micro-batch ``i`` its forward receives the boundary value from the
+previous stage (stage 0 is handed its input), runs the cell, possibly under re-materialization, and sends the output
+on; the last stage returns the output so that the caller can compute the loss. Its backward receives the gradient of
+the output from the next stage (the last stage is handed the loss), back-propagates through the cell, accumulating
+parameter gradients exactly as ``loss.backward()`` would, and sends the input's gradient back.
+
+Only what backward needs is kept between the two: the grad-requiring input leaves and output tensors of each
+micro-batch. Which actions run in which order is the schedule's business (:mod:`lightning_gpipe.schedule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_gpipe.batchnorm import commit_running_stats
+from lightning_gpipe.boundary import ActivationLink, GradientLink
+from lightning_gpipe.checkpoint import CheckpointMode, checkpoint_stop, checkpointed, validate_mode
+from lightning_gpipe.errors import PipelineError
+from lightning_gpipe.structure import flatten
+from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.transport import Transport
+
+__all__ = ["Stage"]
+
+ComputeGuard = Callable[[], AbstractContextManager[None]]
+
+
+def _grad_tensors(value: Any) -> list[torch.Tensor]:
+    leaves, _spec = flatten(value)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+class Stage:
+    """Stage ``transport.stage`` of ``transport.num_stages``, running ``cell``.
+
+    Args:
+        cell: this stage's layers.
+        transport: the links to the neighbouring stages; it also tells this stage's index.
+        checkpoint: re-materialization mode, ``"always"``, ``"except_last"`` or ``"never"``.
+        timeline: records the start and end of every action when given.
+        compute_guard: a context entered around this stage's computation (not around its waits); the in-process
+            runner uses it to give each thread-stage its own random-number stream.
+    """
+
+    def __init__(
+        self,
+        cell: nn.Module,
+        transport: Transport,
+        *,
+        checkpoint: CheckpointMode = "except_last",
+        timeline: Timeline | None = None,
+        compute_guard: ComputeGuard | None = None,
+    ) -> None:
+        self.cell = cell
+        self.transport = transport
+        self.index = transport.stage
+        self.num_stages = transport.num_stages
+        self.checkpoint = validate_mode(checkpoint)
+        self.timeline = timeline
+        self._guard: ComputeGuard = compute_guard or nullcontext
+        self._inbox = ActivationLink(transport, self.index - 1) if not self.is_first else None
+        self._outbox = ActivationLink(transport, self.index + 1) if not self.is_last else None
+        self._grad_inbox = GradientLink(transport, self.index + 1) if not self.is_last else None
+        self._grad_outbox = GradientLink(transport, self.index - 1) if not self.is_first else None
+        self._num_microbatches = 0
+        self._inputs: dict[int, list[torch.Tensor]] = {}
+        self._outputs: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def begin_step(self, sizes: Sequence[int]) -> None:
+        """Start a step of ``len(sizes)`` micro-batches with these sample counts (the same on every stage)."""
+        if self._inputs or self._outputs:
+            pending = sorted(set(self._inputs) | set(self._outputs))
+            raise PipelineError(self.index, f"a new step began while micro-batches {pending} still await backward")
+        self._num_microbatches = len(sizes)
+        for link in (self._inbox, self._outbox):
+            if link is not None:
+                link.begin_step(sizes)
+
+    def _record(self, phase: str, index: int) -> AbstractContextManager[None]:
+        return self.timeline.record(self.index, phase, index) if self.timeline is not None else nullcontext()
+
+    def forward(self, index: int, value: Any = None) -> Any:
+        """Run micro-batch ``index`` through the cell. Stage 0 is given ``value``; later stages receive it.
+
+        Returns the cell's output (on the last stage, what the loss is computed from).
+        """
+        if not self.is_first:
+            assert self._inbox is not None
+            value = self._inbox.recv(index)
+        grad_enabled = torch.is_grad_enabled()
+        rematerialize = (
+            grad_enabled and self.cell.training and index < checkpoint_stop(self.checkpoint, self._num_microbatches)
+        )
+        with self._guard(), self._record("forward", index):
+            output = checkpointed(self.cell, value) if rematerialize else self.cell(value)
+        if grad_enabled:
+            inputs = _grad_tensors(value) if not self.is_first else []
+            if inputs:
+                self._inputs[index] = inputs
+        if not self.is_last:
+            assert self._outbox is not None
+            self._outbox.send(index, output)
+            if grad_enabled:
+                outputs = _grad_tensors(output)
+                if outputs:
+                    self._outputs[index] = outputs
+        return output
+
+    def backward(self, index: int, loss: torch.Tensor | None = None) -> None:
+        """Back-propagate micro-batch ``index``. The last stage is given the (already weighted) loss."""
+        if self.is_last:
+            if loss is None:
+                raise PipelineError(self.index, f"the last stage needs the loss of micro-batch {index} for backward")
+            with self._guard(), self._record("backward", index):
+                torch.autograd.backward(loss)
+        else:
+            outputs = self._outputs.pop(index, [])
+            if outputs:  # nothing downstream needs a gradient otherwise
+                assert self._grad_inbox is not None
+                grads = self._grad_inbox.recv(outputs, index)
+                with self._guard(), self._record("backward", index):
+                    torch.autograd.backward(outputs, grads)
+        inputs = self._inputs.pop(index, [])
+        if inputs:
+            assert self._grad_outbox is not None
+            self._grad_outbox.send(inputs)
+
+    def end_step(self) -> None:
+        """Finish the step: wait for outgoing messages and commit deferred BatchNorm statistics."""
+        self.transport.wait_sends()
+        if self.cell.training:
+            commit_running_stats(self.cell)
+
+    def abort(self, reason: str) -> None:
+        """Drop the step's state and tell the other stages (where the transport can) that this one failed."""
+        self._inputs.clear()
+        self._outputs.clear()
+        self.transport.abort(reason)

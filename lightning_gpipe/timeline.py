@@ -1,0 +1,229 @@
+"""Per-stage record of pipeline actions, the measured bubble, and a Gantt chart.
+
+Spans are stamped with :func:`time.perf_counter`, which is ``CLOCK_MONOTONIC`` on Linux: processes on one host
+share that clock, so the timelines of all stages of a single-host pipeline can be gathered (:meth:`Timeline.to_records`,
+:meth:`Timeline.merge`) and compared directly. Spans from different hosts have unrelated origins and are not
+comparable; merge them only to look at each stage on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from types import TracebackType
+
+__all__ = ["IDLE_PHASES", "Span", "SpanRecord", "Timeline"]
+
+# Time spent blocked on a peer is the bubble itself: such spans are drawn but not counted as busy.
+IDLE_PHASES: frozenset[str] = frozenset({"wait"})
+
+# Forward and backward keep fixed colours so that charts compare at a glance; other phases take the next free one.
+_PHASE_COLOURS = {
+    "forward": "#4C72B0",
+    "backward": "#DD8452",
+    "recompute": "#55A868",
+    "send": "#8172B3",
+    "wait": "#9E9E9E",
+}
+_SPARE_COLOURS = ("#C44E52", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD")
+
+#: A span as a plain tuple ``(stage, phase, microbatch, start, end)``, what processes exchange.
+SpanRecord = tuple[int, str, int, float, float]
+
+_DISABLED: AbstractContextManager[None] = nullcontext()
+
+
+@dataclass(frozen=True)
+class Span:
+    """One action of one stage, from ``start`` to ``end`` in seconds; ``microbatch < 0`` means none applies."""
+
+    stage: int
+    phase: str
+    microbatch: int
+    start: float
+    end: float
+
+    def __post_init__(self) -> None:
+        if self.end < self.start:
+            raise ValueError(f"Span ends before it starts: start={self.start}, end={self.end} ({self}).")
+
+
+class _Recording(AbstractContextManager[None]):
+    # A plain class rather than @contextmanager: this wraps every forward and backward, and a generator-based
+    # context manager costs several times more per use.
+    __slots__ = ("_timeline", "_stage", "_phase", "_microbatch", "_start")
+
+    def __init__(self, timeline: Timeline, stage: int, phase: str, microbatch: int) -> None:
+        self._timeline = timeline
+        self._stage = stage
+        self._phase = phase
+        self._microbatch = microbatch
+        self._start = 0.0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        # Recorded even when the block raised: the time was spent, and the chart then shows where it stopped.
+        end = time.perf_counter()
+        self._timeline.spans.append(Span(self._stage, self._phase, self._microbatch, self._start, end))
+
+
+class Timeline:
+    """Spans of pipeline actions, per stage, with the measured bubble and a Gantt chart.
+
+    A disabled timeline records nothing and :meth:`record` costs one attribute test.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.spans: list[Span] = []
+
+    def __repr__(self) -> str:
+        return f"Timeline(enabled={self.enabled}, spans={len(self.spans)}, stages={self.stages()})"
+
+    def record(self, stage: int, phase: str, microbatch: int) -> AbstractContextManager[None]:
+        """Time the ``with`` block as one span of ``phase`` on ``stage`` for ``microbatch``."""
+        if not self.enabled:
+            return _DISABLED
+        return _Recording(self, stage, phase, microbatch)
+
+    def add(self, span: Span) -> None:
+        """Append a span measured elsewhere (recorded even when disabled: the caller chose to add it)."""
+        self.spans.append(span)
+
+    def clear(self) -> None:
+        """Forget every span, e.g. after warm-up steps."""
+        self.spans.clear()
+
+    @classmethod
+    def merge(cls, timelines_or_span_lists: Iterable[Timeline | Iterable[Span | SpanRecord]]) -> Timeline:
+        """One timeline from several, e.g. one per process gathered with ``all_gather_object(t.to_records())``."""
+        merged = cls()
+        for part in timelines_or_span_lists:
+            items: Iterable[Span | SpanRecord] = part.spans if isinstance(part, Timeline) else part
+            merged.spans.extend(item if isinstance(item, Span) else Span(*item) for item in items)
+        merged.spans.sort(key=lambda s: (s.start, s.stage, s.end))
+        return merged
+
+    def to_records(self) -> list[SpanRecord]:
+        """The spans as plain ``(stage, phase, microbatch, start, end)`` tuples, cheap to pickle across processes."""
+        return [(s.stage, s.phase, s.microbatch, s.start, s.end) for s in self.spans]
+
+    @classmethod
+    def from_records(cls, records: Iterable[SpanRecord]) -> Timeline:
+        """Rebuild a timeline from :meth:`to_records` output."""
+        timeline = cls()
+        timeline.spans.extend(Span(*record) for record in records)
+        return timeline
+
+    def stages(self) -> list[int]:
+        """The stages that have at least one span, in increasing order."""
+        return sorted({span.stage for span in self.spans})
+
+    def busy_time(self, stage: int) -> float:
+        """Seconds ``stage`` spent on work; overlapping spans count once and :data:`IDLE_PHASES` not at all."""
+        intervals = sorted((s.start, s.end) for s in self.spans if s.stage == stage and s.phase not in IDLE_PHASES)
+        busy = 0.0
+        covered_until = float("-inf")
+        for start, end in intervals:
+            if end > covered_until:
+                busy += end - max(start, covered_until)
+                covered_until = end
+        return busy
+
+    def makespan(self) -> float:
+        """Seconds from the earliest start to the latest end over all stages (0 when empty)."""
+        if not self.spans:
+            return 0.0
+        return max(s.end for s in self.spans) - min(s.start for s in self.spans)
+
+    def bubble_fraction(self) -> float:
+        """Mean over stages of ``(makespan - busy) / makespan``; only stages with spans take part."""
+        if not self.spans:
+            raise ValueError("The timeline has no spans, so it has no bubble. HINT: enable it and record a step first.")
+        makespan = self.makespan()
+        if makespan == 0.0:
+            return 0.0
+        stages = self.stages()
+        return sum(makespan - self.busy_time(stage) for stage in stages) / (makespan * len(stages))
+
+    def plot(
+        self, path: str | os.PathLike[str], *, title: str | None = None, expected_bubble: float | None = None
+    ) -> pathlib.Path:
+        """Write a Gantt chart of the spans as a PNG at ``path``, one row per stage with stage 0 on top.
+
+        Draws on a standalone Agg canvas, so pyplot and the session's backend (a notebook's inline one) are untouched.
+        """
+        if not self.spans:
+            raise ValueError("The timeline has no spans to plot. HINT: enable it and record a step first.")
+        # Imported here: ranks that only record spans never pay for matplotlib.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+
+        stages = self.stages()
+        row = {stage: n for n, stage in enumerate(stages)}
+        origin = min(s.start for s in self.spans)
+        extent_ms = self.makespan() * 1e3 or 1.0
+        colours = _colours(s.phase for s in self.spans)
+
+        width_in, height_in, dpi, fontsize = 12.0, 1.5 + 0.5 * len(stages), 100, 7
+        figure = Figure(figsize=(width_in, height_in), dpi=dpi)
+        FigureCanvasAgg(figure)
+        left, right = 0.08, 0.98
+        # Fixed margins in inches (title above; tick labels, axis label and legend below) keep the bar scale known.
+        figure.subplots_adjust(left=left, right=right, top=1 - 0.7 / height_in, bottom=0.8 / height_in)
+        axes = figure.add_subplot()
+        axes.set_xlim(0.0, extent_ms)
+        # A label fits when its estimated width (average glyph ~0.6 em) is below the bar's width in pixels.
+        pixels_per_ms = (right - left) * width_in * dpi / extent_ms
+        glyph_px = 0.6 * fontsize * dpi / 72
+
+        for span in self.spans:
+            start_ms, length_ms = (span.start - origin) * 1e3, (span.end - span.start) * 1e3
+            y = row[span.stage]
+            axes.barh(y, length_ms, left=start_ms, height=0.8, color=colours[span.phase], edgecolor="white", lw=0.5)
+            label = str(span.microbatch)
+            if span.microbatch >= 0 and len(label) * glyph_px + 2 < length_ms * pixels_per_ms:
+                axes.text(
+                    start_ms + length_ms / 2, y, label, ha="center", va="center", fontsize=fontsize, color="white"
+                )
+
+        axes.set_yticks(range(len(stages)), [f"stage {stage}" for stage in stages])
+        axes.set_ylim(len(stages) - 0.5, -0.5)  # stage 0 on top, as pipelines are usually drawn
+        axes.set_xlabel("time (ms) from the first start")
+        figure.legend(
+            handles=[Patch(color=colour, label=phase) for phase, colour in colours.items()],
+            loc="lower center",
+            ncol=len(colours),
+            frameon=False,
+            fontsize=8,
+        )
+        subtitle = f"measured bubble {self.bubble_fraction():.1%}"
+        if expected_bubble is not None:
+            subtitle += f", expected {expected_bubble:.1%}"
+        axes.set_title(subtitle, fontsize=9)
+        plural = "" if len(stages) == 1 else "s"
+        figure.suptitle(title or f"Pipeline timeline, {len(stages)} stage{plural}", fontsize=11)
+
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, format="png", bbox_inches="tight")
+        return path
+
+
+def _colours(phases: Iterable[str]) -> dict[str, str]:
+    # Legend order: forward, backward, the other known phases, then unknown ones alphabetically.
+    present = set(phases)
+    known = [phase for phase in _PHASE_COLOURS if phase in present]
+    others = sorted(present - set(_PHASE_COLOURS))
+    colours = {phase: _PHASE_COLOURS[phase] for phase in known}
+    colours.update({phase: _SPARE_COLOURS[n % len(_SPARE_COLOURS)] for n, phase in enumerate(others)})
+    return colours

@@ -1,0 +1,180 @@
+"""Point-to-point tensor links between the stages of one pipeline.
+
+A transport moves plain tensors between neighbouring stages; what the tensors mean (which structure, which
+micro-batch) is :mod:`lightning_gpipe.boundary`'s business. Two implementations share one interface:
+
+- :class:`ProcessGroupTransport`: one process per stage, ``torch.distributed`` P2P (gloo on CPU, NCCL on GPU). This is
+  what lets a pipeline span processes and nodes.
+- :class:`ThreadTransport`: every stage in one process, one thread each, linked by in-memory queues; fast to start,
+  for tests and notebooks.
+
+Sends are asynchronous (the sender never waits for its neighbour to be ready), receives block with a deadline, and
+every failure becomes a :class:`~lightning_gpipe.errors.PipelineError` naming both stages: a dead or stuck peer never
+hangs the job.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_gpipe.errors import PipelineError
+
+__all__ = ["DEFAULT_TIMEOUT", "ProcessGroupTransport", "ThreadTransport", "Transport"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class Transport(abc.ABC):
+    """Asynchronous sends and deadline-bounded receives of tensors between the stages of one pipeline."""
+
+    def __init__(self, stage: int, num_stages: int, timeout: datetime.timedelta) -> None:
+        self.stage = stage
+        self.num_stages = num_stages
+        self.timeout = timeout
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Where received tensors are allocated."""
+
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        """Start sending ``tensor`` to stage ``peer``; it must not be modified until :meth:`wait_sends` returns."""
+
+    @abc.abstractmethod
+    def recv(self, buffer: torch.Tensor, peer: int, what: str) -> None:
+        """Fill ``buffer`` with the next tensor from stage ``peer``; ``what`` names it in errors."""
+
+    @abc.abstractmethod
+    def wait_sends(self) -> None:
+        """Block until every started send has completed."""
+
+    def abort(self, reason: str) -> None:  # noqa: B027 - optional hook, nothing to do for process groups
+        """Tell the other stages that this one failed (where the transport can; processes see the socket close)."""
+
+    def _failure(self, peer: int, what: str, cause: object) -> PipelineError:
+        return PipelineError(
+            self.stage,
+            f"receiving {what} from stage {peer} failed: {cause}. The other stage probably failed first: "
+            "look for its error above; a stuck stage is given up on after the transport timeout "
+            f"({self.timeout.total_seconds():g} s).",
+        )
+
+
+class ProcessGroupTransport(Transport):
+    """P2P over ``torch.distributed``: ``ranks[j]`` is the global rank of stage ``j`` of this pipeline."""
+
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        device: torch.device | str = "cpu",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessGroupTransport needs torch.distributed.init_process_group() to have run first")
+        rank = dist.get_rank()
+        if rank not in ranks:
+            raise ValueError(f"this process (global rank {rank}) is not one of the pipeline's ranks {list(ranks)}")
+        super().__init__(list(ranks).index(rank), len(ranks), timeout)
+        self.ranks = list(ranks)
+        self._device = torch.device(device)
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        tensor = tensor.detach().contiguous()
+        work = dist.isend(tensor, dst=self.ranks[peer])
+        assert work is not None  # isend in the default group always returns a handle
+        self._pending.append((work, tensor))  # the tensor must outlive the send
+
+    def recv(self, buffer: torch.Tensor, peer: int, what: str) -> None:
+        try:
+            work = dist.irecv(buffer, src=self.ranks[peer])
+            assert work is not None
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            raise self._failure(peer, what, error) from error
+
+    def wait_sends(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _tensor in pending:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as error:
+                raise PipelineError(self.stage, f"a send to a neighbouring stage did not complete: {error}") from error
+
+
+class _Mailboxes:
+    """Queues between every ordered pair of stages, and the flag that stops them all when one stage fails."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.queues: dict[tuple[int, int], queue.SimpleQueue[torch.Tensor]] = {
+            (src, dst): queue.SimpleQueue() for src in range(num_stages) for dst in range(num_stages)
+        }
+        self.failed = threading.Event()
+        self.reason = ""
+
+
+class ThreadTransport(Transport):
+    """In-process links for stages that run as threads of one process; create them with :meth:`create`."""
+
+    _POLL_SECONDS = 0.02
+
+    def __init__(self, stage: int, mailboxes: _Mailboxes, device: torch.device, timeout: datetime.timedelta) -> None:
+        super().__init__(stage, num_stages=len({src for src, _ in mailboxes.queues}), timeout=timeout)
+        self._mailboxes = mailboxes
+        self._device = device
+
+    @classmethod
+    def create(
+        cls, num_stages: int, device: torch.device | str = "cpu", timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    ) -> list[ThreadTransport]:
+        """One linked transport per stage."""
+        mailboxes = _Mailboxes(num_stages)
+        return [cls(stage, mailboxes, torch.device(device), timeout) for stage in range(num_stages)]
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        # A copy, as across processes: the receiver may modify its input in place while we still hold ours.
+        self._mailboxes.queues[(self.stage, peer)].put(tensor.detach().clone())
+
+    def recv(self, buffer: torch.Tensor, peer: int, what: str) -> None:
+        mailbox = self._mailboxes.queues[(peer, self.stage)]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            if self._mailboxes.failed.is_set():
+                raise self._failure(peer, what, f"the pipeline was aborted ({self._mailboxes.reason})")
+            try:
+                tensor = mailbox.get(timeout=self._POLL_SECONDS)
+                break
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise self._failure(peer, what, "timed out") from None
+        if tensor.shape != buffer.shape or tensor.dtype != buffer.dtype:
+            raise PipelineError(
+                self.stage,
+                f"received {what} from stage {peer} as {tuple(tensor.shape)} {tensor.dtype}, "
+                f"expected {tuple(buffer.shape)} {buffer.dtype}",
+            )
+        buffer.copy_(tensor)
+
+    def wait_sends(self) -> None:
+        pass  # puts complete immediately
+
+    def abort(self, reason: str) -> None:
+        self._mailboxes.reason = f"stage {self.stage} failed: {reason}"
+        self._mailboxes.failed.set()

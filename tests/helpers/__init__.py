@@ -1,0 +1,1 @@
+"""Test helpers shared by tests_gpipe and tests_zoo."""

@@ -1,0 +1,90 @@
+"""Scatter and gather of nested batches, uneven sizes, and loss weights that keep the full-batch loss."""
+
+import dataclasses
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_gpipe.microbatch import batch_size, gather, scatter
+
+Batch = namedtuple("Batch", ["x", "y"])
+
+
+@dataclasses.dataclass
+class Record:
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    language: str
+
+
+def test_tensor_splits_into_even_chunks() -> None:
+    microbatches = scatter(torch.arange(8).view(8, 1), 4)
+    assert [mb.size for mb in microbatches] == [2, 2, 2, 2]
+    assert [mb.index for mb in microbatches] == [0, 1, 2, 3]
+    assert torch.equal(gather([mb.value for mb in microbatches]), torch.arange(8).view(8, 1))
+
+
+def test_uneven_and_small_batches() -> None:
+    assert [mb.size for mb in scatter(torch.zeros(10, 2), 4)] == [3, 3, 2, 2]
+    assert [mb.size for mb in scatter(torch.zeros(3, 2), 8)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 4, 7])
+def test_nested_batch_round_trip(chunks: int) -> None:
+    batch = {
+        "pair": Batch(torch.randn(7, 3), torch.arange(7)),
+        "record": Record(torch.randint(0, 9, (7, 5)), torch.arange(7), "de"),
+        "list": [torch.randn(7), 0.5, None],
+        "scale": torch.tensor(2.0),
+    }
+    microbatches = scatter(batch, chunks)
+    first = microbatches[0].value
+    assert isinstance(first["pair"], Batch)
+    assert isinstance(first["record"], Record)
+    assert first["record"].language == "de"  # non-tensor leaves go to every micro-batch
+    assert first["list"][1:] == [0.5, None]
+    assert torch.equal(first["scale"], torch.tensor(2.0))  # 0-d tensors are not split
+    joined = gather([mb.value for mb in microbatches])
+    assert torch.equal(joined["pair"].x, batch["pair"].x)
+    assert torch.equal(joined["record"].tokens, batch["record"].tokens)
+    assert joined["record"].language == ["de"] * len(microbatches)
+
+
+@pytest.mark.parametrize(("total", "chunks"), [(8, 4), (10, 4), (7, 3), (5, 8)])
+def test_weighted_micro_batch_losses_equal_the_full_batch_loss(total: int, chunks: int) -> None:
+    logits, targets = torch.randn(total, 5, dtype=torch.float64), torch.randint(0, 5, (total,))
+    full = F.cross_entropy(logits, targets)
+    pieces = scatter((logits, targets), chunks)
+    assert sum(mb.weight for mb in pieces) == pytest.approx(1.0)
+    weighted = sum(mb.weight * F.cross_entropy(*mb.value) for mb in pieces)
+    assert torch.allclose(weighted, full, rtol=1e-12, atol=0)
+
+
+def test_batch_size_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match=r"share their dim-0 size.*batch\[0\]: 4, batch\[1\]: 3"):
+        batch_size((torch.zeros(4), torch.zeros(3)))
+    with pytest.raises(TypeError, match="holds no tensor with a batch dimension"):
+        batch_size(["a", 1])
+    with pytest.raises(ValueError, match="empty batch"):
+        scatter(torch.zeros(0, 3), 2)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "error", "match"),
+    [
+        (0, ValueError, "chunks=0 must be at least 1"),
+        (-2, ValueError, "chunks=-2"),
+        (2.0, TypeError, "must be an int"),
+        (True, TypeError, "must be an int"),
+    ],
+)
+def test_invalid_chunks_are_refused(chunks: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        scatter(torch.zeros(4), chunks)  # type: ignore[arg-type]
+
+
+def test_gather_refuses_mixed_structures() -> None:
+    with pytest.raises(ValueError, match="different structures"):
+        gather([(torch.ones(1),), [torch.ones(1)]])
