@@ -150,11 +150,12 @@ def flops_cost(layers: Iterable[nn.Module], sample: Any) -> list[float]:
     return costs
 
 
-def time_cost(layers: Iterable[nn.Module], sample: Any, *, repeats: int = 5, warmup: int = 1) -> list[float]:
+def time_cost(layers: Iterable[nn.Module], sample: Any, *, repeats: int = 5, warmup: int = 2) -> list[float]:
     """Return the median seconds of a forward plus a backward pass of each layer on ``sample``.
 
-    Every layer is timed ``warmup + repeats`` times and the first ``warmup`` runs are dropped (they pay for lazy
-    initialisation, allocator growth and kernel selection). The layers are timed round-robin rather than one after
+    Every layer is timed ``warmup + repeats`` times and the first ``warmup`` runs are dropped: they pay for lazy
+    initialisation, allocator growth and kernel selection (the first ``torch.autograd.grad`` of a process alone
+    imports sympy, seconds on a slow disk). The layers are timed round-robin rather than one after
     the other, so a burst of load on a shared machine spreads over all layers instead of inflating one. The median
     of the remaining runs is reported: unlike the mean it ignores a few runs delayed by the scheduler or the garbage
     collector, and unlike the minimum it does not reward a single lucky run.
