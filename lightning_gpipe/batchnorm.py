@@ -194,9 +194,8 @@ class DeferredBatchNorm(_BatchNorm):
         deferred.running_mean = module.running_mean
         deferred.running_var = module.running_var
         deferred.num_batches_tracked = module.num_batches_tracked
-        stats = module.running_mean
-        deferred._gathered_mean = torch.zeros_like(stats)
-        deferred._gathered_m2 = torch.zeros_like(stats)
+        deferred._gathered_mean = torch.zeros_like(module.running_mean)
+        deferred._gathered_m2 = torch.zeros_like(module.running_mean)
         deferred.train(module.training)
         return deferred
 

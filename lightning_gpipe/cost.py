@@ -213,8 +213,10 @@ def memory_cost(layers: Iterable[nn.Module], sample: Any, *, optimizer_slots: fl
     - optimizer state: ``optimizer_slots`` × the trainable parameters' bytes (2 for Adam's two moments, 1 for SGD
       with momentum, 0 for plain SGD).
 
-    The count is deterministic and needs no allocator statistics, so it is the same on CPU, CUDA and the meta device.
-    It is per micro-batch: with re-materialization a stage keeps the activations of one micro-batch at a time.
+    The count is deterministic and needs no allocator statistics, so it works alike on CPU, CUDA and the meta device
+    (each device's kernels may save slightly different tensors: CPU dropout keeps a float mask, CUDA a bool one).
+    Activations are those of one micro-batch: with re-materialization a stage rebuilds them for one micro-batch at a
+    time, keeping only the boundary input of the others.
 
     Raises:
         ValueError: ``optimizer_slots`` is negative or not finite.

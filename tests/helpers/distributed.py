@@ -5,9 +5,14 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,3 +101,58 @@ def run_processes(
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def run_job(
+    module: str, args: list[str], world_size: int, *, timeout: float = 300.0, cwd: str | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``python -m module *args`` as ``world_size`` ranks on 127.0.0.1, as Lightning's launcher or torchrun would.
+
+    Each rank gets ``LOCAL_RANK``/``NODE_RANK``/``MASTER_*`` in its environment. If any rank fails or ``timeout``
+    passes, every rank still running is killed; the completed processes are returned with their output.
+    """
+    port = free_port()
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    processes = []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            WORLD_SIZE=str(world_size),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([tests_dir, env.get("PYTHONPATH", "")]),
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                env=env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = [""] * world_size
+    try:
+        for rank, process in enumerate(processes):
+            remaining = max(deadline - time.monotonic(), 0.1)
+            try:
+                outputs[rank], _ = process.communicate(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        for rank, process in enumerate(processes):
+            if not outputs[rank]:
+                outputs[rank] = process.communicate()[0] or ""
+    return [
+        subprocess.CompletedProcess(process.args, process.returncode, outputs[rank], "")
+        for rank, process in enumerate(processes)
+    ]

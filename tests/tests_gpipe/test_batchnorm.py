@@ -299,6 +299,20 @@ def test_to_moves_accumulators_and_gathers_in_new_dtype() -> None:
     assert_same_running_stats(deferred, plain, atol=1e-12)
 
 
+def test_half_module_gathers_in_float32() -> None:
+    deferred = DeferredBatchNorm(C).half()
+    x = make_input((10, C, 4)).half()
+    run_microbatches(deferred, x, 4)
+    # ``.half()`` cast the accumulators; gathering widened them back before summing deviations.
+    assert deferred._gathered_mean.dtype == torch.float32
+    deferred.commit()
+    reference = nn.BatchNorm1d(C)
+    reference(x.float())
+    assert deferred.running_mean.dtype == torch.float16
+    torch.testing.assert_close(deferred.running_mean.float(), reference.running_mean, rtol=1e-3, atol=0)
+    torch.testing.assert_close(deferred.running_var.float(), reference.running_var, rtol=1e-3, atol=0)
+
+
 def test_reset_running_stats_drops_gathered_statistics() -> None:
     deferred = DeferredBatchNorm(C)
     run_microbatches(deferred, make_input((10, C)), 2)

@@ -99,7 +99,7 @@ def test_balance_of_uniform_costs_at_scale_is_even_and_smaller_stages_first() ->
 
 
 def test_balance_accepts_numbers_of_any_kind() -> None:
-    assert balance_by_cost((torch.tensor(1.0), 2, 3.0), 2) == [2, 1]
+    assert balance_by_cost((torch.tensor(1.0), 2, 3.0), 2) == [2, 1]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,1 @@
+"""Benchmarks of lightning_gpipe, one folder per experiment with its README."""

@@ -1,0 +1,150 @@
+"""One measurement in fresh worker processes: thread settings, process group, warm-up, timed steps, CPU accounting.
+
+The orchestrator starts :func:`run_worker` once per rank of a :class:`Job`. Rank 0 reports a :class:`JobResult`, the
+other ranks ``None``; a rank that fails reports its traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.engine_speed.cpuload import foreign_cores, snapshot
+from benchmarks.engine_speed.workloads import PIPELINED, WORKLOADS, build_step
+from lightning_gpipe.timeline import SpanRecord, Timeline
+
+__all__ = ["Job", "JobResult", "run_worker"]
+
+_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One configuration of one workload at ``chunks`` micro-batches, timed over ``timed_steps`` steps."""
+
+    workload: str
+    config: str
+    chunks: int
+    warmup_steps: int
+    timed_steps: int
+    record_timeline: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return 2 if self.config in PIPELINED else 1
+
+    @property
+    def threads(self) -> int:
+        return 2 if self.config == "two_threads" else 1
+
+    def __str__(self) -> str:
+        return f"{self.workload}/{self.config}/M={self.chunks}"
+
+
+@dataclass
+class JobResult:
+    """Per-step times (seconds, a step ends when its last process is done), and the load of the timed window."""
+
+    step_seconds: list[float]
+    window_seconds: float
+    foreign_cores: float
+    own_cores: float
+    memory_growth_mib: float  # peak RSS during training minus RSS before the first step, max over processes
+    timelines: list[list[SpanRecord]] = field(default_factory=list)  # one per timed step, all stages merged
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _gather(value: Any, world_size: int) -> list[Any]:
+    if world_size == 1:
+        return [value]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
+    world_size = job.world_size
+    timeline = Timeline() if job.record_timeline else None
+    step = build_step(WORKLOADS[job.workload], job.config, job.chunks, rank, timeline)
+    pids = _gather(os.getpid(), world_size) + [observer_pid]  # the orchestrator's progress display is ours too
+    rss_before = _rss_mib()
+    for _ in range(job.warmup_steps):
+        step()
+    if world_size > 1:
+        dist.barrier()
+    start = snapshot(pids) if rank == 0 else None
+    origin = time.perf_counter()
+    ends: list[float] = []
+    records: list[list[SpanRecord]] = []
+    for _ in range(job.timed_steps):
+        if timeline is not None:
+            timeline.clear()
+        step()
+        ends.append(time.perf_counter())
+        if timeline is not None:
+            records.append(timeline.to_records())
+    if world_size > 1:
+        dist.barrier()
+    end = snapshot(pids) if rank == 0 else None
+    # perf_counter is CLOCK_MONOTONIC, shared by the processes of one host: a step ends when its last stage does.
+    all_ends = _gather(ends, world_size)
+    all_records = _gather(records, world_size)
+    growth = max(_gather(_peak_rss_mib() - rss_before, world_size))
+    if rank != 0:
+        return None
+    assert start is not None
+    assert end is not None
+    step_ends = [max(stage_ends[n] for stage_ends in all_ends) for n in range(job.timed_steps)]
+    boundaries = [origin, *step_ends]
+    return JobResult(
+        step_seconds=[b - a for a, b in zip(boundaries, boundaries[1:], strict=False)],
+        window_seconds=end.wall - start.wall,
+        foreign_cores=foreign_cores(start, end),
+        own_cores=(end.own - start.own) / max(end.wall - start.wall, 1e-9),
+        memory_growth_mib=growth,
+        timelines=[sorted(sum((stage[n] for stage in all_records), [])) for n in range(len(records))],
+    )
+
+
+def run_worker(job: Job, rank: int, port: int, observer_pid: int, tag: int, results: Any) -> None:
+    """Entry point of rank ``rank`` of ``job``; reports ``(tag, rank, status, value)`` to ``results``, never raises.
+
+    ``tag`` identifies the attempt, so that a late message from a killed attempt is not taken for a newer one's.
+    """
+    try:
+        # Before any torch work: the inter-op pool can be sized only once, before it starts.
+        torch.set_num_threads(job.threads)
+        torch.set_num_interop_threads(1)
+        if job.world_size > 1:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: nothing of this benchmark leaves the host
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=job.world_size,
+                timeout=_PROCESS_GROUP_TIMEOUT,
+            )
+        try:
+            result = _measure(job, rank, observer_pid)
+        finally:
+            if job.world_size > 1:
+                dist.destroy_process_group()
+        results.put((tag, rank, "ok", result))
+    except BaseException:
+        results.put((tag, rank, "error", traceback.format_exc()))

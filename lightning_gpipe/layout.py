@@ -1,0 +1,91 @@
+"""Process layout: which global rank runs which stage of which pipeline replica.
+
+``pipe_size`` (K) consecutive ranks form one pipeline; ``world_size / K`` pipelines are data-parallel replicas. Within a
+pipeline the stages run in reverse rank order: the last stage, which computes the loss and the metrics, sits on the
+pipeline's lowest rank. Global rank 0, where Lightning draws the progress bar, writes logs and saves checkpoints,
+therefore holds the real loss and torchmetrics state instead of mirrored copies.
+
+Example, 4 ranks with K = 2::
+
+    rank      0  1  2  3
+    replica   0  0  1  1
+    stage     1  0  1  0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["ProcessLayout"]
+
+
+@dataclass(frozen=True)
+class ProcessLayout:
+    """The place of ``rank`` in a job of ``world_size`` processes cut into pipelines of ``pipe_size`` stages."""
+
+    world_size: int
+    pipe_size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pipe_size, bool) or not isinstance(self.pipe_size, int) or self.pipe_size < 1:
+            raise ValueError(f"pipe_size={self.pipe_size!r} must be a positive int: the number of stages per pipeline")
+        if self.world_size % self.pipe_size:
+            raise ValueError(
+                f"world_size={self.world_size} (devices x num_nodes) is not divisible by pipe_size={self.pipe_size}: "
+                "every pipeline needs exactly pipe_size processes. Use a pipe_size that divides the world size "
+                f"({', '.join(str(k) for k in range(1, self.world_size + 1) if self.world_size % k == 0)}) or change "
+                "devices / num_nodes."
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size} processes")
+
+    @property
+    def num_replicas(self) -> int:
+        """How many data-parallel pipelines the job has."""
+        return self.world_size // self.pipe_size
+
+    @property
+    def replica(self) -> int:
+        """This rank's pipeline (its data-parallel rank)."""
+        return self.rank // self.pipe_size
+
+    @property
+    def stage(self) -> int:
+        """This rank's stage within its pipeline."""
+        return self.pipe_size - 1 - self.rank % self.pipe_size
+
+    def pipeline_ranks(self, replica: int | None = None) -> list[int]:
+        """Global ranks of a pipeline's stages, in stage order (stage 0 first)."""
+        first = (self.replica if replica is None else replica) * self.pipe_size
+        return [first + self.pipe_size - 1 - stage for stage in range(self.pipe_size)]
+
+    def replica_ranks(self, stage: int | None = None) -> list[int]:
+        """Global ranks that run the same stage in every replica (its data-parallel group)."""
+        stage = self.stage if stage is None else stage
+        return [replica * self.pipe_size + self.pipe_size - 1 - stage for replica in range(self.num_replicas)]
+
+    @property
+    def last_stage_rank(self) -> int:
+        """Global rank of this pipeline's last stage."""
+        return self.pipeline_ranks()[-1]
+
+    def new_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """Create (this rank's pipeline group, its data-parallel group).
+
+        Every rank must call this, in the same order, because ``new_group`` is collective over the world.
+        """
+        pipeline_group = replica_group = None
+        for replica in range(self.num_replicas):
+            group = dist.new_group(self.pipeline_ranks(replica))
+            if replica == self.replica:
+                pipeline_group = group
+        for stage in range(self.pipe_size):
+            group = dist.new_group(self.replica_ranks(stage))
+            if stage == self.stage:
+                replica_group = group
+        assert pipeline_group is not None
+        assert replica_group is not None
+        return pipeline_group, replica_group

@@ -1,0 +1,110 @@
+"""``self.log`` in a pipeline: recorded on the last stage, replayed on every stage.
+
+Only the last stage computes the loss and the metrics, but Lightning expects every rank to log the same keys: a
+``sync_dist`` reduction is a collective, ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` agree through
+collectives, and the progress bar and loggers live on global rank 0. So during a step the strategy records each
+``self.log`` call of the user's step on the last stage, sends the records to the other stages of the pipeline, and
+every stage replays them through the real ``LightningModule.log`` in the same order.
+
+A key logged once per micro-batch becomes one value, the micro-batches' values weighted by their share of the batch,
+which is what the user's code would have logged for the whole batch (exactly so for means). A torchmetrics ``Metric``
+is replayed as the object itself on the last stage, so its epoch value is exact there; other stages replay its
+per-step value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from numbers import Number
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torchmetrics import Metric
+
+__all__ = ["LogRecorder", "LoggedValue"]
+
+
+@dataclass
+class LoggedValue:
+    """One key's micro-batch values combined: weighted sum and total weight, its options, and its Metric if any."""
+
+    weighted_sum: torch.Tensor
+    weight: float
+    options: dict[str, Any]
+    metric: Metric | None = field(default=None, repr=False)
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.weighted_sum / self.weight
+
+
+def _as_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, Metric):
+        cached = value._forward_cache  # the step value from the user's `metric(preds, target)` call
+        value = cached if cached is not None else value.compute()
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64).cpu()
+    if isinstance(value, Number):
+        return torch.tensor(float(value), dtype=torch.float64)  # type: ignore[arg-type]
+    return None
+
+
+class LogRecorder:
+    """Captures the ``self.log`` calls of a LightningModule's step, one micro-batch at a time."""
+
+    def __init__(self, module: LightningModule) -> None:
+        self.module = module
+        self.values: dict[str, LoggedValue] = {}
+
+    @contextmanager
+    def capture(self, weight: float) -> Iterator[None]:
+        """Record, instead of logging, every ``self.log`` (and so ``self.log_dict``) call made inside."""
+
+        def record(name: str, value: Any, **options: Any) -> None:
+            tensor = _as_tensor(value)
+            if tensor is None:
+                raise TypeError(
+                    f"self.log({name!r}, ...) got a {type(value).__name__}; under GPipeStrategy logged values must be "
+                    "tensors, numbers or torchmetrics Metrics, so that they can be sent to every stage"
+                )
+            entry = self.values.get(name)
+            if entry is None:
+                entry = self.values[name] = LoggedValue(torch.zeros_like(tensor), 0.0, options)
+            entry.weighted_sum = entry.weighted_sum + weight * tensor
+            entry.weight += weight
+            entry.options = options
+            entry.metric = value if isinstance(value, Metric) else None
+
+        self.module.log = record  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            del self.module.log  # the class's own method again
+
+    def portable(self) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+        """The combined values in a form that can be sent to another process."""
+        return [(name, entry.value, self._options(entry)) for name, entry in self.values.items()]
+
+    @staticmethod
+    def _options(entry: LoggedValue) -> dict[str, Any]:
+        return {key: value for key, value in entry.options.items() if key != "metric_attribute"}
+
+    def replay_own(self) -> None:
+        """Log the recorded values on the stage that recorded them (Metrics as themselves)."""
+        for name, entry in self.values.items():
+            if entry.metric is not None:
+                self.module.log(name, entry.metric, **entry.options)
+            else:
+                self.module.log(name, self._cast(entry.value, entry), **entry.options)
+
+    def _cast(self, value: torch.Tensor, entry: LoggedValue) -> torch.Tensor:
+        return value.to(device=self.module.device, dtype=torch.float32)
+
+    @staticmethod
+    def replay(module: LightningModule, records: list[tuple[str, torch.Tensor, dict[str, Any]]]) -> None:
+        """Log records that another stage recorded."""
+        for name, value, options in records:
+            module.log(name, value.to(device=module.device, dtype=torch.float32), **options)

@@ -1,0 +1,110 @@
+"""Whole-model checkpoints from pipeline stages: state dicts merged, optimizer state keyed by parameter name.
+
+Each stage holds the state of its own layers under the unpartitioned model's names, so merging is a union. Optimizer
+state is re-keyed from the optimizer's positional indices to parameter names, with each group's parameters listed in
+the whole model's order. That one format loads into any number of stages (each takes the names it holds) and, because
+``torch.optim.Optimizer.load_state_dict`` matches parameters by position, also into the plain model's optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["local_optimizer_state", "merge_optimizer_states", "merge_state_dicts", "optimizer_state_by_name"]
+
+
+def merge_state_dicts(parts: Sequence[Mapping[str, Any]], order: Sequence[str]) -> dict[str, Any]:
+    """One state dict from the stages' parts, keys in the whole model's ``order``."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    missing = [key for key in order if key not in merged]
+    if missing:
+        raise RuntimeError(f"no stage holds {', '.join(missing[:5])}: the stages' partitions do not cover the model")
+    return {key: merged[key] for key in order}
+
+
+def _parameter_names(module: nn.Module) -> dict[int, str]:
+    return {id(parameter): name for name, parameter in module.named_parameters()}
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter names in place of positions."""
+    names = _parameter_names(module)
+    state = optimizer.state_dict()
+    positions = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {positions[index]: value for index, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [positions[index] for index in group["params"]]} for group in state["param_groups"]
+        ],
+    }
+
+
+def merge_optimizer_states(parts: Sequence[Mapping[str, Any]], order: Sequence[str]) -> dict[str, Any]:
+    """One name-keyed optimizer state from the stages' parts; group ``g`` collects every stage's group ``g``."""
+    counts = {len(part["param_groups"]) for part in parts}
+    if len(counts) != 1:
+        raise RuntimeError(f"the stages' optimizers have different numbers of parameter groups: {sorted(counts)}")
+    rank = {name: position for position, name in enumerate(order)}
+    groups = []
+    for index in range(counts.pop()):
+        group = dict(parts[0]["param_groups"][index])
+        names = [name for part in parts for name in part["param_groups"][index]["params"]]
+        group["params"] = sorted(names, key=rank.__getitem__)
+        groups.append(group)
+    state: dict[str, Any] = {}
+    for part in parts:
+        state.update(part["state"])
+    return {"state": state, "param_groups": groups}
+
+
+def _by_name(saved: Mapping[str, Any], order: Sequence[str]) -> Mapping[str, Any]:
+    """Accept a positional (plain PyTorch) optimizer state whose single group lists the model's parameters in order."""
+    groups = saved["param_groups"]
+    if all(isinstance(name, str) for group in groups for name in group["params"]):
+        return saved
+    positions = [index for group in groups for index in group["params"]]
+    if len(groups) != 1 or positions != list(range(len(order))):
+        raise ValueError(
+            "this checkpoint's optimizer state is keyed by position and cannot be matched to parameter names "
+            f"({len(groups)} parameter groups, {len(positions)} parameters for a model of {len(order)}); resume it "
+            "with the strategy that wrote it, or load only the weights (`model.load_state_dict`) and start a new "
+            "optimizer"
+        )
+    return {
+        "state": {order[index]: value for index, value in saved["state"].items()},
+        "param_groups": [{**groups[0], "params": list(order)}],
+    }
+
+
+def local_optimizer_state(
+    saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module, order: Sequence[str]
+) -> dict[str, Any]:
+    """The part of a saved optimizer state that belongs to this stage's ``optimizer``, ready for ``load_state_dict``.
+
+    ``order`` lists the whole model's parameter names (used to read positional, plain-PyTorch states).
+    """
+    saved = _by_name(saved, order)
+    names = _parameter_names(module)
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this one has "
+            f"{len(optimizer.param_groups)}: configure_optimizers must build the same groups to resume"
+        )
+    groups, state = [], {}
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=True):
+        local = [names[id(p)] for p in group["params"]]
+        unknown = [name for name in local if name not in saved_group["params"]]
+        if unknown:
+            raise ValueError(
+                f"the checkpoint's optimizer has no entry for {', '.join(unknown[:5])} in this parameter group: "
+                "it was written for another model or another grouping of parameters"
+            )
+        groups.append({**saved_group, "params": local})
+        state.update({name: saved["state"][name] for name in local if name in saved["state"]})
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,701 @@
+"""GPipeStrategy: Lightning's lifecycle around the GPipe engine, one process per pipeline stage.
+
+Lightning's automatic optimization calls ``training_step``, then ``zero_grad``, then ``backward``. GPipe's fill-drain
+fits that order: all M forwards run in ``training_step`` and all M backwards in ``backward`` (never a backward inside
+``training_step``, which the following ``zero_grad`` would erase). The user's ``training_step`` runs once per
+micro-batch with the pipelined sequence standing in for ``self.<layers>``: on a stage that is not the last, the call
+ends as soon as the cell's output has been sent on; on the last stage the user's code computes the loss as usual.
+Data-parallel gradients are averaged once per optimizer step, inside the optimizer closure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_gpipe.batchnorm import DeferredBatchNorm
+from lightning_gpipe.checkpoint import CheckpointMode, validate_mode
+from lightning_gpipe.cost import CostFn, layer_costs
+from lightning_gpipe.gradients import average_gradients, clip_grad_norm
+from lightning_gpipe.layout import ProcessLayout
+from lightning_gpipe.log_mirror import LogRecorder
+from lightning_gpipe.microbatch import Microbatch, gather, scatter, validate_chunks
+from lightning_gpipe.partition import balance_by_cost, validate_balance
+from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
+from lightning_gpipe.schedule import validate_schedule
+from lightning_gpipe.stage import Stage
+from lightning_gpipe.state import (
+    local_optimizer_state,
+    merge_optimizer_states,
+    merge_state_dicts,
+    optimizer_state_by_name,
+)
+from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.transport import ProcessGroupTransport
+
+__all__ = ["GPipeStrategy"]
+
+log = logging.getLogger(__name__)
+
+Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
+_BALANCE_NAMES = ("params", "flops", "time", "memory")
+
+
+class _StageDone(BaseException):
+    """Ends the user's step on a stage that is not the last once its cell's output is sent.
+
+    A ``BaseException`` so that a user's ``except Exception`` around the call does not swallow it.
+    """
+
+
+class GPipeStrategy(ParallelStrategy):
+    """GPipe pipeline parallelism: the LightningModule's ``nn.Sequential`` split into ``pipe_size`` stages.
+
+    Args:
+        pipe_size: K, stages per pipeline; default: every process of the job in one pipeline. ``world_size / K``
+            pipelines train as data-parallel replicas.
+        chunks: M, micro-batches per mini-batch; default ``4 * K`` (the bubble is small when M >= 4K).
+        balance: layers per stage (a list of K ints), or how to find it: ``"params"``, ``"flops"``, ``"time"``,
+            ``"memory"`` or a callable ``cost(layer) -> float``. Default: ``"flops"`` when the module has an
+            ``example_input_array``, else ``"params"``; both are analytic, so every run partitions the same way.
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default) or ``"never"``.
+        schedule: ``"gpipe"`` (fill-drain).
+        module_name: attribute (dotted path) of the ``nn.Sequential`` to pipeline; default: found automatically.
+        deferred_batch_norm: move BatchNorm running statistics once per mini-batch, from all of its samples.
+        timeout: how long a stage waits for a peer before it gives up (default 30 minutes).
+        start_method: ``"popen"`` (default: re-run the script per rank, as DDP), or ``"fork"`` / ``"spawn"``;
+            use ``"fork"`` in notebooks.
+    """
+
+    strategy_name = "gpipe"
+
+    def __init__(
+        self,
+        pipe_size: int | None = None,
+        chunks: int | None = None,
+        balance: Balance = None,
+        checkpoint: CheckpointMode = "except_last",
+        schedule: str = "gpipe",
+        module_name: str | None = None,
+        deferred_batch_norm: bool = False,
+        *,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: datetime.timedelta = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if pipe_size is not None and (isinstance(pipe_size, bool) or not isinstance(pipe_size, int) or pipe_size < 1):
+            raise ValueError(
+                f"pipe_size={pipe_size!r} must be a positive int (stages per pipeline) or None (all ranks)"
+            )
+        self._pipe_size = pipe_size
+        self._chunks = validate_chunks(chunks) if chunks is not None else None
+        self._balance = self._check_balance(balance, pipe_size)
+        self._checkpoint = validate_mode(checkpoint)
+        validate_schedule(schedule)
+        if schedule != "gpipe":
+            raise ValueError(
+                f"schedule={schedule!r} is not available in GPipeStrategy yet, which runs all forwards in Lightning's "
+                "training_step and all backwards in its backward; use schedule='gpipe' (the engine itself also has "
+                "'1f1b', see lightning_gpipe.pipeline.Pipeline)"
+            )
+        self._schedule = schedule
+        self._module_name = module_name
+        self._deferred_batch_norm = bool(deferred_batch_norm)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._layout: ProcessLayout | None = None
+        self._pipeline_group: dist.ProcessGroup | None = None
+        self._replica_group: dist.ProcessGroup | None = None
+        self._partition: Partition | None = None
+        self._stage: Stage | None = None
+        self._full_keys: list[str] = []
+        self._parameter_order: list[str] = []
+        self._losses: dict[int, Tensor] = {}
+        self._microbatches: list[Microbatch] = []
+        self.timeline = Timeline(enabled=False)
+
+    @staticmethod
+    def _check_balance(balance: Balance, pipe_size: int | None) -> Balance:
+        if balance is None or callable(balance):
+            return balance
+        if isinstance(balance, str):
+            if balance not in _BALANCE_NAMES:
+                raise ValueError(
+                    f"balance={balance!r} is not a way to balance stages; use a list of layers per stage, one of "
+                    f"{', '.join(map(repr, _BALANCE_NAMES))}, or a callable cost(layer) -> float"
+                )
+            return balance
+        if isinstance(balance, (list, tuple)):
+            entries = list(balance)
+            if pipe_size is not None and len(entries) != pipe_size:
+                raise ValueError(
+                    f"balance={entries} has {len(entries)} stages but pipe_size={pipe_size}; give one number of "
+                    "layers per stage"
+                )
+            validate_balance(entries, sum(e for e in entries if isinstance(e, int)))  # entries' own checks
+            return entries
+        raise TypeError(
+            f"balance={balance!r} must be a list of ints (layers per stage), a cost name or a callable, "
+            f"not {type(balance).__name__}"
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning reads this to honour `self.log(sync_dist=True)` and to inject the distributed sampler.
+        return True
+
+    @property
+    def layout(self) -> ProcessLayout:
+        """Which stage of which pipeline replica this process runs."""
+        if self._layout is None:
+            self._layout = ProcessLayout(self.world_size, self.pipe_size, self.global_rank)
+        return self._layout
+
+    @property
+    def pipe_size(self) -> int:
+        """K, the number of stages per pipeline."""
+        return self._pipe_size if self._pipe_size is not None else self.world_size
+
+    @property
+    def chunks(self) -> int:
+        """M, the number of micro-batches per mini-batch."""
+        return self._chunks if self._chunks is not None else 4 * self.pipe_size
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Data-parallel only: every stage of one pipeline must read the same samples.
+        return {"num_replicas": self.layout.num_replicas, "rank": self.layout.replica}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Weights are loaded into the partitioned module, which exists only after setup.
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    # ------------------------------------------------------------------ launcher and environment
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self._layout = None
+        layout = self.layout  # validates world_size against pipe_size before anything starts
+        if self.chunks < layout.pipe_size:
+            warnings.warn(
+                f"chunks={self.chunks} is smaller than pipe_size={layout.pipe_size}: at most {self.chunks} of "
+                f"{layout.pipe_size} stages can work at once. Use chunks >= {4 * layout.pipe_size} for a small bubble.",
+                stacklevel=2,
+            )
+        if isinstance(self._balance, list) and len(self._balance) != layout.pipe_size:
+            raise ValueError(
+                f"balance={self._balance} has {len(self._balance)} stages but the pipelines have "
+                f"{layout.pipe_size} (world_size={self.world_size}, pipe_size={self._pipe_size}); give one number of "
+                "layers per stage"
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self._pipeline_group, self._replica_group = self.layout.new_groups()
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Iterator[None]:
+        # Layers built in `configure_model` start on the meta device: each rank allocates only its own stage's.
+        with torch.device("meta"):
+            yield
+
+    # ------------------------------------------------------------------ setup: partition, then Lightning's setup
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ValueError(
+                "GPipeStrategy supports automatic optimization only: the pipeline runs every micro-batch's forward in "
+                "training_step and every backward in Lightning's backward. Set `self.automatic_optimization = True` "
+                "(the default) and return the loss from training_step."
+            )
+        self._partition_model(module)
+        self.precision_plugin.convert_module(self.model)  # type: ignore[arg-type]
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._use_global_norm_clipping()
+
+    def _partition_model(self, module: LightningModule) -> None:
+        layout = self.layout
+        if self._partition is not None:  # a second fit/validate on the same module
+            return
+        path, sequence = find_sequence(module, self._module_name)
+        if len(sequence) < layout.pipe_size:
+            raise ValueError(
+                f"cannot split the {len(sequence)} layers of {path!r} into {layout.pipe_size} stages: every stage "
+                f"needs at least one layer; use pipe_size <= {len(sequence)} or split the model into more layers"
+            )
+        self._full_keys = list(module.state_dict().keys())
+        self._parameter_order = [name for name, _ in module.named_parameters()]
+        balance = self._find_balance(module, sequence)
+        self._partition = partition_module(module, path, sequence, balance, layout.stage)
+        own = [(i, sequence[i]) for i in self._partition.bounds[layout.stage]]
+        materialize(own, self.root_device, seed=torch.initial_seed() % 2**62)
+        if self._deferred_batch_norm:
+            DeferredBatchNorm.convert(self._partition.stand_in)
+        cell = self._partition.stand_in.cell()
+        self._broadcast_replica_weights(module)
+        transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout)
+        self._stage = Stage(cell, transport, checkpoint=self._checkpoint, timeline=self.timeline)
+        log.info(f"GPipe: rank {self.global_rank} runs stage {layout.stage}: layers {[i for i, _ in own]} of {path}")
+
+    def _find_balance(self, module: LightningModule, sequence: torch.nn.Sequential) -> list[int]:
+        if isinstance(self._balance, list):
+            return validate_balance(self._balance, len(sequence))
+        how = self._balance
+        sample = module.example_input_array
+        if how is None:
+            how = "flops" if sample is not None and not _is_meta(sequence) else "params"
+        if how in ("flops", "time", "memory") and sample is None:
+            raise ValueError(
+                f"balance={how!r} measures the layers on a sample input: set `self.example_input_array` in the "
+                "LightningModule to one input of the sequence, or use balance='params' or a list of layers per stage"
+            )
+        # Measured costs differ between processes: rank 0 decides and tells everyone.
+        balance: list[int] | None = None
+        if self.global_rank == 0:
+            costs = layer_costs(sequence, how, sample)
+            balance = balance_by_cost(costs, self.layout.pipe_size)
+        return self.broadcast(balance, src=0)
+
+    def _broadcast_replica_weights(self, module: LightningModule) -> None:
+        # Replicas of a stage start from the same weights, as DDP ensures at construction.
+        if self.layout.num_replicas == 1:
+            return
+        source = self.layout.replica_ranks()[0]
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=source, group=self._replica_group)
+
+    def _use_global_norm_clipping(self) -> None:
+        group = self._pipeline_group if self.layout.pipe_size > 1 else None
+
+        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+            parameters = [p for group_ in optimizer.param_groups for p in group_["params"]]
+            clip_grad_norm(parameters, clip_val, group)
+
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ steps
+
+    @contextlib.contextmanager
+    def _pipelined(self, microbatch: Microbatch) -> Iterator[dict[str, Any]]:
+        """Route the user's call of the sequence for this micro-batch into the stage."""
+        assert self._partition is not None
+        assert self._stage is not None
+        stage, stand_in = self._stage, self._partition.stand_in
+        call: dict[str, Any] = {"count": 0}
+
+        def run(value: Any) -> Any:
+            call["count"] += 1
+            if call["count"] > 1:
+                raise RuntimeError(
+                    "the step called the pipelined sequence twice for one batch; under GPipeStrategy each step "
+                    "passes its input through the sequence exactly once"
+                )
+            output = stage.forward(microbatch.index, value if stage.is_first else None)
+            if not stage.is_last:
+                raise _StageDone
+            return output
+
+        stand_in.runner = run
+        try:
+            yield call
+        finally:
+            stand_in.runner = None
+
+    def _run_user_step(self, hook: str, microbatch: Microbatch, args: tuple, kwargs: dict) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        with self._pipelined(microbatch) as call:
+            try:
+                output = getattr(module, hook)(microbatch.value, *args, **kwargs)
+            except _StageDone:
+                return None
+        if call["count"] == 0:
+            raise RuntimeError(
+                f"{hook} returned without calling the pipelined sequence {self._partition.path!r}"  # type: ignore[union-attr]
+                "; GPipeStrategy pipelines that call, so every step must pass its input through it once"
+            )
+        return output
+
+    def _forward_phase(self, hook: str, args: tuple, kwargs: dict) -> tuple[list[Any], LogRecorder]:
+        assert self._stage is not None
+        batch, rest = args[0], args[1:]
+        self._microbatches = scatter(batch, self.chunks)
+        samples = sum(mb.size for mb in self._microbatches)
+        if samples < self.layout.pipe_size and self.lightning_module.training:  # type: ignore[union-attr]
+            raise ValueError(
+                f"a batch of {samples} samples cannot fill {self.layout.pipe_size} pipeline stages; "
+                "use a batch size of at least pipe_size (and drop_last=True if the last batch is smaller)"
+            )
+        self._stage.begin_step([mb.size for mb in self._microbatches])
+        recorder = LogRecorder(self.lightning_module)  # type: ignore[arg-type]
+        outputs = []
+        for mb in self._microbatches:
+            with recorder.capture(mb.weight):
+                outputs.append(self._run_user_step(hook, mb, rest, kwargs))
+        return outputs, recorder
+
+    def _share_from_last_stage(self, payload: Any) -> Any:
+        """Send ``payload`` from the pipeline's last stage to its other stages."""
+        if self.layout.pipe_size == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, src=self.layout.last_stage_rank, group=self._pipeline_group)
+        return box[0]
+
+    def _mirror_logs(self, recorder: LogRecorder, extra: Any = None) -> Any:
+        stage = self._stage
+        assert stage is not None
+        shared = self._share_from_last_stage((recorder.portable(), extra) if stage.is_last else None)
+        if stage.is_last:
+            recorder.replay_own()
+        else:
+            LogRecorder.replay(self.lightning_module, shared[0])  # type: ignore[arg-type]
+        return shared[1]
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._stage is not None
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.train_step_context():
+            outputs, recorder = self._forward_phase("training_step", args, kwargs)
+        self._losses = {}
+        if self._stage.is_last:
+            for mb, output in zip(self._microbatches, outputs, strict=True):
+                loss = output["loss"] if isinstance(output, Mapping) else output
+                if not isinstance(loss, Tensor):
+                    raise TypeError(
+                        f"training_step returned {type(output).__name__}; under GPipeStrategy it must return the loss "
+                        "tensor or a dict with a 'loss' tensor for every batch"
+                    )
+                self._losses[mb.index] = loss * mb.weight
+        total = torch.stack(list(self._losses.values())).sum().detach() if self._stage.is_last else None
+        total = self._mirror_logs(recorder, total)
+        return total.to(self.root_device)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        module = self.lightning_module
+        assert module is not None
+        assert self._stage is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        accumulation = self.lightning_module.trainer.accumulate_grad_batches  # type: ignore[union-attr]
+        for mb in reversed(self._microbatches):  # the GPipe schedule's backward order
+            loss = None
+            if self._stage.is_last:
+                loss = self._losses.pop(mb.index) / accumulation
+                if scaler is not None:
+                    loss = scaler.scale(loss)  # every micro-batch's loss is scaled, as the closure loss would be
+            self._stage.backward(mb.index, loss)
+        self._stage.end_step()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        replicas = self.layout.num_replicas
+
+        def closure_then_average() -> Any:
+            result = closure()
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            average_gradients(parameters, self._replica_group, replicas)  # type: ignore[arg-type]
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+
+    def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        assert self._stage is not None
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        context = {
+            "validation_step": self.precision_plugin.val_step_context,
+            "test_step": self.precision_plugin.test_step_context,
+            "predict_step": self.precision_plugin.predict_step_context,
+        }[hook]
+        with context():
+            outputs, recorder = self._forward_phase(hook, args, kwargs)
+        self._stage.end_step()
+        gathered = gather(outputs) if self._stage.is_last and outputs[0] is not None else None
+        shared = self._mirror_logs(recorder, gathered if hook == "predict_step" else None)
+        return shared if hook == "predict_step" else gathered
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("predict_step", args, kwargs)
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _gather_to_global_zero(self, part: Any) -> list[Any] | None:
+        """Every stage's ``part`` on its pipeline's last-stage rank (global rank 0 for the first pipeline)."""
+        if self.layout.pipe_size == 1:
+            return [part]
+        dst = self.layout.last_stage_rank
+        parts: list[Any] | None = [None] * self.layout.pipe_size if self.global_rank == dst else None
+        dist.gather_object(part, parts, dst=dst, group=self._pipeline_group)
+        return parts
+
+    def gather_timeline(self) -> Timeline | None:
+        """The spans every stage of the first pipeline recorded, merged on global rank 0 (``None`` elsewhere).
+
+        A collective over each pipeline: call it on every rank. Recording is on while ``self.timeline.enabled``.
+        """
+        parts = self._gather_to_global_zero(self.timeline.to_records())
+        return Timeline.merge(parts) if parts is not None and self.is_global_zero else None
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        local = {key: value.cpu() for key, value in module.state_dict().items()}
+        parts = self._gather_to_global_zero(local)
+        if parts is None:
+            return local
+        return merge_state_dicts(parts, self._full_keys)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        local = optimizer_state_by_name(optimizer, module)
+        local = _to_cpu(local)
+        parts = self._gather_to_global_zero(local)
+        if parts is None:
+            return local
+        return merge_optimizer_states(parts, self._parameter_order)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self.is_global_zero:
+            return
+        path = Path(filepath)
+        if not isinstance(filepath, (str, os.PathLike)) or "://" in str(filepath):
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # Write beside the target, then rename: a crash mid-write leaves the previous checkpoint intact.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            self.checkpoint_io.save_checkpoint(checkpoint, temporary, storage_options=storage_options)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # Loading a checkpoint never runs code from it.
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        assert self._partition is not None
+        saved = checkpoint["state_dict"]
+        if strict:
+            unexpected = [key for key in saved if key not in self._full_keys]
+            missing = [key for key in self._full_keys if key not in saved]
+            if unexpected or missing:
+                raise RuntimeError(
+                    "the checkpoint does not match this model: "
+                    f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+                    f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+                )
+        local_keys = module.state_dict().keys()
+        module.load_state_dict({key: saved[key] for key in local_keys if key in saved}, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        module = self.lightning_module
+        assert module is not None
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            optimizer.load_state_dict(local_optimizer_state(saved, optimizer, module, self._parameter_order))
+            _optimizers_to_device([optimizer], self.root_device)
+
+    # ------------------------------------------------------------------ teardown
+
+    @override
+    def teardown(self) -> None:
+        """Put the whole model back together on every rank, so the user's module is complete after ``fit``."""
+        if self._partition is not None and _distributed_is_initialized():
+            module = self.lightning_module
+            assert module is not None
+            prefix = f"{self._partition.path}."
+            local = {k[len(prefix) :]: v.cpu() for k, v in module.state_dict().items() if k.startswith(prefix)}
+            parts: list[Any] = [None] * self.layout.pipe_size
+            if self.layout.pipe_size > 1:
+                dist.all_gather_object(parts, local, group=self._pipeline_group)
+            else:
+                parts = [local]
+            merged: dict[str, Any] = {}
+            for part in parts:
+                merged.update(part)
+            self._partition.restore(merged, torch.device("cpu"))
+            self._partition = None
+            self._stage = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "gpipe", cls, description="GPipe pipeline parallelism over one process per stage", override=True
+        )
+        strategy_registry.register(
+            "gpipe_notebook",
+            cls,
+            description="GPipe pipeline parallelism, processes forked (works in notebooks)",
+            start_method="fork",
+            override=True,
+        )
+
+
+def _is_meta(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    return value

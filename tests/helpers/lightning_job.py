@@ -1,0 +1,112 @@
+"""A training job run as one process per rank (like Lightning's launcher or torchrun) by the strategy tests.
+
+``python -m helpers.lightning_job CONFIG.json`` runs every fit described in the config and writes what rank 0 sees
+(the whole model's state dict after each fit, logged metrics) next to the config.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_gpipe
+from helpers.models import IN, OUT, build
+
+SAMPLES, BATCH = 64, 16
+
+
+def dataset(samples: int = SAMPLES) -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(samples, IN, generator=generator), torch.randn(samples, OUT, generator=generator))
+
+
+class SequentialModule(L.LightningModule):
+    """A plain LightningModule: its layers in one nn.Sequential, an ordinary training_step."""
+
+    def __init__(self, model: str = "mlp", batch_norm: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # One BatchNorm only: a second one would see inputs already normalized per micro-batch.
+        self.layers = build(model) if not batch_norm else nn.Sequential(
+            nn.Linear(IN, 12), nn.Tanh(), nn.Linear(12, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, OUT)
+        )  # fmt: skip
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.layers(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.layers(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layers(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
+    strategy: Any = "auto"
+    if run.get("strategy", "gpipe") == "gpipe":
+        strategy = lightning_gpipe.GPipeStrategy(
+            pipe_size=run.get("pipe_size"),
+            chunks=run.get("chunks"),
+            checkpoint=run.get("checkpoint", "except_last"),
+            deferred_batch_norm=run.get("deferred_batch_norm", False),
+            balance=run.get("balance"),
+        )
+    elif run["strategy"] == "ddp":
+        strategy = "ddp"
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": run.get("devices", 1),
+        "strategy": strategy,
+        "max_steps": run.get("steps", 3),
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(root),
+        "accumulate_grad_batches": run.get("accumulate", 1),
+        "gradient_clip_val": run.get("clip"),
+        "use_distributed_sampler": run.get("distributed_sampler", False),
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": run.get("limit_val_batches", 0),
+    }
+    options.update(overrides)
+    return L.Trainer(**options)
+
+
+def fit(run: dict[str, Any], root: Path) -> SequentialModule:
+    L.seed_everything(0, verbose=False)
+    module = SequentialModule(run.get("model", "mlp"), run.get("batch_norm", False))
+    trainer = trainer_for(run, root)
+    loader = DataLoader(dataset(), batch_size=run.get("batch", BATCH), shuffle=run.get("shuffle", False))
+    trainer.fit(module, loader, ckpt_path=run.get("resume"))
+    if run.get("save"):
+        trainer.save_checkpoint(run["save"])
+    return module
+
+
+def main(config_path: str) -> None:
+    config = json.loads(Path(config_path).read_text())
+    root = Path(config_path).parent
+    for index, run in enumerate(config["runs"]):
+        module = fit(run, root)
+        if module.global_rank == 0:
+            torch.save(module.state_dict(), root / f"result-{index}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
