@@ -8,8 +8,8 @@ every stage replays them through the real ``LightningModule.log`` in the same or
 
 A key logged once per micro-batch becomes one value, the micro-batches' values weighted by their share of the batch,
 which is what the user's code would have logged for the whole batch (exactly so for means). A torchmetrics ``Metric``
-is replayed as the object itself on the last stage, so its epoch value is exact there; other stages replay its
-per-step value.
+is logged as the object itself on every stage: the last stage sends its accumulated state, and the other stages copy
+it into their own instance of the same attribute, so every rank computes the same epoch value.
 """
 
 from __future__ import annotations
@@ -84,27 +84,70 @@ class LogRecorder:
         finally:
             del self.module.log  # the class's own method again
 
-    def portable(self) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
-        """The combined values in a form that can be sent to another process."""
-        return [(name, entry.value, self._options(entry)) for name, entry in self.values.items()]
-
-    @staticmethod
-    def _options(entry: LoggedValue) -> dict[str, Any]:
-        return {key: value for key, value in entry.options.items() if key != "metric_attribute"}
-
-    def replay_own(self) -> None:
-        """Log the recorded values on the stage that recorded them (Metrics as themselves)."""
+    def portable(self) -> list[tuple[str, Any, dict[str, Any]]]:
+        """The combined values in a form that can be sent to another process: tensors, or a Metric's state."""
+        paths = {id(child): path for path, child in self.module.named_modules()}
+        records: list[tuple[str, Any, dict[str, Any]]] = []
         for name, entry in self.values.items():
             if entry.metric is not None:
-                self.module.log(name, entry.metric, **entry.options)
+                metric = entry.metric
+                state = {key: _to_cpu(getattr(metric, key)) for key in metric._defaults}
+                cache = _to_cpu(metric._forward_cache)
+                records.append(
+                    (name, _MetricState(paths[id(metric)], state, metric._update_count, cache), entry.options)
+                )
             else:
-                self.module.log(name, self._cast(entry.value, entry), **entry.options)
+                records.append((name, entry.value, entry.options))
+        return records
 
-    def _cast(self, value: torch.Tensor, entry: LoggedValue) -> torch.Tensor:
-        return value.to(device=self.module.device, dtype=torch.float32)
+    def replay_own(self) -> None:
+        """Log the recorded values on the stage that recorded them."""
+        for name, entry in self.values.items():
+            value = entry.metric if entry.metric is not None else entry.value.to(self.module.device, torch.float32)
+            self.module.log(name, value, **entry.options)
 
     @staticmethod
-    def replay(module: LightningModule, records: list[tuple[str, torch.Tensor, dict[str, Any]]]) -> None:
-        """Log records that another stage recorded."""
+    def replay(module: LightningModule, records: list[tuple[str, Any, dict[str, Any]]]) -> None:
+        """Log records that another stage recorded; Metrics take the sender's state first."""
         for name, value, options in records:
-            module.log(name, value.to(device=module.device, dtype=torch.float32), **options)
+            if isinstance(value, _MetricState):
+                module.log(name, value.load_into(module), **options)
+            else:
+                module.log(name, value.to(device=module.device, dtype=torch.float32), **options)
+
+
+@dataclass
+class _MetricState:
+    """A torchmetrics Metric's accumulated state, addressed by its attribute path in the module."""
+
+    path: str
+    state: dict[str, Any]
+    update_count: int
+    forward_cache: Any
+
+    def load_into(self, module: LightningModule) -> Metric:
+        metric = module.get_submodule(self.path)
+        assert isinstance(metric, Metric)
+        for key, value in self.state.items():
+            setattr(metric, key, _to_device(value, module.device))
+        # torchmetrics' bookkeeping of updates and its cached step value: compute() reads both.
+        metric._update_count = self.update_count
+        metric._forward_cache = _to_device(self.forward_cache, module.device)
+        metric._computed = None
+        return metric
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    return value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(item, device) for item in value]
+    return value

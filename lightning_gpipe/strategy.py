@@ -40,6 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_gpipe.batchnorm import DeferredBatchNorm
@@ -154,6 +155,7 @@ class GPipeStrategy(ParallelStrategy):
         self._full_keys: list[str] = []
         self._parameter_order: list[str] = []
         self._losses: dict[int, Tensor] = {}
+        self._failed = False
         self._microbatches: list[Microbatch] = []
         self.timeline = Timeline(enabled=False)
 
@@ -332,6 +334,11 @@ class GPipeStrategy(ParallelStrategy):
             DeferredBatchNorm.convert(self._partition.stand_in)
         cell = self._partition.stand_in.cell()
         self._broadcast_replica_weights(module)
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                # Metric state lives on the last stage of each pipeline; torchmetrics must sync it among the
+                # replicas of that stage only (over WORLD, the other stages would never join: a hang).
+                metric.process_group = self._replica_group
         transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout)
         self._stage = Stage(cell, transport, checkpoint=self._checkpoint, timeline=self.timeline)
         log.info(f"GPipe: rank {self.global_rank} runs stage {layout.stage}: layers {[i for i, _ in own]} of {path}")
@@ -652,9 +659,17 @@ class GPipeStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # The other stages may be dead or blocked: teardown must not wait for them in a collective.
+        self._failed = True
+
+    @override
     def teardown(self) -> None:
-        """Put the whole model back together on every rank, so the user's module is complete after ``fit``."""
-        if self._partition is not None and _distributed_is_initialized():
+        """Put the whole model back together on every rank, so the user's module is complete after ``fit``.
+
+        After a failure the module is left partitioned: reassembly needs every stage, and some may be gone.
+        """
+        if self._partition is not None and _distributed_is_initialized() and not self._failed:
             module = self.lightning_module
             assert module is not None
             prefix = f"{self._partition.path}."

@@ -39,7 +39,11 @@ class SequentialModule(L.LightningModule):
             nn.Linear(IN, 12), nn.Tanh(), nn.Linear(12, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, OUT)
         )  # fmt: skip
 
+    fail_rank: int | None = None  # a rank whose training_step raises on step 2 (fault tests)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == self.fail_rank and self.global_step == 2:
+            raise RuntimeError(f"deliberate failure on rank {self.global_rank}")
         x, y = batch
         loss = F.mse_loss(self.layers(x), y)
         self.log("train_loss", loss, prog_bar=True)
@@ -73,6 +77,7 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
         "devices": run.get("devices", 1),
         "strategy": strategy,
         "max_steps": run.get("steps", 3),
+        "max_epochs": run.get("epochs"),
         "logger": False,
         "enable_checkpointing": False,
         "enable_progress_bar": False,
@@ -91,6 +96,7 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
 def fit(run: dict[str, Any], root: Path) -> SequentialModule:
     L.seed_everything(0, verbose=False)
     module = SequentialModule(run.get("model", "mlp"), run.get("batch_norm", False))
+    module.fail_rank = run.get("fail_rank")
     trainer = trainer_for(run, root)
     loader = DataLoader(dataset(), batch_size=run.get("batch", BATCH), shuffle=run.get("shuffle", False))
     trainer.fit(module, loader, ckpt_path=run.get("resume"))

@@ -1,0 +1,321 @@
+"""Peak memory of GPipeStrategy training runs on one CPU device, each run in a fresh process.
+
+``python -m helpers.memory_job never:8 always:8`` imports torch and Lightning once, then forks one fresh process per
+``mode:chunks`` run (two at a time; importing Lightning costs about 15 s of CPU on the 2-core machines, a run about
+3 s). Each run trains ``GPipeStrategy(pipe_size=1, chunks=M, checkpoint=mode)`` for a few steps on a stack whose
+memory is all activations, and measures the growth from just before the first step to the peak two ways:
+
+- ``rss``: peak resident set size (``VmHWM``, what ``getrusage().ru_maxrss`` reports) minus the RSS before the first
+  step; the high-water mark is reset there, so nothing from imports or setup can mask the training peak. Includes
+  the allocator's cached free memory (about +-30 MiB of noise).
+- ``tensors``: the peak of the bytes held by tensor storages allocated during training, counted exactly by a
+  ``TorchDispatchMode`` that sees every operator (forward, backward and recomputation) and frees each storage's
+  bytes when the storage dies. It does not depend on the allocator, its caching or the machine's load.
+
+The last output line is ``MEMORY_JOB_RESULT <json>``: the model's shape, the GPipe paper's prediction counted in
+bytes for these layer types, ``lightning_gpipe.cost.memory_cost``'s count as a cross-check, and every run's numbers.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing
+import os
+import queue
+import sys
+import time
+import traceback
+import weakref
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.data import DataLoader
+
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.cost import memory_cost
+
+__all__ = [
+    "RESULT_PREFIX",
+    "hidden_activation_bytes",
+    "main",
+    "measure",
+    "predicted_growth_bytes",
+]
+
+# N samples of width D through BLOCKS x (Linear(D, D), GELU), then a Linear(D, OUT) head: 129 layers, 1.1 M
+# parameters (4.3 MiB), 512 MiB of saved activations for the whole batch.
+SAMPLES, WIDTH, BLOCKS, OUT = 8192, 128, 64, 8
+STEPS = 2
+FLOAT_BYTES = 4
+RESULT_PREFIX = "MEMORY_JOB_RESULT "
+MIB = 2**20
+
+
+def build_layers() -> nn.Sequential:
+    """The stack, initialized so that activations keep their scale through all 64 blocks.
+
+    PyTorch's default Linear initialization shrinks the signal by about sqrt(3) per layer; after 64 layers every value
+    is a denormal float, which x86 CPUs compute some ten times slower.
+    """
+    layers: list[nn.Module] = []
+    for _ in range(BLOCKS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.GELU()]
+    layers.append(nn.Linear(WIDTH, OUT))
+    for layer in layers:
+        if isinstance(layer, nn.Linear):
+            nn.init.normal_(layer.weight, std=(2.0 / layer.in_features) ** 0.5)
+            nn.init.zeros_(layer.bias)
+    return nn.Sequential(*layers)
+
+
+def hidden_activation_bytes(samples: int) -> int:
+    """Bytes autograd keeps for backward inside the stack for ``samples`` samples, beyond its input and output.
+
+    Every block leaves two ``samples x WIDTH`` float32 tensors: the Linear's output, saved by the GELU (its derivative
+    needs its input), and the GELU's output, saved by the next Linear (the weight gradient needs the input). The first
+    Linear's input is the batch, which the data loader holds anyway; the weights it saves are parameters.
+    """
+    return 2 * BLOCKS * samples * WIDTH * FLOAT_BYTES
+
+
+def predicted_growth_bytes(mode: str, chunks: int) -> int:
+    """The activation memory a stage holds at its peak, the GPipe paper's formula counted for this stack.
+
+    Without re-materialization the stage keeps every layer's activations for all N samples, O(L * N). With it the stage
+    keeps each micro-batch's boundary input and output, O(N), and rebuilds one micro-batch's L layers of activations at
+    a time during backward, O(L * N / M). The boundary input is the data batch here, resident before the first step.
+    """
+    largest = -(-SAMPLES // chunks)  # the first micro-batches are the larger ones when M does not divide N
+    output = SAMPLES * OUT * FLOAT_BYTES  # the MSE loss saves the stack's output of every micro-batch
+    if mode == "never":
+        return hidden_activation_bytes(SAMPLES) + output
+    return hidden_activation_bytes(largest) + output
+
+
+def memory_cost_activation_bytes(samples: int) -> int:
+    """``lightning_gpipe.cost.memory_cost``'s activation count for the same stack, on the meta device (no memory).
+
+    memory_cost counts, per layer, saved tensors plus parameters and gradients (no optimizer state with
+    ``optimizer_slots=0``); the first layer's saved input is the stage input, which ``hidden_activation_bytes`` leaves
+    out because it is the resident batch.
+    """
+    with torch.device("meta"):
+        layers = build_layers()
+        sample = torch.empty(samples, WIDTH)
+    costs = memory_cost(layers, sample, optimizer_slots=0)
+    parameters_and_grads = 2 * sum(p.numel() * p.element_size() for p in layers.parameters())
+    return int(sum(costs)) - parameters_and_grads - samples * WIDTH * FLOAT_BYTES
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of tensor storages allocated while active and still alive, and their peak.
+
+    A storage is new when an operator returns it and none of the operator's inputs shares it: in-place operators and
+    views return their input's storage, which is counted where it was made (or, like a parameter, before tracking
+    started). The count drops when the storage is freed, which a ``weakref.finalize`` on it reports.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for tensor in tree_leaves(output):
+            if not isinstance(tensor, Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if size == 0 or key in inputs or key in self._sizes:
+                continue
+            self._sizes[key] = size
+            self.live += size
+            weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.live)
+        return output
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class PeakMemory(Callback):
+    """Measures memory growth from just before the first training step to the end of training."""
+
+    def __init__(self) -> None:
+        self.tensors = LiveTensorBytes()
+        self.rss_before = 0
+        self.rss_growth = 0
+        self.step_starts: list[float] = []
+        self._tracking = False
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.step_starts.append(time.perf_counter())
+        if batch_idx != 0:
+            return
+        gc.collect()
+        self.rss_before = _rss_bytes("VmRSS")
+        # Writing 5 resets the peak RSS (VmHWM, ru_maxrss) to the current RSS: the peak measured is training's own.
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        self.tensors.__enter__()
+        self._tracking = True
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._tracking:
+            self.tensors.__exit__(None, None, None)
+            self._tracking = False
+            self.rss_growth = _rss_bytes("VmHWM") - self.rss_before
+
+
+class StackModule(L.LightningModule):
+    """A plain LightningModule around the stack: MSE regression, SGD."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = build_layers()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def measure(mode: str, chunks: int, root: str) -> dict[str, Any]:
+    """Train ``STEPS`` steps with ``GPipeStrategy(pipe_size=1, chunks=chunks, checkpoint=mode)`` and measure memory."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    # One rank: an in-process store instead of a TCP one, so nothing listens on any port; gloo binds loopback only.
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        generator = torch.Generator().manual_seed(1)
+        batch = (torch.randn(SAMPLES, WIDTH, generator=generator), torch.randn(SAMPLES, OUT, generator=generator))
+        # batch_size=None hands the prepared batch over as it is: no collation copy inside the measured window.
+        loader = DataLoader([batch] * STEPS, batch_size=None)
+        probe = PeakMemory()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=GPipeStrategy(pipe_size=1, chunks=chunks, checkpoint=mode),  # type: ignore[arg-type]
+            max_steps=STEPS,
+            callbacks=[probe],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            num_sanity_val_steps=0,
+            default_root_dir=root,
+        )
+        try:
+            trainer.fit(StackModule(), loader)
+        finally:
+            probe.stop()
+    finally:
+        dist.destroy_process_group()
+    step_seconds = [b - a for a, b in zip(probe.step_starts, probe.step_starts[1:], strict=False)]
+    return {
+        "mode": mode,
+        "chunks": chunks,
+        "rss_growth": probe.rss_growth,
+        "tensor_peak": probe.tensors.peak,
+        "rss_before": probe.rss_before,
+        "first_step_seconds": step_seconds[0] if step_seconds else None,
+    }
+
+
+def _child(mode: str, chunks: int, root: str, results: Any) -> None:
+    try:
+        results.put((mode, chunks, "ok", measure(mode, chunks, root)))
+    except BaseException:
+        results.put((mode, chunks, "error", traceback.format_exc()))
+
+
+def _run_forked(runs: list[tuple[str, int]], root: str, parallel: int, timeout: float) -> list[dict[str, Any]]:
+    """Each run in a process forked from this one, which has only imported modules: fresh allocator, fresh torch."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    pending = list(runs)
+    running: dict[tuple[str, int], multiprocessing.process.BaseProcess] = {}
+    collected: dict[tuple[str, int], dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < len(runs):
+            while pending and len(running) < parallel:
+                run = pending.pop(0)
+                running[run] = context.Process(target=_child, args=(*run, root, results), daemon=True)
+                running[run].start()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"memory runs {runs} did not finish within {timeout:g} s")
+            try:
+                mode, chunks, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [run for run, process in running.items() if process.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"memory run {dead[0]} exited with code {running[dead[0]].exitcode}") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"run checkpoint={mode!r}, chunks={chunks} failed:\n{value}")
+            collected[(mode, chunks)] = value
+            running.pop((mode, chunks)).join(timeout=10)  # let it exit before the next run starts beside the other
+        return [collected[run] for run in runs]
+    finally:
+        for process in running.values():
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def main(argv: list[str]) -> None:
+    """Run every ``mode:chunks`` argument and print ``MEMORY_JOB_RESULT <json>``."""
+    runs = []
+    for argument in argv:
+        mode, _, chunks = argument.partition(":")
+        runs.append((mode, int(chunks)))
+    root = os.environ.get("MEMORY_JOB_ROOT", os.getcwd())
+    measured = _run_forked(runs, root, parallel=int(os.environ.get("MEMORY_JOB_PARALLEL", "2")), timeout=600)
+    model = build_layers()
+    result = {
+        "model": {
+            "samples": SAMPLES,
+            "width": WIDTH,
+            "blocks": BLOCKS,
+            "out": OUT,
+            "layers": len(model),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "steps": STEPS,
+        },
+        "hidden_activation_bytes": hidden_activation_bytes(SAMPLES),
+        "memory_cost_activation_bytes": memory_cost_activation_bytes(SAMPLES),
+        "runs": [{**run, "predicted": predicted_growth_bytes(run["mode"], run["chunks"])} for run in measured],
+    }
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,83 @@
+"""Every Lightning flow under GPipeStrategy, checkpoint portability across K, and faults ending the job."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from helpers.distributed import run_job
+from helpers.flows_job import Classifier
+from helpers.lightning_job import SequentialModule
+from helpers.runif import RunIf
+from test_strategy_equivalence import assert_same_parameters, plain, run_fits
+
+
+@RunIf(multiprocess=True)
+def test_fit_validate_test_predict_with_callbacks_loggers_and_metrics(tmp_path: Path) -> None:
+    results = run_job("helpers.flows_job", [str(tmp_path)], 2, timeout=400)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    seen = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    # Every rank sees the same logged values (mirrored from the last stage), so collectives agree.
+    assert seen[0]["fit"] == seen[1]["fit"]
+    assert {"train_loss", "val_loss", "val_acc"} <= seen[0]["fit"].keys()
+    assert 0.0 <= seen[0]["fit"]["val_acc"] <= 1.0
+    assert seen[0]["validate"] == seen[1]["validate"]
+    assert seen[0]["test"][0]["test_loss"] > 0
+    assert seen[0]["predict"] == seen[1]["predict"]
+    assert len(seen[0]["predict"]) == 32
+    assert seen[0]["bf16_loss"] == seen[0]["bf16_loss"]  # finite, not NaN
+    # ModelCheckpoint(monitor=...) wrote top-k and last checkpoints; they hold the whole model.
+    best = Path(seen[0]["best"])
+    assert best.exists()
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+    state = torch.load(best, weights_only=True)["state_dict"]
+    Classifier().load_state_dict(state, strict=True)
+    # The CSV logger on rank 0 got the last stage's metrics, and the learning-rate monitor its value.
+    metrics = next((tmp_path / "logs").rglob("metrics.csv")).read_text()
+    assert "val_loss" in metrics
+    assert "train_loss" in metrics
+    assert "lr-Adam" in metrics
+
+
+@RunIf(multiprocess=True)
+def test_checkpoint_from_two_stages_resumes_on_one_and_loads_into_the_plain_module(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "two-stages.ckpt"
+    run_fits(tmp_path / "k2", 2, [{"pipe_size": 2, "devices": 2, "chunks": 4, "epochs": 1, "steps": -1,
+                                  "save": str(checkpoint)}])  # fmt: skip
+    saved = torch.load(checkpoint, weights_only=True)
+    SequentialModule().load_state_dict(saved["state_dict"], strict=True)  # the whole model, original names
+    assert all(isinstance(name, str) for name in saved["optimizer_states"][0]["state"])  # keyed by name
+    resumed = run_fits(tmp_path / "k1", 1, [{"pipe_size": 1, "devices": 1, "chunks": 4, "epochs": 2, "steps": -1,
+                                            "resume": str(checkpoint)}])[0]  # fmt: skip
+    uninterrupted = plain(tmp_path / "plain", epochs=2, steps=-1)
+    assert_same_parameters(resumed, uninterrupted)
+
+
+@RunIf(multiprocess=True)
+def test_a_rank_that_raises_ends_the_whole_job(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"runs": [{"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 6, "fail_rank": 1}]}))
+    start = time.monotonic()
+    results = run_job("helpers.lightning_job", [str(config)], 2, timeout=180)
+    elapsed = time.monotonic() - start
+    assert all(result.returncode not in (0, None) for result in results), [r.returncode for r in results]
+    assert "deliberate failure on rank 1" in results[1].stdout
+    assert "pipeline stage" in results[0].stdout  # the survivor names its stage and the failed peer
+    assert elapsed < 120
+
+
+def test_bad_configuration_fails_when_the_trainer_is_built() -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    with pytest.raises(ValueError, match=r"world_size=2 .* is not divisible by pipe_size=3"):
+        L.Trainer(strategy=GPipeStrategy(pipe_size=3), accelerator="cpu", devices=2)
+    with pytest.warns(UserWarning, match="chunks=1 is smaller than pipe_size=2"):
+        L.Trainer(strategy=GPipeStrategy(chunks=1), accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match=r"balance=\[1, 1, 1\] has 3 stages but the pipelines have 2"):
+        L.Trainer(strategy=GPipeStrategy(balance=[1, 1, 1]), accelerator="cpu", devices=2)
