@@ -43,6 +43,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     _gathered_mean: Tensor
     _gathered_m2: Tensor
+    _plain_type: type[_BatchNorm] = nn.BatchNorm2d  # the class it replaced, for revert()
 
     def __init__(
         self,
@@ -197,7 +198,30 @@ class DeferredBatchNorm(_BatchNorm):
         deferred._gathered_mean = torch.zeros_like(module.running_mean)
         deferred._gathered_m2 = torch.zeros_like(module.running_mean)
         deferred.train(module.training)
+        deferred._plain_type = type(module)
         return deferred
+
+    @classmethod
+    def revert(cls, module: nn.Module) -> nn.Module:
+        """Undo :meth:`convert`: every :class:`DeferredBatchNorm` becomes the BatchNorm class it replaced, holding the
+        same tensors, so that a model trained in a pipeline trains as usual afterwards. Returns ``module`` or, if it
+        is itself deferred, its replacement. Gathered but uncommitted statistics are dropped."""
+        if isinstance(module, DeferredBatchNorm):
+            with torch.device("meta"):
+                plain = module._plain_type(
+                    module.num_features, eps=module.eps, momentum=module.momentum, affine=module.affine
+                )
+            plain.weight, plain.bias = module.weight, module.bias
+            plain.running_mean, plain.running_var = module.running_mean, module.running_var
+            plain.num_batches_tracked = module.num_batches_tracked
+            plain.train(module.training)
+            return plain
+        for name, child in list(module._modules.items()):
+            if child is not None:
+                new_child = cls.revert(child)
+                if new_child is not child:
+                    module.add_module(name, new_child)
+        return module
 
 
 def commit_running_stats(module: nn.Module) -> None:

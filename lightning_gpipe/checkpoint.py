@@ -17,6 +17,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 __all__ = ["CHECKPOINT_MODES", "CheckpointMode", "checkpointed", "checkpoint_stop", "is_recomputing", "validate_mode"]
@@ -53,17 +56,27 @@ def is_recomputing() -> bool:
 
 
 @contextmanager
-def _recomputing() -> Iterator[None]:
+def _recomputing(function: Callable[[Any], Any]) -> Iterator[None]:
     previous = is_recomputing()
     _state.recomputing = True
+    # Plain BatchNorm updates its running statistics on every training forward; the replay must not count twice.
+    norms = [m for m in function.modules() if _tracks_stats(m)] if isinstance(function, nn.Module) else []
+    saved = [[buffer.clone() for buffer in _stat_buffers(norm)] for norm in norms]
     try:
         yield
     finally:
         _state.recomputing = previous
+        for norm, buffers in zip(norms, saved, strict=True):
+            for current, before in zip(_stat_buffers(norm), buffers, strict=True):
+                current.copy_(before)
 
 
-def _contexts() -> tuple[Any, Any]:
-    return nullcontext(), _recomputing()
+def _tracks_stats(module: nn.Module) -> bool:
+    return isinstance(module, _BatchNorm) and module.track_running_stats and module.running_mean is not None
+
+
+def _stat_buffers(norm: nn.Module) -> list[torch.Tensor]:
+    return [norm.running_mean, norm.running_var, norm.num_batches_tracked]  # type: ignore[list-item]
 
 
 def checkpointed(function: Callable[[Any], Any], value: Any) -> Any:
@@ -72,4 +85,8 @@ def checkpointed(function: Callable[[Any], Any], value: Any) -> Any:
     Callers decide when to checkpoint: in eval mode or under ``torch.no_grad`` there is no backward to recompute for,
     so they should call ``function`` directly.
     """
-    return _torch_checkpoint(function, value, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts)
+
+    def contexts() -> tuple[Any, Any]:
+        return nullcontext(), _recomputing(function)
+
+    return _torch_checkpoint(function, value, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)

@@ -14,6 +14,7 @@ it into their own instance of the same attribute, so every rank computes the sam
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
 __all__ = ["LogRecorder", "LoggedValue"]
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
 
 @dataclass
@@ -63,7 +66,10 @@ class LogRecorder:
     def capture(self, weight: float) -> Iterator[None]:
         """Record, instead of logging, every ``self.log`` (and so ``self.log_dict``) call made inside."""
 
-        def record(name: str, value: Any, **options: Any) -> None:
+        def record(name: str, value: Any, *positional: Any, **keywords: Any) -> None:
+            # Lightning's own signature tells which option a positional argument is (prog_bar, logger, ...).
+            bound = _LOG_SIGNATURE.bind(self.module, name, value, *positional, **keywords)
+            options = {key: item for key, item in bound.arguments.items() if key not in ("self", "name", "value")}
             tensor = _as_tensor(value)
             if tensor is None:
                 raise TypeError(
@@ -78,7 +84,7 @@ class LogRecorder:
             entry.options = options
             entry.metric = value if isinstance(value, Metric) else None
 
-        self.module.log = record  # type: ignore[method-assign,assignment]
+        self.module.log = record  # type: ignore[method-assign]
         try:
             yield
         finally:

@@ -40,6 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -156,6 +157,7 @@ class GPipeStrategy(ParallelStrategy):
         self._parameter_order: list[str] = []
         self._losses: dict[int, Tensor] = {}
         self._failed = False
+        self._example_input: Any = None
         self._microbatches: list[Microbatch] = []
         self.timeline = Timeline(enabled=False)
 
@@ -310,6 +312,7 @@ class GPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._use_world_synced_scaler()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._use_global_norm_clipping()
@@ -328,6 +331,9 @@ class GPipeStrategy(ParallelStrategy):
         self._parameter_order = [name for name, _ in module.named_parameters()]
         balance = self._find_balance(module, sequence)
         self._partition = partition_module(module, path, sequence, balance, layout.stage)
+        # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
+        # which a partitioned module cannot do; it is set aside until teardown (the summary then omits sizes).
+        self._example_input, module.example_input_array = module.example_input_array, None
         own = [(i, sequence[i]) for i in self._partition.bounds[layout.stage]]
         materialize(own, self.root_device, seed=torch.initial_seed() % 2**62)
         if self._deferred_batch_norm:
@@ -369,6 +375,25 @@ class GPipeStrategy(ParallelStrategy):
         source = self.layout.replica_ranks()[0]
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=source, group=self._replica_group)
+
+    def _use_world_synced_scaler(self) -> None:
+        """Make every stage skip the same steps and keep the same loss scale under ``precision="16-mixed"``.
+
+        Each stage sees only its own gradients; a plain GradScaler would skip the step on the stage that found an
+        inf while the others step, and their scales would drift apart. ``ShardedGradScaler`` all-reduces the found
+        infs over its process group (the world) before deciding.
+        """
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or isinstance(scaler, ShardedGradScaler):
+            return
+        self.precision_plugin.scaler = ShardedGradScaler(  # type: ignore[attr-defined]
+            device=self.root_device.type,
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
 
     def _use_global_norm_clipping(self) -> None:
         group = self._pipeline_group if self.layout.pipe_size > 1 else None
@@ -683,6 +708,8 @@ class GPipeStrategy(ParallelStrategy):
             for part in parts:
                 merged.update(part)
             self._partition.restore(merged, torch.device("cpu"))
+            DeferredBatchNorm.revert(self._partition.original)
+            module.example_input_array = self._example_input
             self._partition = None
             self._stage = None
         super().teardown()
