@@ -86,7 +86,7 @@ class PipelinedSequential(nn.Module):
 
     def cell(self) -> nn.Sequential:
         """This stage's layers as a plain ``nn.Sequential`` (the same module objects)."""
-        return nn.Sequential(OrderedDict(self.named_children()))
+        return nn.Sequential(OrderedDict(self._modules.items()))  # type: ignore[arg-type]
 
     def forward(self, value: Any) -> Any:
         if self.runner is None:
@@ -164,7 +164,7 @@ def partition_module(
             "them."
         )
     bounds = cell_bounds(balance)
-    layers = list(sequence.named_children())
+    layers = list(sequence._modules.items())  # not named_children(), which drops a module used twice
     _check_shared([[layers[i] for i in bound] for bound in bounds])
     own = OrderedDict(layers[i] for i in bounds[stage])
     for index, (_name, layer) in enumerate(layers):
