@@ -3,7 +3,7 @@ UV ?= $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 RUN := $(UV) run --frozen
 PYTEST_ARGS ?=
 
-.PHONY: env demo test lint types pytest bench-engine clean
+.PHONY: env demo test lint types docs pytest bench-engine bench-overhead bench-memory clean
 
 env:  ## create or sync .venv from uv.lock (installs uv when missing)
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
@@ -16,13 +16,25 @@ lint: env
 types: env
 	$(RUN) mypy
 
+docs: env  ## build the documentation site into site/ (any warning fails)
+	NO_MKDOCS_2_WARNING=1 $(RUN) mkdocs build --strict --quiet
+
+demo: env  ## train a small model with K=2 stages in 2 CPU processes; checkpoint and timeline in out/demo/
+	OMP_NUM_THREADS=1 $(RUN) python examples/demo.py
+
 pytest: env
 	$(RUN) pytest $(PYTEST_ARGS)
 
-test: lint types pytest  ## lint, types and the whole test suite
+test: lint types docs pytest  ## lint, types, docs build and the whole test suite
 
 bench-engine: env  ## engine throughput vs torch.distributed.pipelining (K=2 processes, one thread each)
 	$(RUN) python -m benchmarks.engine_speed.run
+
+bench-overhead: env  ## GPipeStrategy with K=1, M=1 against strategy="auto"
+	$(RUN) python -m benchmarks.strategy_overhead.run
+
+bench-memory: env  ## peak memory of re-materialization against the paper's formula
+	$(RUN) python -m benchmarks.strategy_memory.run
 
 clean:
 	rm -rf .venv .mypy_cache .ruff_cache .pytest_cache

@@ -11,12 +11,21 @@ Importing the package registers the strategy name ``"gpipe"`` (and ``"gpipe_note
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gpipe.batchnorm import DeferredBatchNorm
+from lightning_gpipe.callbacks import PipelineTimeline
 from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.strategy import GPipeStrategy
 from lightning_gpipe.timeline import Timeline
 
-__all__ = ["DeferredBatchNorm", "GPipeStrategy", "Pipeline", "PipelineError", "Timeline", "run_in_threads"]
+__all__ = [
+    "DeferredBatchNorm",
+    "GPipeStrategy",
+    "Pipeline",
+    "PipelineError",
+    "PipelineTimeline",
+    "Timeline",
+    "run_in_threads",
+]
 __version__ = "0.1.0"
 
 GPipeStrategy.register_strategies(StrategyRegistry)

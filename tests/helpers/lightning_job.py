@@ -31,13 +31,25 @@ def dataset(samples: int = SAMPLES) -> TensorDataset:
 class SequentialModule(L.LightningModule):
     """A plain LightningModule: its layers in one nn.Sequential, an ordinary training_step."""
 
-    def __init__(self, model: str = "mlp", batch_norm: bool = False) -> None:
+    def __init__(self, model: str = "mlp", batch_norm: bool = False, meta: bool = False) -> None:
         super().__init__()
+        self.model_name = model
+        self.local_parameters = 0
+        if meta:  # built in configure_model, where GPipeStrategy allocates only this rank's stage
+            self.layers: nn.Module | None = None
+            return
         torch.manual_seed(0)
         # One BatchNorm only: a second one would see inputs already normalized per micro-batch.
         self.layers = build(model) if not batch_norm else nn.Sequential(
             nn.Linear(IN, 12), nn.Tanh(), nn.Linear(12, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, OUT)
         )  # fmt: skip
+
+    def configure_model(self) -> None:
+        if self.layers is None:
+            self.layers = build(self.model_name)
+
+    def on_train_start(self) -> None:
+        self.local_parameters = sum(p.numel() for p in self.parameters())
 
     fail_rank: int | None = None  # a rank whose training_step raises on step 2 (fault tests)
 
@@ -95,7 +107,7 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
 
 def fit(run: dict[str, Any], root: Path) -> SequentialModule:
     L.seed_everything(0, verbose=False)
-    module = SequentialModule(run.get("model", "mlp"), run.get("batch_norm", False))
+    module = SequentialModule(run.get("model", "mlp"), run.get("batch_norm", False), run.get("meta", False))
     module.fail_rank = run.get("fail_rank")
     trainer = trainer_for(run, root)
     loader = DataLoader(dataset(), batch_size=run.get("batch", BATCH), shuffle=run.get("shuffle", False))
@@ -110,6 +122,7 @@ def main(config_path: str) -> None:
     root = Path(config_path).parent
     for index, run in enumerate(config["runs"]):
         module = fit(run, root)
+        (root / f"local-parameters-{index}-rank{module.global_rank}.txt").write_text(str(module.local_parameters))
         if module.global_rank == 0:
             torch.save(module.state_dict(), root / f"result-{index}.pt")
 

@@ -81,3 +81,26 @@ def test_bad_configuration_fails_when_the_trainer_is_built() -> None:
         L.Trainer(strategy=GPipeStrategy(chunks=1), accelerator="cpu", devices=2)
     with pytest.raises(ValueError, match=r"balance=\[1, 1, 1\] has 3 stages but the pipelines have 2"):
         L.Trainer(strategy=GPipeStrategy(balance=[1, 1, 1]), accelerator="cpu", devices=2)
+
+
+@RunIf(multiprocess=True)
+def test_meta_device_model_allocates_one_stage_per_rank_and_trains_like_one_stage(tmp_path: Path) -> None:
+    # Built in configure_model: each rank allocates only its stage, and every layer is initialized from its own
+    # seed, so one and two stages start (and end) with the same parameters.
+    two = run_fits(tmp_path / "k2", 2, [{"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 3, "meta": True}])[0]
+    one = run_fits(tmp_path / "k1", 1, [{"pipe_size": 1, "devices": 1, "chunks": 4, "steps": 3, "meta": True}])[0]
+    assert_same_parameters(two, one)
+    total = sum(value.numel() for value in one.values())
+    local = [int((tmp_path / "k2" / f"local-parameters-0-rank{rank}.txt").read_text()) for rank in range(2)]
+    assert sum(local) == total
+    assert max(local) <= 0.6 * total  # balanced by parameter count: about 1/K of the model each
+
+
+@RunIf(multiprocess=True)
+def test_a_batch_smaller_than_the_number_of_stages_is_refused(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"runs": [{"pipe_size": 2, "devices": 2, "batch": 1, "steps": 1}]}))
+    results = run_job("helpers.lightning_job", [str(config)], 2, timeout=180)
+    assert all(result.returncode != 0 for result in results)
+    assert "a batch of 1 samples cannot fill 2 pipeline stages" in results[0].stdout + results[1].stdout
