@@ -104,3 +104,19 @@ def test_a_batch_smaller_than_the_number_of_stages_is_refused(tmp_path: Path) ->
     results = run_job("helpers.lightning_job", [str(config)], 2, timeout=180)
     assert all(result.returncode != 0 for result in results)
     assert "a batch of 1 samples cannot fill 2 pipeline stages" in results[0].stdout + results[1].stdout
+
+
+@RunIf(multiprocess=True)
+def test_loss_scaling_skips_an_overflowing_step_on_every_stage(tmp_path: Path) -> None:
+    from helpers.amp_job import INF_STEP
+
+    results = run_job("helpers.amp_job", [str(tmp_path)], 2, timeout=300)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    traces = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    scales = [[entry["scale"] for entry in trace] for trace in traces]
+    assert scales[0] == scales[1]  # one loss scale for the whole pipeline
+    assert scales[0][INF_STEP] == scales[0][INF_STEP - 1] / 2  # the overflow halved it ...
+    for trace in traces:  # ... and no stage stepped: the stage without the inf skipped too
+        assert trace[INF_STEP]["checksum"] == trace[INF_STEP - 1]["checksum"]
+        assert trace[INF_STEP + 1]["checksum"] != trace[INF_STEP]["checksum"]
