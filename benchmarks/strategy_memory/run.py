@@ -1,0 +1,146 @@
+"""Peak memory of GPipeStrategy with and without re-materialization for M = 1, 4, 8, against the paper's formula.
+
+Usage: ``python -m benchmarks.strategy_memory.run`` (about 2 minutes on a quiet 2-core machine); writes this folder's
+``RESULTS.md``. The measurements come from ``tests/helpers/memory_job.py``, the worker that ``test_memory.py`` asserts
+on, run here as one subprocess that forks a fresh process per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import signal
+import subprocess
+import sys
+
+import lightning
+import torch
+
+__all__ = ["main"]
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RESULT_PREFIX = "MEMORY_JOB_RESULT "
+MIB = 2**20
+CHUNKS = (1, 4, 8)
+TIMEOUT = 900.0
+
+
+def run_worker(runs: list[str], timeout: float = TIMEOUT) -> dict:
+    """Run ``helpers.memory_job`` on ``runs`` (``mode:chunks``); its whole process group is killed on any failure."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "helpers.memory_job", *runs],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its forked runs share the session: one killpg reaches them all
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"helpers.memory_job failed with code {process.returncode}:\n{output[-4000:]}")
+    line = next(line for line in reversed(output.splitlines()) if line.startswith(RESULT_PREFIX))
+    return json.loads(line.removeprefix(RESULT_PREFIX))
+
+
+def _cpu_model() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _mib(value: float) -> str:
+    return f"{value / MIB:,.1f}"
+
+
+def markdown(result: dict, command: str, started: datetime.datetime, load: str) -> str:
+    """The results page: setup, one row per (M, mode), one row per M for the saving."""
+    model = result["model"]
+    runs = {(run["mode"], run["chunks"]): run for run in result["runs"]}
+    lines = [
+        "# GPipeStrategy memory: re-materialization against the GPipe formula",
+        "",
+        f"Stack: {model['blocks']} x (Linear({model['width']}, {model['width']}) + GELU) + Linear({model['width']}, "
+        f"{model['out']}), {model['layers']} layers, {model['parameter_bytes'] / MIB:.1f} MiB of parameters; one batch "
+        f"of N = {model['samples']:,} samples; `GPipeStrategy(pipe_size=1, chunks=M, checkpoint=...)` on "
+        f'`Trainer(accelerator="cpu", devices=1)`, SGD, {model["steps"]} steps, one thread, each run in a fresh '
+        "process.",
+        "",
+        f"Saved activations of the whole batch (analytic: 2 tensors of N x {model['width']} float32 per block): "
+        f"{_mib(result['hidden_activation_bytes'])} MiB; `lightning_gpipe.cost.memory_cost` counts "
+        f"{_mib(result['memory_cost_activation_bytes'])} MiB.",
+        "",
+        "Predicted growth (GPipe paper): `never` keeps every layer's activations of all N samples, O(L·N); `always` "
+        "keeps each micro-batch's boundary input and output, O(N), plus one micro-batch's activations while it is "
+        "recomputed, O(L·N/M). The boundary input is the data batch, resident before the first step. Measured: "
+        "*tensors* = peak bytes of live tensor storage allocated during training (exact, allocator-independent); "
+        "*RSS* = peak RSS (VmHWM, reset before the first step) minus RSS before the first step, with glibc's mmap "
+        "threshold pinned at 128 KiB so that freed activations leave RSS (its offset over *tensors* is allocator and "
+        "interpreter overhead).",
+        "",
+        "| M | checkpoint | predicted growth (MiB) | tensors (MiB) | RSS growth (MiB) | step (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for chunks in CHUNKS:
+        for mode in ("never", "always"):
+            run = runs[(mode, chunks)]
+            lines.append(
+                f"| {chunks} | {mode} | {_mib(run['predicted'])} | {_mib(run['tensor_peak'])} | "
+                f"{_mib(run['rss_growth'])} | {run['first_step_seconds']:.2f} |"
+            )
+    lines += [
+        "",
+        "| M | predicted saving (MiB) | saving, tensors (MiB) | saving, RSS (MiB) | RSS / predicted |",
+        "|---|---|---|---|---|",
+    ]
+    for chunks in CHUNKS:
+        never, always = runs[("never", chunks)], runs[("always", chunks)]
+        predicted = never["predicted"] - always["predicted"]
+        tensors = never["tensor_peak"] - always["tensor_peak"]
+        rss = never["rss_growth"] - always["rss_growth"]
+        ratio = f"{rss / predicted:.2f}" if predicted > 0 else "n/a (nothing predicted)"
+        lines.append(f"| {chunks} | {_mib(predicted)} | {_mib(tensors)} | {_mib(rss)} | {ratio} |")
+    lines += [
+        "",
+        "At M = 1 re-materialization rebuilds the whole batch's activations during backward, so it saves nothing. "
+        "Step times are the first step's, on a shared machine: indicative only.",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {os.cpu_count()} CPUs (nproc), {_cpu_model()}, {platform.system()} {platform.release()}; "
+        f"load average at start: {load}",
+        f"- software: Python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}",
+        f"- date: {started:%Y-%m-%d %H:%M} UTC",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=pathlib.Path, default=HERE / "RESULTS.md")
+    args = parser.parse_args(argv)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    with open("/proc/loadavg") as loadavg:
+        load = " ".join(loadavg.read().split()[:3])
+    result = run_worker([f"{mode}:{chunks}" for chunks in CHUNKS for mode in ("never", "always")])
+    page = markdown(result, "python -m benchmarks.strategy_memory.run", started, load)
+    args.output.write_text(page)
+    print(page)
+
+
+if __name__ == "__main__":
+    main()
