@@ -11,6 +11,10 @@ goes once per step, not per micro-batch:
   batch dimension resized to that micro-batch's size. The sender checks the prediction and raises if it fails;
 - gradients need no header: they go back for exactly the received tensors that require grad, with their shapes.
 
+Once the header is in, the receiver posts the receives of the whole step at once: gloo parks a send until its
+receive is posted, and a receive posted only when needed costs a rendezvous per message (~100 µs against ~20 µs for a
+4 KiB message posted ahead, measured on these machines).
+
 Header wire format: a fixed ``HEADER_BYTES`` uint8 buffer holding the payload length (8 bytes, little endian) and the
 pickled payload when it fits, else the payload follows as a second message. Pickle is only ever exchanged between the
 ranks of one job, which already trust each other with their code.
@@ -19,7 +23,7 @@ ranks of one job, which already trust each other with their code.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +88,7 @@ class ActivationLink:
         self.peer = peer
         self._sizes: list[int] = []
         self._layout: _Layout | None = None  # layout of the step's first micro-batch, set by its header
+        self._posted: dict[int, list[tuple[torch.Tensor | None, Callable[[], None] | None]]] = {}
 
     @property
     def stage(self) -> int:
@@ -93,6 +98,7 @@ class ActivationLink:
         """Start a step whose micro-batches have ``sizes`` samples; the next message carries a header."""
         self._sizes = list(sizes)
         self._layout = None
+        self._posted = {}
 
     def _predicted(self, index: int) -> _Layout:
         assert self._layout is not None
@@ -135,16 +141,28 @@ class ActivationLink:
         """Receive micro-batch ``index``'s input; float tensors that required grad upstream are leaves that do too."""
         if self._layout is None:
             self._receive_header(index)
+            # The sender sends the step's micro-batches in forward order, starting with this one.
+            for later in range(index, len(self._sizes)):
+                self._posted[later] = self._post(later)
         spec, entries = self._predicted(index)
         leaves: list[torch.Tensor | None] = []
-        for entry in entries:
-            if entry is None:
+        for entry, (buffer, wait) in zip(entries, self._posted.pop(index), strict=True):
+            if buffer is None or wait is None or entry is None:
                 leaves.append(None)
                 continue
-            buffer = torch.empty(entry.shape, dtype=entry.dtype, device=self.transport.device)
-            self.transport.recv(buffer, self.peer, f"activations of micro-batch {index}")
+            wait()
             leaves.append(buffer.requires_grad_(entry.requires_grad))
         return unflatten(leaves, spec)
+
+    def _post(self, index: int) -> list[tuple[torch.Tensor | None, Callable[[], None] | None]]:
+        posted: list[tuple[torch.Tensor | None, Callable[[], None] | None]] = []
+        for entry in self._predicted(index)[1]:
+            if entry is None:
+                posted.append((None, None))
+                continue
+            buffer = torch.empty(entry.shape, dtype=entry.dtype, device=self.transport.device)
+            posted.append((buffer, self.transport.post_recv(buffer, self.peer, f"activations of micro-batch {index}")))
+        return posted
 
     def _receive_header(self, index: int) -> None:
         what = f"the step header (micro-batch {index})"

@@ -20,7 +20,7 @@ import datetime
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def recv(self, buffer: torch.Tensor, peer: int, what: str) -> None:
         """Fill ``buffer`` with the next tensor from stage ``peer``; ``what`` names it in errors."""
+
+    def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
+        """Start receiving the next tensor from ``peer`` into ``buffer``; call the returned function to wait for it.
+
+        Receives from one peer complete in posting order. Posting ahead matters on gloo, whose TCP transport parks a
+        send until the matching receive is posted: a late receive costs a rendezvous per message.
+        """
+        return lambda: self.recv(buffer, peer, what)
 
     @abc.abstractmethod
     def wait_sends(self) -> None:
@@ -99,12 +107,22 @@ class ProcessGroupTransport(Transport):
         self._pending.append((work, tensor))  # the tensor must outlive the send
 
     def recv(self, buffer: torch.Tensor, peer: int, what: str) -> None:
+        self.post_recv(buffer, peer, what)()
+
+    def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
         try:
             work = dist.irecv(buffer, src=self.ranks[peer])
-            assert work is not None
-            work.wait(self.timeout)
         except RuntimeError as error:
             raise self._failure(peer, what, error) from error
+        assert work is not None
+
+        def wait() -> None:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as error:
+                raise self._failure(peer, what, error) from error
+
+        return wait
 
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, []
