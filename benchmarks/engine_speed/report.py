@@ -1,191 +1,19 @@
-"""Statistics over the interleaved rounds, and the tables, headline ratios and docs section made from them.
-
-A window is one job's timed steps; its step time is the median of its per-step times. A cell (workload,
-configuration, M) takes one window per round: the clean one when a retry produced it, else the last attempt,
-flagged. Cells report the median over rounds of the clean windows; every ratio is the median over rounds of the
-per-round ratio, using only rounds where both windows are clean. Cells or ratios with no clean window to use fall back
-to all windows and are marked ``*``.
-"""
+"""The markdown tables of a run and the results block of ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import pathlib
 import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from benchmarks.engine_speed.worker import Job, JobResult
-from benchmarks.engine_speed.workloads import WORKLOADS, K
+from benchmarks.engine_speed.results import Estimate, Goals, Key, Results, bubble_bound
+from benchmarks.engine_speed.worker import JobResult
+from benchmarks.engine_speed.workloads import WORKLOADS
 from lightning_gpipe.timeline import Timeline
 
-__all__ = [
-    "Goals",
-    "Measurement",
-    "Results",
-    "bubble_bound",
-    "headline",
-    "markdown_tables",
-    "write_docs",
-]
-
-Key = tuple[str, str, int]  # workload, configuration, M
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One attempt at one job in one round; ``clean`` if the foreign load stayed under the threshold."""
-
-    round: int
-    job: Job
-    attempt: int
-    result: JobResult
-    clean: bool
-
-    @property
-    def step_seconds(self) -> float:
-        return statistics.median(self.result.step_seconds)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A median and whether it had to fall back on windows with foreign load."""
-
-    value: float
-    flagged: bool = False
-
-    def show(self, fmt: str = "{:.2f}") -> str:
-        return "n/a" if math.isnan(self.value) else fmt.format(self.value) + ("*" if self.flagged else "")
-
-
-_MISSING = Estimate(math.nan, True)
-
-
-def bubble_bound(chunks: int) -> float:
-    """The fill-drain speed-up over one stage's work, ``K * M / (M + K - 1)``: K stages, idle ``K - 1`` slots."""
-    return K * chunks / (chunks + K - 1)
-
-
-def _key(workload: str, config: str, chunks: int) -> Key:
-    # Whole-batch configurations do not depend on M; 1-way accumulation is the unpipelined step itself.
-    if config in ("unpipelined", "two_threads") or (config == "accumulation" and chunks == 1):
-        return (workload, "unpipelined" if config == "accumulation" else config, 1)
-    return (workload, config, chunks)
-
-
-class Results:
-    """The measurements of one benchmark run, indexed by cell and round."""
-
-    def __init__(self, measurements: Sequence[Measurement]) -> None:
-        self.measurements = list(measurements)
-        self._windows: dict[Key, dict[int, Measurement]] = {}
-        for m in self.measurements:
-            rounds = self._windows.setdefault((m.job.workload, m.job.config, m.job.chunks), {})
-            kept = rounds.get(m.round)
-            if kept is None or m.clean or not kept.clean:  # a later clean retry replaces a flagged attempt
-                rounds[m.round] = m
-
-    def windows(self, workload: str, config: str, chunks: int) -> dict[int, Measurement]:
-        return self._windows.get(_key(workload, config, chunks), {})
-
-    def step_seconds(self, workload: str, config: str, chunks: int) -> Estimate:
-        """Median step time of the cell over rounds."""
-        windows = list(self.windows(workload, config, chunks).values())
-        clean = [m.step_seconds for m in windows if m.clean]
-        if clean:
-            return Estimate(statistics.median(clean))
-        return Estimate(statistics.median(m.step_seconds for m in windows), True) if windows else _MISSING
-
-    def memory_mib(self, workload: str, config: str, chunks: int) -> Estimate:
-        windows = list(self.windows(workload, config, chunks).values())
-        if not windows:
-            return _MISSING
-        return Estimate(statistics.median(m.result.memory_growth_mib for m in windows))
-
-    def ratio(
-        self,
-        numerator: Key,
-        denominator: Key,
-        combine: Callable[[float, float], float] = lambda num, den: den / num,
-    ) -> Estimate:
-        """Median over rounds of ``combine(step time of numerator, step time of denominator)``.
-
-        The default is a throughput ratio: numerator throughput / denominator throughput = denominator step time /
-        numerator step time (same batch).
-        """
-        top, bottom = self.windows(*numerator), self.windows(*denominator)
-        rounds = sorted(set(top) & set(bottom))
-        values = {r: combine(top[r].step_seconds, bottom[r].step_seconds) for r in rounds}
-        clean = [values[r] for r in rounds if top[r].clean and bottom[r].clean]
-        if clean:
-            return Estimate(statistics.median(clean))
-        return Estimate(statistics.median(values.values()), True) if values else _MISSING
-
-    def efficiency(self, workload: str, chunks: int) -> Estimate:
-        """(ours / unpipelined) / (bubble bound x accumulation / unpipelined) = ours / (bound x accumulation)."""
-        return self.ratio(
-            (workload, "ours", chunks),
-            (workload, "accumulation", chunks),
-            lambda ours, accumulation: accumulation / ours / bubble_bound(chunks),
-        )
-
-    def load_summary(self) -> str:
-        clean = [m for m in self.measurements if m.clean]
-        retries = sum(1 for m in self.measurements if m.attempt > 0)
-        worst_kept = max((m.result.foreign_cores for m in clean), default=math.nan)
-        return (
-            f"{len(self.measurements)} windows measured ({retries} of them retries), "
-            f"{len(self.measurements) - len(clean)} discarded for foreign load; "
-            f"foreign load in the kept windows: at most {worst_kept:.2f} cores"
-        )
-
-
-@dataclass(frozen=True)
-class Goals:
-    """The headline numbers and their targets."""
-
-    ratio_vs_torch: Estimate
-    small_ratio_vs_torch: Estimate
-    efficiency: Estimate
-
-    TARGETS = {"ratio_vs_torch": 1.00, "small_ratio_vs_torch": 1.50, "efficiency": 0.95}
-
-    def line(self) -> str:
-        """The one-line summary the benchmark prints last."""
-        return (
-            f"ratio_vs_torch_pipelining={self.ratio_vs_torch.value:.2f} "
-            f"small_stage_ratio_vs_torch_pipelining={self.small_ratio_vs_torch.value:.2f} "
-            f"efficiency_vs_bubble_bound={self.efficiency.value:.2f}"
-        )
-
-    def verdicts(self) -> list[str]:
-        lines = []
-        names = {
-            "ratio_vs_torch": "R, ours / torch_pipelining, Transformer, M = 8",
-            "small_ratio_vs_torch": "S, ours / torch_pipelining, small stages, M = 16",
-            "efficiency": "E, ours / (bubble bound x accumulation), Transformer, M = 8",
-        }
-        for attribute, target in self.TARGETS.items():
-            estimate: Estimate = getattr(self, attribute)
-            if math.isnan(estimate.value):
-                verdict = "not measured"
-            elif estimate.value >= target:
-                verdict = "met"
-            else:
-                verdict = f"**missed** by {(target - estimate.value) / target:.0%}"
-            lines.append(f"- {names[attribute]}: {estimate.show()} (goal >= {target:.2f}): {verdict}")
-        return lines
-
-
-def headline(results: Results, chunks: int = 8, small_chunks: int = 16) -> Goals:
-    return Goals(
-        results.ratio(("transformer", "ours", chunks), ("transformer", "torch_pipelining", chunks)),
-        results.ratio(("small", "ours", small_chunks), ("small", "torch_pipelining", small_chunks)),
-        results.efficiency("transformer", chunks),
-    )
-
+__all__ = ["HEADING", "markdown_tables", "write_docs"]
 
 _UNPIPELINED: Key = ("transformer", "unpipelined", 1)
 _ROWS = ("unpipelined", "accumulation", "two_threads", "ours", "torch_pipelining")
@@ -197,28 +25,21 @@ def _normalized_table(results: Results, chunk_list: Sequence[int]) -> list[str]:
     for config in _ROWS:
         cells = [results.ratio(("transformer", config, m), _UNPIPELINED).show() for m in chunk_list]
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
-    bound = [
-        Estimate(results.ratio(("transformer", "accumulation", m), ("transformer", "unpipelined", 1)).value)
-        for m in chunk_list
-    ]
-    lines.append(
-        "| bubble bound: accumulation x KM/(M+K-1) | "
-        + " | ".join(Estimate(b.value * bubble_bound(m)).show() for b, m in zip(bound, chunk_list, strict=True))
-        + " |"
-    )
-    lines.append(
-        "| ours / bubble bound (E at M = 8) | "
-        + " | ".join(results.efficiency("transformer", m).show() for m in chunk_list)
-        + " |"
-    )
+    # What a perfect fill-drain pipeline of two equal stages would reach, given what micro-batching alone costs.
+    accumulation = [results.ratio(("transformer", "accumulation", m), _UNPIPELINED) for m in chunk_list]
+    bound = [Estimate(a.value * bubble_bound(m), a.flagged) for a, m in zip(accumulation, chunk_list, strict=True)]
+    efficiency = [results.efficiency("transformer", m) for m in chunk_list]
+    lines.append("| bubble bound: accumulation x KM/(M+K-1) | " + " | ".join(e.show() for e in bound) + " |")
+    lines.append("| ours / bubble bound (E at M = 8) | " + " | ".join(e.show() for e in efficiency) + " |")
     return lines
 
 
 def _detail_table(results: Results, workload: str, cells: Sequence[tuple[str, int]]) -> list[str]:
     batch = WORKLOADS[workload].batch_size
     lines = [
-        "| configuration | M | step time (ms) | samples/s | clean windows | memory growth (MiB) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| configuration | M | step time (ms) | samples/s | CPU per step, each process (ms) | clean windows "
+        "| memory growth (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for config, chunks in cells:
         step = results.step_seconds(workload, config, chunks)
@@ -228,7 +49,7 @@ def _detail_table(results: Results, workload: str, cells: Sequence[tuple[str, in
         memory = results.memory_mib(workload, config, chunks).show("{:.0f}")
         lines.append(
             f"| {config} | {chunks} | {Estimate(step.value * 1e3, step.flagged).show('{:.1f}')} | "
-            f"{throughput.show('{:.0f}')} | {clean} | {memory} |"
+            f"{throughput.show('{:.0f}')} | {results.cpu_ms(workload, config, chunks)} | {clean} | {memory} |"
         )
     return lines
 

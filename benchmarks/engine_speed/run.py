@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import pstats
+import signal
 import statistics
 import sys
 import time
@@ -22,13 +24,15 @@ from rich.progress import (
     Progress,
     ProgressColumn,
     SpinnerColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
 )
 
 from benchmarks.engine_speed.cpuload import idle_foreign_cores
 from benchmarks.engine_speed.launch import JobError, Launcher
-from benchmarks.engine_speed.report import Measurement, Results, headline, markdown_tables, write_docs
+from benchmarks.engine_speed.report import markdown_tables, write_docs
+from benchmarks.engine_speed.results import Measurement, Results, headline
 from benchmarks.engine_speed.worker import Job, JobResult
 from benchmarks.engine_speed.workloads import K
 from lightning_gpipe.schedule import bubble_fraction
@@ -77,10 +81,12 @@ class Plan:
         return jobs
 
 
+# Step counts keep a full round near 100 s on this machine, so that 6 rounds fit the ~11 min budget: more, shorter
+# rounds average out the VM's speed drift better than fewer, longer windows.
 FULL = Plan(
-    rounds=5, min_rounds=3, chunks=(1, 2, 4, 8, 16), transformer_steps=(2, 6), small_steps=(30, 150), budget_seconds=660
+    rounds=6, min_rounds=4, chunks=(1, 2, 4, 8, 16), transformer_steps=(1, 5), small_steps=(20, 100), budget_seconds=660
 )
-QUICK = Plan(rounds=2, min_rounds=2, chunks=(1, 8), transformer_steps=(1, 4), small_steps=(20, 80), budget_seconds=170)
+QUICK = Plan(rounds=3, min_rounds=2, chunks=(1, 8), transformer_steps=(1, 4), small_steps=(20, 80), budget_seconds=170)
 
 
 class Session:
@@ -114,22 +120,24 @@ class Session:
 
     def measure(self, round_index: int, job: Job, spare: Callable[[], float]) -> None:
         """Measure ``job`` for ``round_index``, retrying windows with foreign load while ``spare()`` seconds last."""
+        self._wait_for_quiet(spare())
         for attempt in range(self.plan.max_retries + 1):
-            self._wait_for_quiet(spare())
             started = time.monotonic()
             try:
                 result = self.launcher.run(job, self.plan.job_timeout)
             except JobError as error:
                 if attempt == self.plan.max_retries:
                     raise
-                self.log(f"[yellow]{job} failed, retrying once more:[/] {str(error).splitlines()[-1]}")
+                self.log(f"[yellow]{job} failed, retrying:[/] {str(error).splitlines()[-1]}")
                 continue
             self.durations[job] = time.monotonic() - started
             clean = result.foreign_cores <= self.plan.foreign_threshold
             self.measurements.append(Measurement(round_index, job, attempt, result, clean))
             if clean:
                 return
+            # Retry only once the machine is quiet again: under lasting load a retry costs time and is no cleaner.
             retry = attempt < self.plan.max_retries and spare() > self.durations[job]
+            retry = retry and self._wait_for_quiet(spare()) <= self.plan.foreign_threshold
             self.log(
                 f"[yellow]round {round_index + 1} {job}: foreign load {result.foreign_cores:.2f} cores, window "
                 f"{'discarded, retrying' if retry else 'kept but flagged'}[/]"
@@ -147,24 +155,79 @@ def _record_timeline(launcher: Launcher) -> tuple[Timeline, JobResult]:
     return timelines[makespans.index(statistics.median_low(makespans))], result
 
 
+def _profile(launcher: Launcher, directory: pathlib.Path, console: Console) -> None:
+    """cProfile each rank of both pipelines on both workloads and print where their time goes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for job in (
+        Job("transformer", "ours", TIMELINE_CHUNKS, *FULL.transformer_steps, profile_dir=str(directory)),
+        Job("transformer", "torch_pipelining", TIMELINE_CHUNKS, *FULL.transformer_steps, profile_dir=str(directory)),
+        Job("small", "ours", SMALL_CHUNKS, *FULL.small_steps, profile_dir=str(directory)),
+        Job("small", "torch_pipelining", SMALL_CHUNKS, *FULL.small_steps, profile_dir=str(directory)),
+    ):
+        console.log(f"profiling {job}")
+        result = launcher.run(job, FULL.job_timeout)
+        cpu = " / ".join(f"{c * 1e3:.1f}" for c in result.cpu_seconds_per_step)
+        print(
+            f"\n### {job}: step {statistics.median(result.step_seconds) * 1e3:.1f} ms, CPU per step {cpu} ms, "
+            f"foreign load {result.foreign_cores:.2f} cores"
+        )
+        for rank in range(job.world_size):
+            path = directory / f"{job.workload}-{job.config}-M{job.chunks}-rank{rank}.pstats"
+            print(f"\n#### rank {rank} ({path})")
+            pstats.Stats(str(path), stream=sys.stdout).sort_stats("tottime").print_stats(15)
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.engine_speed.run",
         description="Throughput of lightning_gpipe against torch.distributed.pipelining, K = 2 processes.",
     )
-    parser.add_argument("--quick", action="store_true", help="2 rounds, M in {1, 8}, ~3 min; leaves the docs alone")
+    parser.add_argument("--quick", action="store_true", help="3 rounds, M in {1, 8}, ~2-3 min; leaves the docs alone")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md and the chart")
+    parser.add_argument(
+        "--profile",
+        type=pathlib.Path,
+        metavar="DIR",
+        help="instead of benchmarking, cProfile both pipelines on both workloads into DIR and print the top functions",
+    )
     return parser.parse_args(argv)
 
 
+def _run_rounds(plan: Plan, launcher: Launcher, progress: Progress, task: TaskID) -> list[Measurement]:
+    """Every round of ``plan`` (fewer when the time budget runs out after ``plan.min_rounds``)."""
+    jobs = plan.round_jobs()
+    session = Session(plan, launcher, progress.console.log)
+    for round_index in range(plan.rounds):
+        mandatory = max(plan.min_rounds - round_index, 0)
+        if not mandatory and session.remaining() < session.estimate(jobs) + session.estimate(jobs[:1]) * 2:
+            progress.console.log(f"time budget reached: stopping after {round_index} rounds")
+            break
+        for position, job in enumerate(jobs):
+            progress.update(task, description=f"round {round_index + 1}/{plan.rounds}: {job}")
+
+            def spare(position: int = position, mandatory: int = mandatory) -> float:
+                # Time left after what must still run: the rest of this round and the mandatory rounds after it.
+                rest = session.estimate(jobs[position + 1 :]) + session.estimate(jobs) * max(mandatory - 1, 0)
+                return session.remaining() - rest - 15.0
+
+            session.measure(round_index, job, spare)
+            progress.advance(task)
+    return session.measurements
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so that the launcher still stops every worker it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.profile is not None:
+        with Launcher(observer_pid=os.getpid()) as launcher:
+            _profile(launcher, args.profile, Console(stderr=True))
+        return 0
     plan = QUICK if args.quick else FULL
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds, min_rounds=min(plan.min_rounds, args.rounds))
-    write = not (args.quick or args.no_docs)
-    jobs = plan.round_jobs()
     console = Console(stderr=True)
     columns: list[ProgressColumn] = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn()]
     columns += [MofNCompleteColumn(), TimeElapsedColumn()]
@@ -172,38 +235,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         Progress(*columns, console=console, refresh_per_second=2) as progress,
         Launcher(observer_pid=os.getpid()) as launcher,
     ):
-        task = progress.add_task("starting the worker server (imports torch once)", total=plan.rounds * len(jobs) + 1)
-        session = Session(plan, launcher, progress.console.log)
-        for round_index in range(plan.rounds):
-            mandatory = max(plan.min_rounds - round_index, 0)
-            if not mandatory and session.remaining() < session.estimate(jobs) + session.estimate(jobs[:1]) * 2:
-                progress.console.log(f"time budget reached: stopping after {round_index} rounds")
-                break
-            for position, job in enumerate(jobs):
-                progress.update(task, description=f"round {round_index + 1}/{plan.rounds}: {job}")
-
-                def spare(position: int = position, mandatory: int = mandatory) -> float:
-                    # Time left after what must still run: the rest of this round and the mandatory rounds after it.
-                    rest = session.estimate(jobs[position + 1 :]) + session.estimate(jobs) * max(mandatory - 1, 0)
-                    return session.remaining() - rest - 15.0
-
-                session.measure(round_index, job, spare)
-                progress.advance(task)
+        total = plan.rounds * len(plan.round_jobs()) + 1
+        task = progress.add_task("starting the worker server (imports torch once)", total=total)
+        measurements = _run_rounds(plan, launcher, progress, task)
         progress.update(task, description=f"timeline of one `ours` step, M = {TIMELINE_CHUNKS}")
         timeline, timeline_result = _record_timeline(launcher)
-        progress.update(task, completed=progress.tasks[0].total)
+        progress.update(task, completed=total)
 
-    results = Results(session.measurements)
+    results = Results(measurements)
     goals = headline(results, TIMELINE_CHUNKS, SMALL_CHUNKS)
     expected = bubble_fraction(K, TIMELINE_CHUNKS)
     tables = markdown_tables(results, plan.chunks, SMALL_CHUNKS)
-    command = "python -m benchmarks.engine_speed.run" + (" --quick" if args.quick else "")
-    if write:
+    if not (args.quick or args.no_docs):
         timeline.plot(
             TIMELINE_PNG,
             title=f"One `ours` step, Transformer workload, K = {K}, M = {TIMELINE_CHUNKS}, checkpoint='never'",
             expected_bubble=expected,
         )
+        command = " ".join(["python -m benchmarks.engine_speed.run", *argv])
         write_docs(DOCS, TIMELINE_PNG, tables, goals, timeline, timeline_result, expected, command)
         console.print(f"wrote {DOCS.relative_to(REPO)} and {TIMELINE_PNG.relative_to(REPO)}")
     print(tables)
@@ -213,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Timeline of one ours step at M = {TIMELINE_CHUNKS}: measured bubble {timeline.bubble_fraction():.1%}, "
         f"expected (K-1)/(M+K-1) = {expected:.1%}"
     )
-    print(goals.line())
+    print(goals.line())  # last, for scripts: ratio_vs_torch_pipelining=R ...
     return 0
 
 

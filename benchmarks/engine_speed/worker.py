@@ -6,6 +6,7 @@ other ranks ``None``; a rank that fails reports its traceback.
 
 from __future__ import annotations
 
+import cProfile
 import datetime
 import os
 import resource
@@ -36,6 +37,7 @@ class Job:
     warmup_steps: int
     timed_steps: int
     record_timeline: bool = False
+    profile_dir: str | None = None  # cProfile the timed steps of every rank into this folder
 
     @property
     def world_size(self) -> int:
@@ -58,6 +60,7 @@ class JobResult:
     foreign_cores: float
     own_cores: float
     memory_growth_mib: float  # peak RSS during training minus RSS before the first step, max over processes
+    cpu_seconds_per_step: list[float]  # per process: CPU time (all its threads) per timed step, robust to load
     timelines: list[list[SpanRecord]] = field(default_factory=list)  # one per timed step, all stages merged
 
 
@@ -89,9 +92,13 @@ def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
     if world_size > 1:
         dist.barrier()
     start = snapshot(pids) if rank == 0 else None
+    profiler = cProfile.Profile() if job.profile_dir is not None else None
     origin = time.perf_counter()
+    cpu_origin = time.process_time()
     ends: list[float] = []
     records: list[list[SpanRecord]] = []
+    if profiler is not None:
+        profiler.enable()
     for _ in range(job.timed_steps):
         if timeline is not None:
             timeline.clear()
@@ -99,6 +106,13 @@ def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
         ends.append(time.perf_counter())
         if timeline is not None:
             records.append(timeline.to_records())
+    if profiler is not None:
+        profiler.disable()
+        assert job.profile_dir is not None
+        profiler.dump_stats(
+            os.path.join(job.profile_dir, f"{job.workload}-{job.config}-M{job.chunks}-rank{rank}.pstats")
+        )
+    cpu_per_step = (time.process_time() - cpu_origin) / job.timed_steps
     if world_size > 1:
         dist.barrier()
     end = snapshot(pids) if rank == 0 else None
@@ -106,6 +120,7 @@ def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
     all_ends = _gather(ends, world_size)
     all_records = _gather(records, world_size)
     growth = max(_gather(_peak_rss_mib() - rss_before, world_size))
+    cpu = _gather(cpu_per_step, world_size)
     if rank != 0:
         return None
     assert start is not None
@@ -118,6 +133,7 @@ def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
         foreign_cores=foreign_cores(start, end),
         own_cores=(end.own - start.own) / max(end.wall - start.wall, 1e-9),
         memory_growth_mib=growth,
+        cpu_seconds_per_step=cpu,
         timelines=[sorted(sum((stage[n] for stage in all_records), [])) for n in range(len(records))],
     )
 
