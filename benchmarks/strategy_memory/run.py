@@ -20,6 +20,8 @@ import sys
 import lightning
 import torch
 
+from benchmarks.machine import cpu_model
+
 __all__ = ["main"]
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -53,14 +55,6 @@ def run_worker(runs: list[str], timeout: float = TIMEOUT) -> dict:
         raise RuntimeError(f"helpers.memory_job failed with code {process.returncode}:\n{output[-4000:]}")
     line = next(line for line in reversed(output.splitlines()) if line.startswith(RESULT_PREFIX))
     return json.loads(line.removeprefix(RESULT_PREFIX))
-
-
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def _mib(value: float) -> str:
@@ -120,7 +114,7 @@ def markdown(result: dict, command: str, started: datetime.datetime, load: str) 
         "Step times are the first step's, on a shared machine: indicative only.",
         "",
         f"- command: `{command}`",
-        f"- machine: {os.cpu_count()} CPUs (nproc), {_cpu_model()}, {platform.system()} {platform.release()}; "
+        f"- machine: {os.cpu_count()} CPUs (nproc), {cpu_model()}, {platform.system()} {platform.release()}; "
         f"load average at start: {load}",
         f"- software: Python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}",
         f"- date: {started:%Y-%m-%d %H:%M} UTC",

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from benchmarks.engine_speed.cpuload import CpuSnapshot, foreign_cores, snapshot
+from benchmarks.machine import cpu_model
 from lightning_gpipe import GPipeStrategy
 
 __all__ = ["Plan", "main"]
@@ -261,14 +262,6 @@ def round_ratio(round_: dict[str, dict[str, Any]], clock: str = WALL) -> float:
     return statistics.median(round_["auto"][clock]) / statistics.median(round_["gpipe"][clock])
 
 
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def markdown(summary: Summary, plan: Plan, command: str, started: datetime.datetime, seconds: float) -> str:
     """The results page: per-config medians, every round with its load, the ratio line and the setup."""
     line = f"strategy_overhead_ratio={summary.ratio:.3f}"
@@ -320,7 +313,7 @@ def markdown(summary: Summary, plan: Plan, command: str, started: datetime.datet
     lines += [
         "",
         f"- command: `{command}` ({seconds:.0f} s)",
-        f"- machine: {os.cpu_count()} CPUs (nproc), {_cpu_model()}, {platform.system()} {platform.release()}",
+        f"- machine: {os.cpu_count()} CPUs (nproc), {cpu_model()}, {platform.system()} {platform.release()}",
         f"- software: Python {platform.python_version()}, torch {torch.__version__}, lightning {L.__version__}",
         f"- date: {started:%Y-%m-%d %H:%M} UTC",
         "",
