@@ -1,159 +1,89 @@
-"""`make demo`: a 10-class MLP trained as a 2-stage GPipe pipeline on CPU, checkpointed, with one step charted.
+"""`make demo`: pretrain a small AmoebaNet-D as a 2-stage GPipe pipeline, then fine-tune it on a second task.
 
-    python examples/demo.py                          # about a minute on two CPU cores
-    python examples/demo.py --max-epochs 1 --out /tmp/demo
+    python examples/demo.py                        # a few minutes on two CPU cores
+    python examples/demo.py --quick --out /tmp/d   # the short run the test suite uses
 
-Lightning's launcher runs this script once per stage (it re-runs it with LOCAL_RANK=1 for the second), so everything
-that trains lives under ``if __name__ == "__main__":`` and the module level stays cheap to import.
+Both tasks are the project's embedded image data (32x32 RGB in the CIFAR-10 schema, generated on first use, so
+nothing is downloaded): "shapes" for pretraining, then "pairs", a task with other classes drawn from the same
+visual world. Fine-tuning starts from the pretrained backbone with new heads, exactly as the GPipe paper moves its
+ImageNet AmoebaNet to CIFAR-10 (``zoo.load_pretrained``). Lightning's launcher runs this script once per stage (it
+re-runs it with LOCAL_RANK=1 for the second), so the work lives under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
-import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics.classification import MulticlassAccuracy
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
 import lightning_gpipe
+import zoo
 from lightning_gpipe.callbacks import PipelineTimeline
+from zoo.data import EmbeddedImageDataModule
 
-DIM, CLASSES = 32, 10
-TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 10240, 2048, 128
 SEED = 0
 
 
-def spirals(samples: int, seed: int) -> TensorDataset:
-    """``CLASSES`` noisy spiral arms in a plane, embedded in ``DIM`` dimensions: learnable, but not linearly."""
-    generator = torch.Generator().manual_seed(seed)
-    label = torch.randint(CLASSES, (samples,), generator=generator)
-    t = torch.rand(samples, generator=generator)
-    radius = 0.5 + t  # starting away from the centre keeps neighbouring arms apart
-    angle = 2 * math.pi * (label / CLASSES + t)
-    plane = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=1)
-    plane = plane + 0.02 * torch.randn(samples, 2, generator=generator)
-    # A fixed random orthonormal embedding (seeded apart from the samples, so train and val share it).
-    basis = torch.linalg.qr(torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(SEED)))[0][:, :2]
-    x = 3.0 * (plane @ basis.T + 0.02 * torch.randn(samples, DIM, generator=generator))
-    return TensorDataset(x, label)
+def trainer(out: Path, epochs: int, *callbacks: Any) -> L.Trainer:
+    return L.Trainer(
+        strategy=lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=4, deferred_batch_norm=True),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        logger=False,
+        default_root_dir=out,
+        gradient_clip_val=10.0,  # the AmoebaNet recipe clips the global norm at 10
+        callbacks=[RichProgressBar(), *callbacks],
+    )
 
 
-class SpiralClassifier(L.LightningModule):
-    """An MLP classifier written as for one device: its layers are one ``nn.Sequential`` that GPipe splits."""
-
-    def __init__(self, width: int = 128, depth: int = 5, lr: float = 5e-3) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        layers: list[nn.Module] = [nn.Linear(DIM, width), nn.ReLU()]
-        for _ in range(depth - 1):
-            layers += [nn.Linear(width, width), nn.ReLU()]
-        layers.append(nn.Linear(width, CLASSES))
-        self.layers = nn.Sequential(*layers)
-        self.val_acc = MulticlassAccuracy(num_classes=CLASSES, average="micro")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self.layers(x), y)
-        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        logits = self.layers(x)
-        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
-        self.val_acc(logits, y)
-        self.log("val_acc", self.val_acc, prog_bar=True)
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=1e-4)
-        # One-cycle: a short warm-up then a decay to ~0 makes the curve smooth in a handful of epochs.
-        total = int(self.trainer.estimated_stepping_batches)
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=self.hparams["lr"], pct_start=0.2, total_steps=total
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-class EpochTable(Callback):
-    """Keeps one row per epoch (losses, accuracy, seconds) to print when training ends."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, float, float, float, float]] = []
-        self._start = 0.0
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Validation has already run for this epoch, so its metrics are here too.
-        metrics = trainer.callback_metrics
-        train, loss, acc = (float(metrics.get(key, math.nan)) for key in ("train_loss_epoch", "val_loss", "val_acc"))
-        self.rows.append((trainer.current_epoch, train, loss, acc, time.perf_counter() - self._start))
-
-    def render(self) -> str:
-        lines = [f"{'epoch':>5}  {'train_loss':>10}  {'val_loss':>8}  {'val_acc':>7}  {'seconds':>7}"]
-        lines += [f"{e:>5}  {t:>10.4f}  {v:>8.4f}  {a:>7.2%}  {s:>7.1f}" for e, t, v, a, s in self.rows]
-        return "\n".join(lines)
-
-
-def accuracy_of(module: L.LightningModule, data: TensorDataset) -> float:
-    x, y = data.tensors
-    module.eval()
-    with torch.no_grad():
-        return float((module(x).argmax(dim=1) == y).float().mean())
+def accuracy(trainer: L.Trainer, model: L.LightningModule, data: L.LightningDataModule) -> float:
+    (metrics,) = trainer.validate(model, data, verbose=False)
+    return float(metrics["val_acc"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-epochs", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="where the checkpoints and timeline.png go")
+    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="checkpoints and timeline.png go here")
+    parser.add_argument("--quick", action="store_true", help="a tiny run that only checks the whole flow works")
     args = parser.parse_args()
+    samples = (256, 128) if args.quick else (4000, 1000)
+    epochs = (1, 1) if args.quick else (6, 4)
+    common = {"num_train": samples[0], "num_val": samples[1], "batch_size": 64, "cache_dir": str(args.out / "data")}
+    shapes = EmbeddedImageDataModule(task="shapes", dataset_seed=1, **common)
+    pairs = EmbeddedImageDataModule(task="pairs", dataset_seed=2, **common)
+    shapes.prepare_data()
+    pairs.prepare_data()
 
     L.seed_everything(SEED, verbose=False)  # both stages build the same initial weights
-    train, val = spirals(TRAIN_SAMPLES, seed=1), spirals(VAL_SAMPLES, seed=2)
-    model = SpiralClassifier()
-    checkpoints = ModelCheckpoint(dirpath=args.out, monitor="val_loss", save_last=True)
-    table = EpochTable()
-    trainer = L.Trainer(
-        strategy=lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=8),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=args.max_epochs,
-        logger=False,  # the per-epoch table printed at the end is this demo's log
-        callbacks=[RichProgressBar(), checkpoints, PipelineTimeline(args.out / "timeline.png"), table],
-    )
+    model = zoo.create_model(
+        "amoebanet_d", num_layers=6, num_filters=16, num_classes=shapes.num_classes, image_size=32,
+        lr=2e-3, warmup_epochs=0.5, dropout=0.0,
+    )  # fmt: skip
+    checkpoint = ModelCheckpoint(dirpath=args.out / "pretrain", save_last=True, save_top_k=0)
     started = time.perf_counter()
-    # Shuffled, yet both stages read the same batches: Lightning's sampler is seeded and the strategy makes it
-    # data-parallel only (one replica here).
-    trainer.fit(
-        model,
-        DataLoader(train, batch_size=BATCH, shuffle=True, drop_last=True),
-        DataLoader(val, batch_size=4 * BATCH),
-    )
-    seconds = time.perf_counter() - started
-    if not trainer.is_global_zero:
-        return
+    pretrain = trainer(args.out, epochs[0], checkpoint, PipelineTimeline(args.out / "timeline.png"))
+    pretrain.fit(model, shapes)
+    pretrained = accuracy(pretrain, model, shapes)
 
-    print(f"\n{table.render()}")
-    print(f"\ntrained {args.max_epochs} epoch(s) in {seconds:.1f} s; final val_acc {table.rows[-1][3]:.2%}")
-    print(f"checkpoint: {checkpoints.best_model_path} (best val_loss), last: {checkpoints.last_model_path}")
-    print(f"timeline:   {args.out / 'timeline.png'}")
-    # The checkpoint holds the whole model under its original names: the plain, unpartitioned module loads it.
-    plain = SpiralClassifier()
-    state = torch.load(checkpoints.best_model_path, weights_only=True)["state_dict"]
-    plain.load_state_dict(state, strict=True)
-    print(f"loaded into the plain SpiralClassifier (strict=True): val accuracy {accuracy_of(plain, val):.2%}")
+    L.seed_everything(SEED, verbose=False)  # the same new heads on both stages
+    finetuned = zoo.load_pretrained(checkpoint.last_model_path, num_classes=pairs.num_classes, lr=2e-3)
+    finetune = trainer(args.out, epochs[1])
+    before = accuracy(finetune, finetuned, pairs)
+    finetune.fit(finetuned, pairs)
+    after = accuracy(finetune, finetuned, pairs)
+    seconds = time.perf_counter() - started
+    if not pretrain.is_global_zero:
+        return
+    print(f"\npretrained AmoebaNet-D(6, 16) on 'shapes' ({shapes.num_classes} classes): val accuracy {pretrained:.1%}")
+    print(f"fine-tuning on 'pairs' ({pairs.num_classes} classes, new heads): {finetuned.load_report.summary()}")
+    print(f"  val accuracy before fine-tuning: {before:.1%} (chance {1 / pairs.num_classes:.1%})")
+    print(f"  val accuracy after {epochs[1]} epoch(s):    {after:.1%}")
+    print(f"{seconds:.0f} s in all; checkpoint {checkpoint.last_model_path}; timeline {args.out / 'timeline.png'}")
 
 
 if __name__ == "__main__":

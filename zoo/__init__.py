@@ -1,0 +1,33 @@
+"""The GPipe paper's models as LightningModules: AmoebaNet-D/-B classifiers and deep Transformers.
+
+Every model keeps its layers in one flat ``nn.Sequential`` (``model.layers``), so it trains unchanged with
+``strategy="gpipe"``, and builds on the meta device, so the paper's largest configurations can be sized without
+memory::
+
+    import zoo
+
+    zoo.list_models()
+    model = zoo.create_model("amoebanet_d", num_layers=18, num_filters=208, num_classes=1000)
+    model = zoo.load_pretrained("pretrain.ckpt", num_classes=10)  # backbone loaded, new random heads
+"""
+
+from zoo._registry import create_model, list_models, register_model
+from zoo.finetune import LoadReport, load_pretrained
+from zoo.tasks.base import ZooModule
+from zoo.tasks.classification import AmoebaNetB, AmoebaNetD, ImageClassifier
+from zoo.tasks.language_model import TransformerLM
+from zoo.tasks.translation import Transformer
+
+__all__ = [
+    "AmoebaNetB",
+    "AmoebaNetD",
+    "ImageClassifier",
+    "LoadReport",
+    "Transformer",
+    "TransformerLM",
+    "ZooModule",
+    "create_model",
+    "list_models",
+    "load_pretrained",
+    "register_model",
+]

@@ -1,4 +1,4 @@
-"""Lightning callbacks for pipelines: PipelineTimeline, checked through the demo script run as a real 2-rank job."""
+"""Lightning callbacks for pipelines: PipelineTimeline, checked through the spiral example run as a real 2-rank job."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def demo_script() -> ModuleType:
-    """examples/demo.py as a module (it is a script, not part of a package); importing it trains nothing."""
-    spec = importlib.util.spec_from_file_location("gpipe_demo", REPO / "examples" / "demo.py")
+def spiral_script() -> ModuleType:
+    """examples/spiral.py as a module (it is a script, not part of a package); importing it trains nothing."""
+    spec = importlib.util.spec_from_file_location("gpipe_spiral", REPO / "examples" / "spiral.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -43,10 +43,10 @@ def test_other_strategies_fail_at_setup_with_the_fix(tmp_path):
 
 
 @RunIf(multiprocess=True)
-def test_demo_trains_checkpoints_and_charts_a_step(tmp_path):
-    # Lightning's launcher starts the second rank itself by re-running the script, as `make demo` does.
+def test_the_spiral_example_trains_checkpoints_and_charts_a_step(tmp_path):
+    # Lightning's launcher starts the second rank itself by re-running the script, as for any script.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "examples/demo.py", "--max-epochs", "1", "--out", str(tmp_path)]
+    command = [sys.executable, "examples/spiral.py", "--max-epochs", "1", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -56,6 +56,6 @@ def test_demo_trains_checkpoints_and_charts_a_step(tmp_path):
     assert "fill-drain ideal 11.1% for K=2, M=8" in output
 
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
-    plain = demo_script().SpiralClassifier()
+    plain = spiral_script().SpiralClassifier()
     plain.load_state_dict(checkpoint["state_dict"], strict=True)  # raises on any missing or renamed key
     assert "loaded into the plain SpiralClassifier (strict=True)" in output

@@ -1,0 +1,167 @@
+"""Fine-tuning from a pretrained checkpoint: the backbone's weights loaded exactly, the task heads new.
+
+A checkpoint written by ``Trainer.save_checkpoint`` (with any number of pipeline stages: GPipeStrategy saves the whole
+model under its unpartitioned names) carries the zoo model's registry name and constructor arguments, so
+:func:`load_pretrained` can rebuild the architecture, load every backbone weight and start the heads afresh, as the
+GPipe paper fine-tunes its ImageNet AmoebaNet on CIFAR and Food-101. Files are read with ``weights_only=True``: a
+checkpoint whose unpickling would run code is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo._registry import model_class
+from zoo.tasks.base import ZooModule
+
+__all__ = ["LoadReport", "load_backbone", "load_pretrained", "read_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What :func:`load_backbone` did: state-dict keys loaded from the checkpoint, and those it left fresh."""
+
+    loaded: tuple[str, ...]
+    fresh: tuple[str, ...]  # the heads' keys: newly initialized
+    skipped: tuple[str, ...]  # the checkpoint's head keys, not used
+
+    def summary(self) -> str:
+        return (
+            f"loaded {len(self.loaded)} backbone tensors; new heads: {', '.join(self.fresh) or 'none'}; "
+            f"skipped from the checkpoint: {', '.join(self.skipped) or 'none'}"
+        )
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The checkpoint at ``path``, read with ``weights_only=True`` onto the CPU; it must come from a zoo model."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no checkpoint at {str(path)!r}: pass the path of a file written by Trainer.save_checkpoint"
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # the unpickler's refusal comes in several exception types
+        raise ValueError(
+            f"refusing to load {str(path)!r}: it is not a checkpoint that loads with weights_only=True ({error}). "
+            "Zoo checkpoints hold tensors and plain values only; never load an untrusted file with weights_only=False."
+        ) from error
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"{str(path)!r} is not a Lightning checkpoint: it has no 'state_dict'")
+    if not checkpoint.get("zoo_model"):
+        raise ValueError(
+            f"{str(path)!r} was not written by a zoo model (no 'zoo_model' entry): load_pretrained needs a checkpoint "
+            "of a model created with zoo.create_model or a zoo model class"
+        )
+    return checkpoint
+
+
+def load_backbone(model: ZooModule, checkpoint: str | Path | Mapping[str, Any]) -> LoadReport:
+    """Copy every backbone weight of ``checkpoint`` into ``model``; the heads (``model.head_prefixes()``) stay fresh.
+
+    Raises ``ValueError``, leaving ``model`` untouched, when the checkpoint is of another architecture: another
+    registry name, or backbone keys or shapes that differ from ``model``'s.
+    """
+    if not isinstance(checkpoint, Mapping):
+        checkpoint = read_checkpoint(checkpoint)
+    saved_name = checkpoint.get("zoo_model")
+    if saved_name != model.zoo_name:
+        raise ValueError(
+            f"the checkpoint holds a {saved_name!r} model, not {model.zoo_name!r}: load it with "
+            f"zoo.load_pretrained(path, ...), which rebuilds the checkpoint's own architecture"
+        )
+
+    def is_head(key: str) -> bool:
+        return any(key == prefix or key.startswith(prefix + ".") for prefix in model.head_prefixes())
+
+    saved: Mapping[str, torch.Tensor] = checkpoint["state_dict"]
+    own = model.state_dict()
+    backbone = [key for key in own if not is_head(key)]
+    missing = [key for key in backbone if key not in saved]
+    unexpected = [key for key in saved if key not in own and not is_head(key)]
+    mismatched = [
+        f"{key} {tuple(saved[key].shape)} vs {tuple(own[key].shape)}"
+        for key in backbone
+        if key in saved and saved[key].shape != own[key].shape
+    ]
+    if missing or unexpected or mismatched:
+        details = "; ".join(
+            f"{label}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+            for label, keys in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("shape (checkpoint vs model)", mismatched),
+            )
+            if keys
+        )
+        raise ValueError(
+            f"the checkpoint's backbone does not fit this {model.zoo_name!r} model ({details}); it was written with "
+            f"other architecture arguments: use zoo.load_pretrained(path, num_classes=...), which rebuilds the model "
+            f"from the checkpoint's own hyper-parameters"
+        )
+    with torch.no_grad():
+        for key in backbone:
+            own[key].copy_(saved[key])
+    report = LoadReport(
+        loaded=tuple(backbone),
+        fresh=tuple(key for key in own if is_head(key)),
+        skipped=tuple(key for key in saved if is_head(key)),
+    )
+    log.info("%s", report.summary())
+    return report
+
+
+def load_pretrained(
+    path: str | Path,
+    num_classes: int | None = None,
+    freeze_backbone: bool = False,
+    *,
+    architecture: str | None = None,
+    **overrides: Any,
+) -> ZooModule:
+    """Rebuild the zoo model saved at ``path`` for a new task: backbone weights loaded, heads new.
+
+    Args:
+        path: a checkpoint written by ``Trainer.save_checkpoint`` from a zoo model, with any number of stages.
+        num_classes: classes of the new task; the classifier and the aux classifier are re-created for it and
+            freshly initialized. ``None`` keeps the checkpoint's number of classes (the heads are still new).
+        freeze_backbone: train the heads only; every other parameter has ``requires_grad=False``.
+        architecture: the registry name the checkpoint must hold (e.g. ``"amoebanet_d"``); another one is refused.
+        overrides: other constructor arguments to change (training hyper-parameters such as ``lr``; architecture
+            arguments must stay as saved, or the backbone will not fit).
+
+    Returns:
+        The model; ``model.load_report`` (a :class:`LoadReport`) lists the loaded, new and skipped keys.
+    """
+    checkpoint = read_checkpoint(path)
+    name = checkpoint["zoo_model"]
+    if architecture is not None and name != architecture:
+        raise ValueError(
+            f"{str(path)!r} holds a {name!r} model, not the expected {architecture!r}: pass a checkpoint of "
+            f"{architecture!r}, or architecture={name!r}"
+        )
+    cls = model_class(name)
+    accepted = inspect.signature(cls).parameters
+    arguments = dict(checkpoint.get("hyper_parameters", {}))
+    arguments.update(overrides)
+    if "pretrained" in accepted:
+        arguments["pretrained"] = None  # the weights come from this checkpoint, not from the one it was made from
+    for key, value in (("num_classes", num_classes), ("freeze_backbone", freeze_backbone or None)):
+        if value is None:
+            continue
+        if key not in accepted:
+            raise ValueError(f"{key}={value!r}: the {name!r} model has no such argument ({', '.join(accepted)})")
+        arguments[key] = value
+    model = cls(**arguments)
+    assert isinstance(model, ZooModule)
+    model.load_report = load_backbone(model, checkpoint)
+    return model

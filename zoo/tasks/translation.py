@@ -1,0 +1,113 @@
+"""The GPipe paper's multilingual translation model T(L, H, A) as a LightningModule (registered as "transformer")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchmetrics.classification import MulticlassAccuracy
+
+from zoo._registry import register_model
+from zoo.tasks.base import ZooModule
+from zoo.transformer.network import decoder_slice, encoder_slice, transformer_layers
+from zoo.transformer.objective import sequence_cross_entropy
+from zoo.transformer.optimization import OPTIMIZERS, transformer_optimization
+
+__all__ = ["Transformer"]
+
+
+@register_model("transformer")
+class Transformer(ZooModule):
+    """Encoder-decoder T(L=``num_layers``, H=``ff_dim``, A=``num_heads``) of GPipe Section 5, lingvo's structure.
+
+    A batch is ``(source, target)``, LongTensors [B, S] and [B, T] right-padded with ``pad_id``: ``source`` is
+    ``<2xx> tokens... </s>`` (the target-language token first), ``target`` is ``<s> tokens... </s>``. The model
+    reads ``(source, target[:, :-1])`` and is trained to predict ``target[:, 1:]``.
+
+    Depth stabilisers of the paper, both on by choice: ``ff_init_scaling`` (feed-forward init scaled by
+    ``num_layers ** -0.5``) and ``logits_abs_max`` (clip training logits; None turns it off, lingvo's default). The
+    optimizer is Adam (0.9, 0.98) with an inverse-square-root warmup to the peak ``lr``, or Adafactor
+    (``optimizer="adafactor"``, what lingvo used for the large runs); see :mod:`zoo.transformer.optimization`.
+
+    Parameter counts and how they compare with the paper are in :mod:`zoo.transformer.network`. Decoding (greedy,
+    beam search) runs on the whole model after training: :mod:`zoo.transformer.decoding`.
+    """
+
+    def __init__(
+        self,
+        num_layers: int = 6,
+        ff_dim: int = 8192,
+        num_heads: int = 16,
+        d_model: int = 1024,
+        vocab_size: int = 64000,
+        head_dim: int = 64,
+        dropout: float = 0.1,
+        label_smoothing: float = 0.1,
+        ff_init_scaling: bool = True,
+        logits_abs_max: float | None = None,
+        pad_id: int = 0,
+        optimizer: str = "adam",
+        lr: float = 5e-4,
+        warmup_steps: int = 4000,
+    ) -> None:
+        super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(map(repr, OPTIMIZERS))}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1), e.g. 0.1 (0 turns smoothing off)")
+        self.save_hyperparameters()
+        self.layers = transformer_layers(
+            num_layers,
+            ff_dim,
+            num_heads,
+            d_model=d_model,
+            vocab_size=vocab_size,
+            head_dim=head_dim,
+            dropout=dropout,
+            ff_init_scaling=ff_init_scaling,
+            logits_abs_max=logits_abs_max,
+            pad_id=pad_id,
+        )
+        self.val_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro", ignore_index=pad_id)
+
+    def forward(self, source: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] for the next token at every position of ``target_in`` [B, T], given ``source`` [B, S]."""
+        return self.layers((source, target_in))
+
+    def encode(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the encoder part once: ``source`` [B, S] -> (memory [B, S, D], source_mask [B, S] bool)."""
+        memory, source_mask, _ = self.layers[encoder_slice(self.hparams["num_layers"])]((source, source[:, :0]))
+        return memory, source_mask
+
+    def decode(self, memory: torch.Tensor, source_mask: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
+        """Run the decoder part: logits [B, T, V] for ``target_in`` [B, T] attending to an :meth:`encode` result."""
+        return self.layers[decoder_slice(self.hparams["num_layers"])]((memory, source_mask, target_in))
+
+    def head_prefixes(self) -> tuple[str, ...]:
+        return (f"layers.{len(self.layers) - 1}",)
+
+    def _loss(self, logits: torch.Tensor, target_out: torch.Tensor) -> torch.Tensor:
+        return sequence_cross_entropy(
+            logits, target_out, pad_id=self.hparams["pad_id"], label_smoothing=self.hparams["label_smoothing"]
+        )
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        source, target = batch
+        logits = self.layers((source, target[:, :-1]))
+        # Under GPipeStrategy only the last stage runs past this line.
+        loss = self._loss(logits, target[:, 1:])
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        source, target = batch
+        logits = self.layers((source, target[:, :-1]))
+        target_out = target[:, 1:]
+        self.val_accuracy(logits.argmax(dim=-1), target_out)
+        self.log("val_loss", self._loss(logits, target_out), prog_bar=True, sync_dist=True)
+        self.log("val_acc", self.val_accuracy, on_epoch=True)
+
+    def configure_optimizers(self) -> Any:
+        return transformer_optimization(
+            self.parameters(), self.hparams["optimizer"], self.hparams["lr"], self.hparams["warmup_steps"]
+        )

@@ -1,0 +1,36 @@
+"""The training objective of the zoo's Transformers: token cross-entropy with label smoothing, padding ignored.
+
+Shape legend: B batch, T target length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["sequence_cross_entropy"]
+
+
+def sequence_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, *, pad_id: int = 0, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """Mean over the non-padding target tokens of the label-smoothed cross-entropy.
+
+    ``logits`` [B, T, V], ``targets`` [B, T] long. With smoothing s the target distribution is ``(1 - s)·onehot + s/V``
+    (TF's ``softmax_cross_entropy(label_smoothing=s)``); positions whose target is ``pad_id`` add nothing, to the
+    loss or to the token count. A token mean is what ``GPipeStrategy`` needs: it weights each micro-batch's loss by
+    its share of the samples.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1), e.g. 0.1 (0 turns smoothing off)")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match targets of shape {tuple(targets.shape)}: "
+            "expected logits [B, T, V] for targets [B, T]"
+        )
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=pad_id,
+        label_smoothing=label_smoothing,
+    )
