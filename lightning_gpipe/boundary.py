@@ -11,6 +11,9 @@ goes once per step, not per micro-batch:
   batch dimension resized to that micro-batch's size. The sender checks the prediction and raises if it fails;
 - gradients need no header: they go back for exactly the received tensors that require grad, with their shapes.
 
+The header also carries the sender's batch fingerprint (:mod:`lightning_gpipe.fingerprint`), when the caller gives
+one: the receiver compares it with its own, so stages that read different batches are caught at the first step.
+
 Once the header is in, the receiver posts the receives of the whole step at once: gloo parks a send until its
 receive is posted, and a receive posted only when needed costs a rendezvous per message (~100 µs against ~20 µs for a
 4 KiB message posted ahead, measured on these machines).
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from lightning_gpipe.errors import PipelineError
+from lightning_gpipe.fingerprint import Fingerprint, same_fingerprint
 from lightning_gpipe.structure import Spec, flatten, leaf_paths, unflatten
 from lightning_gpipe.transport import Transport
 
@@ -87,6 +91,7 @@ class ActivationLink:
         self.transport = transport
         self.peer = peer
         self._sizes: list[int] = []
+        self._fingerprint: Fingerprint | None = None
         self._layout: _Layout | None = None  # layout of the step's first micro-batch, set by its header
         self._posted: dict[int, list[tuple[torch.Tensor | None, Callable[[], None] | None]]] = {}
 
@@ -94,9 +99,13 @@ class ActivationLink:
     def stage(self) -> int:
         return self.transport.stage
 
-    def begin_step(self, sizes: Sequence[int]) -> None:
-        """Start a step whose micro-batches have ``sizes`` samples; the next message carries a header."""
+    def begin_step(self, sizes: Sequence[int], fingerprint: Fingerprint | None = None) -> None:
+        """Start a step whose micro-batches have ``sizes`` samples; the next message carries a header.
+
+        ``fingerprint`` summarizes this stage's batch; when both neighbours give one, the receiver checks they match.
+        """
         self._sizes = list(sizes)
+        self._fingerprint = fingerprint
         self._layout = None
         self._posted = {}
 
@@ -111,7 +120,9 @@ class ActivationLink:
         layout, tensors = _describe(self.stage, value, self._sizes[index])
         if self._layout is None:
             self._layout = _resize(layout, self._sizes[0]) if self._sizes[index] != self._sizes[0] else layout
-            self._send_header({"layout": layout, "index": index, "sizes": self._sizes})
+            self._send_header(
+                {"layout": layout, "index": index, "sizes": self._sizes, "fingerprint": self._fingerprint}
+            )
         elif layout != self._predicted(index):
             raise PipelineError(
                 self.stage,
@@ -185,6 +196,18 @@ class ActivationLink:
                 f"micro-batch {index}. Every stage of a pipeline must see the same batch and the same chunks: use "
                 "the data-parallel sampler only (not one per stage) and the same settings on every rank.",
             )
+        theirs = message.get("fingerprint")
+        if theirs is not None and self._fingerprint is not None and not same_fingerprint(theirs, self._fingerprint):
+            raise PipelineError(
+                self.stage,
+                f"stage {self.peer} and this stage read different batches at this step (the batch fingerprints, "
+                f"shape, dtype and checksum per tensor, are {_show_fingerprint(theirs)} there and "
+                f"{_show_fingerprint(self._fingerprint)} here). Every stage of a pipeline must read the same batches "
+                "in the same order: keep Lightning's distributed sampler (use_distributed_sampler=True), seed any "
+                "shuffling identically on every rank, and do not make the data depend on the rank. If the stages "
+                "read different inputs on purpose (random augmentation seeded per rank, used by the first stage "
+                "only), turn the check off with GPipeStrategy(verify_batches=False).",
+            )
         layout = message["layout"]
         self._layout = _resize(layout, self._sizes[0]) if self._sizes[index] != self._sizes[0] else layout
 
@@ -209,6 +232,10 @@ class GradientLink:
             self.transport.recv(buffer, self.peer, f"gradients of micro-batch {index}")
             grads.append(buffer)
         return grads
+
+
+def _show_fingerprint(fingerprint: Fingerprint) -> str:
+    return "[" + ", ".join(f"{tuple(shape)} {dtype} {checksum:.6g}" for shape, dtype, checksum in fingerprint) + "]"
 
 
 def _show(layout: _Layout) -> str:

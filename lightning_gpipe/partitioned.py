@@ -138,10 +138,11 @@ def _check_shared(cells: Sequence[Sequence[tuple[str, nn.Module]]]) -> None:
         for index, layer in layers:
             for kind, items in (("module", [("", layer)]), ("parameter", list(layer.named_parameters()))):
                 for name, item in items:
-                    seen = owners.setdefault(id(item), (stage, f"{index}.{name}".rstrip(".")))
+                    label = f"{index}.{name}".rstrip(".")
+                    seen = owners.setdefault(id(item), (stage, label))
                     if seen[0] != stage:
                         raise ValueError(
-                            f"layer {seen[1]} (stage {seen[0]}) and layer {index}.{name} (stage {stage}) share one "
+                            f"layer {seen[1]} (stage {seen[0]}) and layer {label} (stage {stage}) share one "
                             f"{kind}; a pipeline stage cannot update another stage's weights. Tie weights within "
                             "one stage (choose a balance that keeps both layers together) or untie them."
                         )

@@ -49,6 +49,7 @@ class Pipeline:
         checkpoint: re-materialization mode.
         schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"``.
         timeline: records every action's start and end when given.
+        detect_anomalies: raise where a NaN or Inf first appears (stage and micro-batch named); see :class:`Stage`.
     """
 
     def __init__(
@@ -61,10 +62,18 @@ class Pipeline:
         schedule: str = "gpipe",
         timeline: Timeline | None = None,
         compute_guard: Callable[[], Any] | None = None,
+        detect_anomalies: bool = False,
     ) -> None:
         self.chunks = validate_chunks(chunks)
         self.schedule = validate_schedule(schedule)
-        self.stage = Stage(cell, transport, checkpoint=checkpoint, timeline=timeline, compute_guard=compute_guard)
+        self.stage = Stage(
+            cell,
+            transport,
+            checkpoint=checkpoint,
+            timeline=timeline,
+            compute_guard=compute_guard,
+            detect_anomalies=detect_anomalies,
+        )
 
     def train_step(self, batch: Any, loss_fn: LossFn, input_fn: InputFn = first_element) -> torch.Tensor | None:
         """Forward and backward of one mini-batch; returns its (detached) loss on the last stage, else ``None``."""
@@ -142,6 +151,7 @@ def run_in_threads(
     timeline: Timeline | None = None,
     seeds: Sequence[int] | None = None,
     timeout: float = DEFAULT_TIMEOUT.total_seconds(),
+    detect_anomalies: bool = False,
 ) -> torch.Tensor:
     """One training step of the pipeline made of ``cells``, every stage a thread of this process.
 
@@ -166,6 +176,7 @@ def run_in_threads(
             schedule=schedule,
             timeline=timeline,
             compute_guard=guard,
+            detect_anomalies=detect_anomalies,
         )
         try:
             results[stage] = pipeline.train_step(batch, loss_fn, input_fn)

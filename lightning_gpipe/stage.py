@@ -19,10 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gpipe.anomaly import check_finite
 from lightning_gpipe.batchnorm import DeferredBatchNorm, commit_running_stats
 from lightning_gpipe.boundary import ActivationLink, GradientLink
 from lightning_gpipe.checkpoint import CheckpointMode, checkpoint_stop, checkpointed, validate_mode
 from lightning_gpipe.errors import PipelineError
+from lightning_gpipe.fingerprint import Fingerprint
 from lightning_gpipe.structure import flatten
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.transport import Transport
@@ -47,6 +49,8 @@ class Stage:
         timeline: records the start and end of every action when given.
         compute_guard: a context entered around this stage's computation (not around its waits); the in-process
             runner uses it to give each thread-stage its own random-number stream.
+        detect_anomalies: check the cell's outputs, the loss and the gradients for NaN and Inf, and raise a
+            :class:`PipelineError` naming the stage and the micro-batch where one first appears.
     """
 
     def __init__(
@@ -57,8 +61,10 @@ class Stage:
         checkpoint: CheckpointMode = "except_last",
         timeline: Timeline | None = None,
         compute_guard: ComputeGuard | None = None,
+        detect_anomalies: bool = False,
     ) -> None:
         self.cell = cell
+        self.detect_anomalies = detect_anomalies
         self.transport = transport
         self.index = transport.stage
         self.num_stages = transport.num_stages
@@ -83,15 +89,18 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 
-    def begin_step(self, sizes: Sequence[int]) -> None:
-        """Start a step of ``len(sizes)`` micro-batches with these sample counts (the same on every stage)."""
+    def begin_step(self, sizes: Sequence[int], fingerprint: Fingerprint | None = None) -> None:
+        """Start a step of ``len(sizes)`` micro-batches with these sample counts (the same on every stage).
+
+        With a ``fingerprint`` of this stage's batch, the stages check that they all read the same batch.
+        """
         if self._inputs or self._outputs:
             pending = sorted(set(self._inputs) | set(self._outputs))
             raise PipelineError(self.index, f"a new step began while micro-batches {pending} still await backward")
         self._num_microbatches = len(sizes)
         for link in (self._inbox, self._outbox):
             if link is not None:
-                link.begin_step(sizes)
+                link.begin_step(sizes, fingerprint)
 
     def _record(self, phase: str, index: int) -> AbstractContextManager[None]:
         return self.timeline.record(self.index, phase, index) if self.timeline is not None else nullcontext()
@@ -110,6 +119,8 @@ class Stage:
         )
         with self._guard(), self._record("forward", index):
             output = checkpointed(self.cell, value) if rematerialize else self.cell(value)
+        if self.detect_anomalies:
+            check_finite(self.index, index, "the output", output)
         if grad_enabled:
             inputs = _grad_tensors(value) if not self.is_first else []
             if inputs:
@@ -128,6 +139,8 @@ class Stage:
         if self.is_last:
             if loss is None:
                 raise PipelineError(self.index, f"the last stage needs the loss of micro-batch {index} for backward")
+            if self.detect_anomalies:
+                check_finite(self.index, index, "the loss", loss)
             with self._guard(), self._record("backward", index):
                 torch.autograd.backward(loss)
         else:
@@ -140,6 +153,8 @@ class Stage:
         inputs = self._inputs.pop(index, [])
         if inputs:
             assert self._grad_outbox is not None
+            if self.detect_anomalies:
+                check_finite(self.index, index, "the gradient of the input", [t.grad for t in inputs])
             self._grad_outbox.send(inputs)
 
     def end_step(self) -> None:

@@ -44,9 +44,12 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_gpipe.anomaly import check_finite
 from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.checkpoint import CheckpointMode, validate_mode
 from lightning_gpipe.cost import CostFn, layer_costs
+from lightning_gpipe.errors import PipelineError
+from lightning_gpipe.fingerprint import batch_fingerprint
 from lightning_gpipe.gradients import average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
@@ -69,7 +72,9 @@ __all__ = ["GPipeStrategy"]
 log = logging.getLogger(__name__)
 
 Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _BALANCE_NAMES = ("params", "flops", "time", "memory")
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class _StageDone(BaseException):
@@ -96,6 +101,12 @@ class GPipeStrategy(ParallelStrategy):
         timeout: how long a stage waits for a peer before it gives up (default 30 minutes).
         start_method: ``"popen"`` (default: re-run the script per rank, as DDP), or ``"fork"`` / ``"spawn"``;
             use ``"fork"`` in notebooks.
+        process_group_backend: the ``torch.distributed`` backend; default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
+        detect_anomalies: check every micro-batch's loss, each stage's outputs and the gradients it sends back for
+            NaN and Inf, and stop with an error naming the stage and micro-batch where one first appears. Costs one
+            device synchronization per checked tensor; off by default.
+        verify_batches: check at every step that all stages of a pipeline read the same batch (shapes and a
+            checksum travel with the step header, so it costs no extra message); on by default.
     """
 
     strategy_name = "gpipe"
@@ -117,7 +128,9 @@ class GPipeStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: datetime.timedelta = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        start_method: StartMethod = "popen",
+        detect_anomalies: bool = False,
+        verify_batches: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -142,10 +155,18 @@ class GPipeStrategy(ParallelStrategy):
                 "'1f1b', see lightning_gpipe.pipeline.Pipeline)"
             )
         self._schedule = schedule
-        self._module_name = module_name
-        self._deferred_batch_norm = bool(deferred_batch_norm)
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._module_name = _check_module_name(module_name)
+        self._deferred_batch_norm = _check_flag("deferred_batch_norm", deferred_batch_norm)
+        self._detect_anomalies = _check_flag("detect_anomalies", detect_anomalies)
+        self._verify_batches = _check_flag("verify_batches", verify_batches)
+        self._process_group_backend = _check_backend(process_group_backend)
+        self._timeout = _check_timeout(timeout)
+        if start_method not in _START_METHODS:
+            raise ValueError(
+                f"start_method={start_method!r} is not a way to start the processes; use one of "
+                f"{', '.join(map(repr, _START_METHODS))} ('popen' re-runs the script per rank, 'fork' works in "
+                "notebooks)"
+            )
         self._start_method = start_method
         self._num_nodes = 1
         self._layout: ProcessLayout | None = None
@@ -154,6 +175,7 @@ class GPipeStrategy(ParallelStrategy):
         self._partition: Partition | None = None
         self._stage: Stage | None = None
         self._full_keys: list[str] = []
+        self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._parameter_order: list[str] = []
         self._losses: dict[int, Tensor] = {}
         self._failed = False
@@ -327,7 +349,9 @@ class GPipeStrategy(ParallelStrategy):
                 f"cannot split the {len(sequence)} layers of {path!r} into {layout.pipe_size} stages: every stage "
                 f"needs at least one layer; use pipe_size <= {len(sequence)} or split the model into more layers"
             )
-        self._full_keys = list(module.state_dict().keys())
+        full_state = module.state_dict()
+        self._full_keys = list(full_state.keys())
+        self._full_shapes = {key: tuple(value.shape) for key, value in full_state.items() if isinstance(value, Tensor)}
         self._parameter_order = [name for name, _ in module.named_parameters()]
         balance = self._find_balance(module, sequence)
         self._partition = partition_module(module, path, sequence, balance, layout.stage)
@@ -346,7 +370,13 @@ class GPipeStrategy(ParallelStrategy):
                 # replicas of that stage only (over WORLD, the other stages would never join: a hang).
                 metric.process_group = self._replica_group
         transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout)
-        self._stage = Stage(cell, transport, checkpoint=self._checkpoint, timeline=self.timeline)
+        self._stage = Stage(
+            cell,
+            transport,
+            checkpoint=self._checkpoint,
+            timeline=self.timeline,
+            detect_anomalies=self._detect_anomalies,
+        )
         log.info(f"GPipe: rank {self.global_rank} runs stage {layout.stage}: layers {[i for i, _ in own]} of {path}")
 
     def _find_balance(self, module: LightningModule, sequence: torch.nn.Sequential) -> list[int]:
@@ -457,7 +487,9 @@ class GPipeStrategy(ParallelStrategy):
                 f"a batch of {samples} samples cannot fill {self.layout.pipe_size} pipeline stages; "
                 "use a batch size of at least pipe_size (and drop_last=True if the last batch is smaller)"
             )
-        self._stage.begin_step([mb.size for mb in self._microbatches])
+        # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
+        fingerprint = batch_fingerprint(batch) if self._verify_batches and self.layout.pipe_size > 1 else None
+        self._stage.begin_step([mb.size for mb in self._microbatches], fingerprint)
         recorder = LogRecorder(self.lightning_module)  # type: ignore[arg-type]
         outputs = []
         for mb in self._microbatches:
@@ -465,12 +497,32 @@ class GPipeStrategy(ParallelStrategy):
                 outputs.append(self._run_user_step(hook, mb, rest, kwargs))
         return outputs, recorder
 
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Turn the failure of a collective into an error that names this stage and what it was doing.
+
+        A collective fails at once (gloo reports a closed connection) when another rank of the group died; the
+        error is then only a consequence, and the message says where to look for the cause.
+        """
+        try:
+            yield
+        except PipelineError:
+            raise
+        except RuntimeError as error:
+            raise PipelineError(
+                self.layout.stage,
+                f"{what} failed: {error}. Another rank of the job probably failed first (an error, or a process that "
+                "was killed): look for its error above.",
+            ) from error
+
     def _share_from_last_stage(self, payload: Any) -> Any:
         """Send ``payload`` from the pipeline's last stage to its other stages."""
         if self.layout.pipe_size == 1:
             return payload
         box = [payload]
-        dist.broadcast_object_list(box, src=self.layout.last_stage_rank, group=self._pipeline_group)
+        source = self.layout.last_stage_rank
+        with self._collective(f"receiving the step's loss and logs from the last stage (global rank {source})"):
+            dist.broadcast_object_list(box, src=source, group=self._pipeline_group)
         return box[0]
 
     def _mirror_logs(self, recorder: LogRecorder, extra: Any = None) -> Any:
@@ -498,6 +550,8 @@ class GPipeStrategy(ParallelStrategy):
                         f"training_step returned {type(output).__name__}; under GPipeStrategy it must return the loss "
                         "tensor or a dict with a 'loss' tensor for every batch"
                     )
+                if self._detect_anomalies:
+                    check_finite(self._stage.index, mb.index, "the loss", loss)
                 self._losses[mb.index] = loss * mb.weight
         total = torch.stack(list(self._losses.values())).sum().detach() if self._stage.is_last else None
         total = self._mirror_logs(recorder, total)
@@ -531,7 +585,8 @@ class GPipeStrategy(ParallelStrategy):
         def closure_then_average() -> Any:
             result = closure()
             parameters = [p for group in optimizer.param_groups for p in group["params"]]
-            average_gradients(parameters, self._replica_group, replicas)  # type: ignore[arg-type]
+            with self._collective(f"averaging gradients with the replicas of this stage {self.layout.replica_ranks()}"):
+                average_gradients(parameters, self._replica_group, replicas)  # type: ignore[arg-type]
             return result
 
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
@@ -601,7 +656,8 @@ class GPipeStrategy(ParallelStrategy):
             return [part]
         dst = self.layout.last_stage_rank
         parts: list[Any] | None = [None] * self.layout.pipe_size if self.global_rank == dst else None
-        dist.gather_object(part, parts, dst=dst, group=self._pipeline_group)
+        with self._collective(f"gathering the stages' parts on global rank {dst}"):
+            dist.gather_object(part, parts, dst=dst, group=self._pipeline_group)
         return parts
 
     def gather_timeline(self) -> Timeline | None:
@@ -661,6 +717,8 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         assert self._partition is not None
         saved = checkpoint["state_dict"]
+        # Every rank checks the whole checkpoint, not only its own stage's part, before loading anything: all ranks
+        # then fail together with the same message instead of one failing and the others waiting for it.
         if strict:
             unexpected = [key for key in saved if key not in self._full_keys]
             missing = [key for key in self._full_keys if key not in saved]
@@ -668,8 +726,21 @@ class GPipeStrategy(ParallelStrategy):
                 raise RuntimeError(
                     "the checkpoint does not match this model: "
                     f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
-                    f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+                    f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. It was written for "
+                    "another model, or by one stage alone (save with trainer.save_checkpoint, called on every rank). "
+                    "Nothing was loaded."
                 )
+        mismatched = [
+            f"{key}: {tuple(saved[key].shape)} in the checkpoint, {shape} in the model"
+            for key, shape in self._full_shapes.items()
+            if isinstance(saved.get(key), Tensor) and tuple(saved[key].shape) != shape
+        ]
+        if mismatched:
+            raise RuntimeError(
+                f"the checkpoint does not match this model: {len(mismatched)} tensor(s) have another shape "
+                f"({'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}). It was written for a model "
+                "of other sizes: build the model with the checkpoint's configuration. Nothing was loaded."
+            )
         local_keys = module.state_dict().keys()
         module.load_state_dict({key: saved[key] for key in local_keys if key in saved}, strict=strict)
 
@@ -741,3 +812,47 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, list):
         return [_to_cpu(item) for item in value]
     return value
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
+    return value
+
+
+def _check_module_name(module_name: object) -> str | None:
+    if module_name is None:
+        return None
+    if not isinstance(module_name, str):
+        raise TypeError(
+            f"module_name={module_name!r} must be a str, the dotted attribute path of the nn.Sequential to pipeline "
+            "(e.g. 'layers' or 'backbone.layers'), or None to find it"
+        )
+    if not module_name or not all(part.isidentifier() or part.isdigit() for part in module_name.split(".")):
+        raise ValueError(
+            f"module_name={module_name!r} is not an attribute path; give attribute names joined by dots, e.g. "
+            "'layers' or 'backbone.layers'"
+        )
+    return module_name
+
+
+def _check_backend(backend: object) -> str | None:
+    if backend is None:
+        return None
+    if not isinstance(backend, str) or not backend:
+        raise TypeError(
+            f"process_group_backend={backend!r} must be the name of a torch.distributed backend, e.g. 'gloo' or "
+            "'nccl', or None to choose by device"
+        )
+    return backend
+
+
+def _check_timeout(timeout: object) -> datetime.timedelta:
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(
+            f"timeout={timeout!r} must be a datetime.timedelta, e.g. timeout=datetime.timedelta(minutes=30): how "
+            "long a stage waits for a peer"
+        )
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout!r} must be positive: how long a stage waits for a peer before it gives up")
+    return timeout

@@ -68,12 +68,16 @@ class Transport(abc.ABC):
     def abort(self, reason: str) -> None:  # noqa: B027 - optional hook, nothing to do for process groups
         """Tell the other stages that this one failed (where the transport can; processes see the socket close)."""
 
+    def peer_name(self, peer: int) -> str:
+        """How errors name stage ``peer``."""
+        return f"stage {peer}"
+
     def _failure(self, peer: int, what: str, cause: object) -> PipelineError:
         return PipelineError(
             self.stage,
-            f"receiving {what} from stage {peer} failed: {cause}. The other stage probably failed first: "
-            "look for its error above; a stuck stage is given up on after the transport timeout "
-            f"({self.timeout.total_seconds():g} s).",
+            f"receiving {what} from {self.peer_name(peer)} failed: {cause}. The other stage probably failed first "
+            "(an error, or a process that was killed): look for its error above; a stuck stage is given up on after "
+            f"the transport timeout ({self.timeout.total_seconds():g} s).",
         )
 
 
@@ -99,6 +103,9 @@ class ProcessGroupTransport(Transport):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    def peer_name(self, peer: int) -> str:
+        return f"stage {peer} (global rank {self.ranks[peer]})"
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         tensor = tensor.detach().contiguous()

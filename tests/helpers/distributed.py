@@ -1,7 +1,14 @@
-"""Run a function in several gloo processes on 127.0.0.1, with a deadline and no process left behind."""
+"""Run a function in several gloo processes on 127.0.0.1, with a deadline and no process left behind.
+
+Nothing a test starts listens beyond the loopback interface. torch's TCPStore server binds every interface whatever
+``MASTER_ADDR`` says, so the test process hosts the store itself on a socket bound to 127.0.0.1 (TCPStore's
+``master_listen_fd``) and every rank joins it as a client (``TORCHELASTIC_USE_AGENT_STORE=True``, how torchrun's agent
+hosts it); gloo's own sockets bind the interface named by ``GLOO_SOCKET_IFNAME=lo``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
@@ -11,7 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +34,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@contextlib.contextmanager
+def loopback_store() -> Iterator[dict[str, str]]:
+    """Host a TCPStore on 127.0.0.1 for the ranks of one job; yields the environment that makes them use it."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = int(listener.getsockname()[1])
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+        master_listen_fd=listener.detach(),  # the store owns the descriptor from here on
+    )
+    try:
+        yield {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+    finally:
+        del store
+
+
 def _plain(value: Any) -> Any:
     """Tensors as NumPy arrays: torch's queue would share their memory, which dies with the exiting worker."""
     if isinstance(value, torch.Tensor):
@@ -39,14 +72,20 @@ def _plain(value: Any) -> Any:
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any, pg_timeout: float
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    env: dict[str, str],
+    args: tuple,
+    results: Any,
+    pg_timeout: float,
 ) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(env)
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://127.0.0.1:{env['MASTER_PORT']}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
@@ -68,11 +107,17 @@ def run_processes(
     Returns the results in rank order, tensors turned into NumPy arrays. The first error is re-raised with the
     failing rank's traceback; on any failure or when ``timeout`` seconds pass, every process still alive is killed.
     """
+    with loopback_store() as env:
+        return _run_spawned(fn, world_size, env, args, timeout, pg_timeout)
+
+
+def _run_spawned(
+    fn: Callable[..., Any], world_size: int, env: dict[str, str], args: tuple, timeout: float, pg_timeout: float
+) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
     processes = [
-        context.Process(target=_worker, args=(fn, rank, world_size, port, args, results, pg_timeout), daemon=True)
+        context.Process(target=_worker, args=(fn, rank, world_size, env, args, results, pg_timeout), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:
@@ -111,14 +156,19 @@ def run_job(
     Each rank gets ``LOCAL_RANK``/``NODE_RANK``/``MASTER_*`` in its environment. If any rank fails or ``timeout``
     passes, every rank still running is killed; the completed processes are returned with their output.
     """
-    port = free_port()
+    with loopback_store() as store_env:
+        return _run_ranks(module, args, world_size, store_env, timeout, cwd)
+
+
+def _run_ranks(
+    module: str, args: list[str], world_size: int, store_env: dict[str, str], timeout: float, cwd: str | None
+) -> list[subprocess.CompletedProcess[str]]:
     tests_dir = str(Path(__file__).resolve().parents[1])
     processes = []
     for rank in range(world_size):
         env = dict(os.environ)
         env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            store_env,
             LOCAL_RANK=str(rank),
             NODE_RANK="0",
             WORLD_SIZE=str(world_size),
@@ -156,3 +206,60 @@ def run_job(
         subprocess.CompletedProcess(process.args, process.returncode, outputs[rank], "")
         for rank, process in enumerate(processes)
     ]
+
+
+def launch(
+    module: str, args: list[str], *, timeout: float = 300.0, cwd: str | None = None
+) -> tuple[subprocess.CompletedProcess[str], float, int]:
+    """Run ``python -m module *args`` as one process that Lightning's own launcher turns into the job's ranks.
+
+    Returns the first process (global rank 0) with the output of every rank, the seconds until the last process of
+    the job ended (every rank writes to the same pipe, which closes only when all have exited), and how many of the
+    job's processes were still alive then and had to be killed (0 when the job ended by itself). On ``timeout``
+    every process of the job is killed.
+    """
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    with loopback_store() as store_env:
+        env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+        env.update(
+            store_env,
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join([tests_dir, env.get("PYTHONPATH", "")]),
+        )
+        start = time.monotonic()
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # the launcher's ranks join its process group: one kill reaches them all
+        )
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+        elapsed = time.monotonic() - start
+        leftovers = _kill_group(process.pid)
+    return subprocess.CompletedProcess(process.args, process.returncode, output, ""), elapsed, leftovers
+
+
+def _kill_group(group: int) -> int:
+    """Kill whatever is left of process group ``group``; return how many processes were still in it."""
+    alive = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(state[2]) == group and state[0] != "Z":  # a zombie has exited already
+            alive += 1
+    if alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    return alive

@@ -81,6 +81,7 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
             checkpoint=run.get("checkpoint", "except_last"),
             deferred_batch_norm=run.get("deferred_batch_norm", False),
             balance=run.get("balance"),
+            **run.get("options", {}),  # further GPipeStrategy arguments, e.g. {"detect_anomalies": true}
         )
     elif run["strategy"] == "ddp":
         strategy = "ddp"

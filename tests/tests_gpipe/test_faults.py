@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.distributed import loopback_store
 from helpers.models import batch, cells, loss_fn, mlp
 from torch import nn
 
@@ -65,10 +66,14 @@ class Manual(L.LightningModule):
 
 
 @pytest.fixture
-def single_process_group():  # type: ignore[no-untyped-def]
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def single_process_group(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    # The Trainer's process group gets its store from this process, on 127.0.0.1 (see helpers.distributed).
+    with loopback_store() as env:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        yield
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("single_process_group")
