@@ -19,7 +19,7 @@ types: env
 docs: env  ## build the documentation site into site/ (any warning fails)
 	NO_MKDOCS_2_WARNING=1 $(RUN) mkdocs build --strict --quiet
 
-demo: env  ## train a small model with K=2 stages in 2 CPU processes; checkpoint and timeline in out/demo/
+demo: env  ## pretrain AmoebaNet-D with K=2 stages on 2 CPU processes, then fine-tune it; results in out/demo/
 	OMP_NUM_THREADS=1 $(RUN) python examples/demo.py
 
 pytest: env

@@ -192,6 +192,23 @@ def test_spatial_sizes(image_size: int, stem: int, stacks: tuple[int, ...], aux_
     assert aux.conv.kernel_size == (aux_kernel, aux_kernel)
 
 
+def test_the_cifar_stem_keeps_the_resolution_and_has_no_stem_cells() -> None:
+    layers = meta_layers(AMOEBANET_D, num_layers=3, num_filters=8, num_classes=10, image_size=32, stem="cifar")
+    imagenet = meta_layers(AMOEBANET_D, num_layers=3, num_filters=8, num_classes=10, image_size=32)
+    assert len(layers) == len(imagenet) - 2  # the two stem reduction cells are gone
+    sizes = []
+    x: object = torch.empty(1, 3, 32, 32, device="meta")
+    for layer in layers.eval()[:-1]:
+        x = layer(x)
+        sizes.append((x if isinstance(x, Tensor) else x[1]).shape[-1])
+    # stem, stack 1, reduction 1, stack 2, (aux), reduction 2, stack 3: 32 px, then 16 and 8
+    assert sizes == [32, 32, 16, 16, 16, 8, 8]
+    assert isinstance(layers[0], Stem)
+    assert layers[0].conv.stride == (1, 1)
+    with pytest.raises(ValueError, match=r"stem='mnist': use one of 'imagenet', 'cifar'"):
+        amoebanet_layers(AMOEBANET_D, num_layers=3, num_filters=8, num_classes=10, stem="mnist")
+
+
 def test_tf_conventions_for_batchnorm_and_convolutions() -> None:
     layers = tiny(AMOEBANET_B)
     norms = [m for m in layers.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

@@ -65,6 +65,7 @@ __all__ = ["AuxHead", "Classifier", "Stem", "amoebanet_layers", "head_indices", 
 
 AUX_SCALING = 0.4  # tensorflow/tpu's aux_scaling: 128 and 768 channels become 51 and 307
 NUM_STEM_CELLS = 2
+STEMS = ("imagenet", "cifar")
 
 
 def reduction_indices(num_layers: int) -> tuple[int, int]:
@@ -73,11 +74,15 @@ def reduction_indices(num_layers: int) -> tuple[int, int]:
 
 
 class Stem(nn.Module):
-    """3x3 stride-2 VALID convolution and BatchNorm, no ReLU: ``[B, 3, H, W] -> [B, C, (H-3)//2+1, (W-3)//2+1]``."""
+    """3x3 convolution and BatchNorm, no ReLU.
 
-    def __init__(self, out_channels: int = 32, in_channels: int = 3) -> None:
+    ImageNet stem (``stride=2``, VALID): ``[B, 3, H, W] -> [B, C, (H-3)//2+1, (W-3)//2+1]``; CIFAR stem
+    (``stride=1``, SAME): ``[B, 3, H, W] -> [B, C, H, W]``.
+    """
+
+    def __init__(self, out_channels: int = 32, in_channels: int = 3, stride: int = 2) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, 3, stride=2, bias=False)
+        self.conv = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=0 if stride == 2 else 1, bias=False)
         self.bn = batch_norm(out_channels)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -168,6 +173,7 @@ def amoebanet_layers(
     drop_path: float = 0.0,
     dropout: float = 0.5,
     stem_filters: int = 32,
+    stem: str = "imagenet",
 ) -> nn.Sequential:
     """AmoebaNet as one flat ``nn.Sequential`` of stem, cells, aux head and classifier (see the module docstring).
 
@@ -184,8 +190,13 @@ def amoebanet_layers(
             schedule starts at 0 and is driven by :func:`set_drop_path_progress`.
         dropout: dropout probability before the classifier.
         stem_filters: output channels of the stem convolution (TF ``stem_reduction_size``).
+        stem: ``"imagenet"`` (TF's default: a stride-2 convolution and two stem reduction cells, so the first stack
+            sees 1/8 of the image side) or ``"cifar"`` (TF's ``_cifar_stem``: one stride-1 convolution and no stem
+            cells, so the first stack works at the full resolution of small images such as CIFAR's 32 px).
     """
     _check(genotype, num_layers, num_filters, num_classes, image_size)
+    if stem not in STEMS:
+        raise ValueError(f"stem={stem!r}: use one of {', '.join(map(repr, STEMS))} ('cifar' for small images)")
     if not 0.0 <= drop_path < 1.0:
         raise ValueError(f"drop_path={drop_path}: give a drop probability in [0, 1) (TF keep_prob = 1 - drop_path)")
     if not 0.0 <= dropout < 1.0:
@@ -193,10 +204,9 @@ def amoebanet_layers(
 
     # The cells in network order as (genotype, filters, stride, aux head after it).
     reductions = reduction_indices(num_layers)
-    plan: list[tuple[CellGenotype, int, int, bool]] = [
-        (genotype.reduction, num_filters // 4, 2, False),
-        (genotype.reduction, num_filters // 2, 2, False),
-    ]
+    plan: list[tuple[CellGenotype, int, int, bool]] = []
+    if stem == "imagenet":
+        plan += [(genotype.reduction, num_filters // 4, 2, False), (genotype.reduction, num_filters // 2, 2, False)]
     filters = num_filters
     for n in range(num_layers):
         if n in reductions:
@@ -204,8 +214,8 @@ def amoebanet_layers(
             plan.append((genotype.reduction, filters, 2, False))
         plan.append((genotype.normal, filters, 1, aux_head and n == reductions[1] - 1))
 
-    layers: list[nn.Module] = [Stem(stem_filters)]
-    size = (image_size - 3) // 2 + 1
+    layers: list[nn.Module] = [Stem(stem_filters, stride=2 if stem == "imagenet" else 1)]
+    size = (image_size - 3) // 2 + 1 if stem == "imagenet" else image_size
     channels, prev_channels, prev_size = stem_filters, None, size
     for cell_num, (cell_genotype, cell_filters, stride, aux_after) in enumerate(plan):
         cell = Cell(

@@ -36,6 +36,9 @@ class ImageClassifier(ZooModule):
         head_layers: indices in ``layers`` of the entries holding the task heads (each has an ``fc`` linear layer).
         aux_weight: weight of the auxiliary head's loss (TF: 0.4).
         label_smoothing: label smoothing of both losses (TF: 0.1).
+        optimizer: a timm optimizer name; ``"rmsproptf"`` (TF's RMSProp: decay 0.9, momentum 0.9, epsilon 1.0) is
+            the AmoebaNet recipe. Its epsilon of 1.0 inside the square root makes it behave like momentum SGD while
+            gradients are small, so it wants a large ``lr``; ``"adamw"`` learns faster on short runs.
         lr: peak learning rate (after warm-up).
         weight_decay: L2 weight decay on conv and linear weights (not on biases and BatchNorm; TF: 4e-5).
         lr_decay_rate: factor of each staircase decay of the learning rate (TF hparams: 0.97).
@@ -52,6 +55,7 @@ class ImageClassifier(ZooModule):
         *,
         aux_weight: float = 0.4,
         label_smoothing: float = 0.1,
+        optimizer: str = "rmsproptf",
         lr: float = 0.015,
         weight_decay: float = 4e-5,
         lr_decay_rate: float = 0.97,
@@ -67,6 +71,7 @@ class ImageClassifier(ZooModule):
         self.head_layers = head_layers
         self.aux_weight = aux_weight
         self.label_smoothing = label_smoothing
+        self.optimizer_name = optimizer
         self.lr = lr
         self.weight_decay = weight_decay
         self.lr_decay_rate = lr_decay_rate
@@ -132,7 +137,7 @@ class ImageClassifier(ZooModule):
         logits = self.layers(images)
         self.val_top1(logits, labels)
         self.val_top5(logits, labels)
-        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True)
+        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True, sync_dist=True)
         self.log("val_acc", self.val_top1, prog_bar=True)
         self.log("val_acc_top5", self.val_top5)
 
@@ -145,8 +150,9 @@ class ImageClassifier(ZooModule):
 
     def configure_optimizers(self) -> Any:
         # TF's RMSProp (ms starts at 1, epsilon inside the sqrt); timm leaves biases and BatchNorm out of weight decay.
+        options = {"momentum": 0.9, "alpha": 0.9, "eps": 1.0} if self.optimizer_name == "rmsproptf" else {}
         optimizer = create_optimizer_v2(
-            self, opt="rmsproptf", lr=self.lr, weight_decay=self.weight_decay, momentum=0.9, alpha=0.9, eps=1.0
+            self, opt=self.optimizer_name, lr=self.lr, weight_decay=self.weight_decay, **options
         )
         steps_per_epoch = self._steps_per_epoch()
         scheduler = StepLRScheduler(
@@ -180,11 +186,13 @@ class _AmoebaNet(ImageClassifier):
         num_filters: int = 208,
         num_classes: int = 1000,
         image_size: int = 224,
+        stem: str = "imagenet",
         aux_head: bool = True,
         drop_path: float = 0.0,
         dropout: float = 0.5,
         aux_weight: float = 0.4,
         label_smoothing: float = 0.1,
+        optimizer: str = "rmsproptf",
         lr: float = 0.015,
         weight_decay: float = 4e-5,
         lr_decay_rate: float = 0.97,
@@ -199,6 +207,7 @@ class _AmoebaNet(ImageClassifier):
             num_filters=num_filters,
             num_classes=num_classes,
             image_size=image_size,
+            stem=stem,
             aux_head=aux_head,
             drop_path=drop_path,
             dropout=dropout,
@@ -209,6 +218,7 @@ class _AmoebaNet(ImageClassifier):
             head_indices(layers),
             aux_weight=aux_weight,
             label_smoothing=label_smoothing,
+            optimizer=optimizer,
             lr=lr,
             weight_decay=weight_decay,
             lr_decay_rate=lr_decay_rate,
@@ -217,6 +227,9 @@ class _AmoebaNet(ImageClassifier):
             freeze_backbone=freeze_backbone,
         )
         self.save_hyperparameters()
+        # A sample input lets GPipeStrategy balance stages by FLOPs: parameters sit mostly in the last stack, compute
+        # mostly in the early, high-resolution cells, so balancing by parameters would load the first stage.
+        self.example_input_array = torch.zeros(2, 3, image_size, image_size)
         if pretrained is not None:
             from zoo.finetune import load_backbone  # finetune imports the registry, which imports this module
 

@@ -1,0 +1,32 @@
+"""`make demo` end to end, on its quick settings: pretrain with K = 2, fine-tune with new heads, report accuracy."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.runif import RunIf
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(900)
+def test_the_demo_pretrains_fine_tunes_and_reports_accuracy_before_and_after(tmp_path: Path) -> None:
+    command = [sys.executable, "examples/demo.py", "--quick", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=850)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    before = re.search(r"val accuracy before fine-tuning: ([\d.]+)%", result.stdout)
+    after = re.search(r"val accuracy after \d+ epoch\(s\): +([\d.]+)%", result.stdout)
+    assert before, result.stdout[-3000:]
+    assert after, result.stdout[-3000:]
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    pretrained = torch.load(tmp_path / "pretrain" / "last.ckpt", weights_only=True)
+    assert pretrained["zoo_model"] == "amoebanet_d"
+    assert "new heads: layers." in result.stdout
