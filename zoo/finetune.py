@@ -151,7 +151,8 @@ def load_pretrained(
         )
     cls = model_class(name)
     accepted = inspect.signature(cls).parameters
-    arguments = dict(checkpoint.get("hyper_parameters", {}))
+    # LightningCLI adds its own entries ("_class_path", "_instantiator") to the saved hyper-parameters.
+    arguments = {key: value for key, value in checkpoint.get("hyper_parameters", {}).items() if not key.startswith("_")}
     arguments.update(overrides)
     if "pretrained" in accepted:
         arguments["pretrained"] = None  # the weights come from this checkpoint, not from the one it was made from

@@ -15,6 +15,9 @@ from helpers.runif import RunIf
 REPO = Path(__file__).resolve().parents[2]
 
 
+# Slow (two 2-rank fits, about 2 minutes here): the default run covers the same pretrain -> fine-tune path with two
+# stages through the command line (test_cli.py). `pytest -m slow` runs it.
+@pytest.mark.slow
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(900)
 def test_the_demo_pretrains_fine_tunes_and_reports_accuracy_before_and_after(tmp_path: Path) -> None:

@@ -150,7 +150,9 @@ class ImageClassifier(ZooModule):
 
     def configure_optimizers(self) -> Any:
         # TF's RMSProp (ms starts at 1, epsilon inside the sqrt); timm leaves biases and BatchNorm out of weight decay.
-        options = {"momentum": 0.9, "alpha": 0.9, "eps": 1.0} if self.optimizer_name == "rmsproptf" else {}
+        options: dict[str, Any] = (
+            {"momentum": 0.9, "alpha": 0.9, "eps": 1.0} if self.optimizer_name == "rmsproptf" else {}
+        )
         optimizer = create_optimizer_v2(
             self, opt=self.optimizer_name, lr=self.lr, weight_decay=self.weight_decay, **options
         )

@@ -29,7 +29,8 @@ class TransformerLM(ZooModule):
     A batch is a LongTensor [B, T + 1] of token ids (``pad_id`` right-padding is ignored by the loss): the model reads
     ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``. Validation logs ``val_loss`` (label-smoothed, as trained),
     ``val_acc`` (next-token accuracy) and ``val_ppl`` (exp of the token-mean NLL, without smoothing). Stabilisers and
-    optimizer as in :class:`zoo.tasks.translation.Transformer`.
+    optimizer as in :class:`zoo.tasks.translation.Transformer`, and so is fine-tuning: the softmax is the head, and
+    ``freeze_backbone=True`` trains it alone. :func:`zoo.evaluation.evaluate_perplexity` measures a split's perplexity.
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class TransformerLM(ZooModule):
         optimizer: str = "adam",
         lr: float = 5e-4,
         warmup_steps: int = 4000,
+        freeze_backbone: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -69,6 +71,10 @@ class TransformerLM(ZooModule):
             final_norm=final_norm,
         )
         self.val_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro", ignore_index=pad_id)
+        if freeze_backbone:
+            head = self.head_prefixes()[0]
+            for name, parameter in self.named_parameters():
+                parameter.requires_grad_(name == head or name.startswith(head + "."))
         self.val_perplexity = Perplexity(ignore_index=pad_id)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,5 +107,8 @@ class TransformerLM(ZooModule):
 
     def configure_optimizers(self) -> Any:
         return transformer_optimization(
-            self.parameters(), self.hparams["optimizer"], self.hparams["lr"], self.hparams["warmup_steps"]
+            [p for p in self.parameters() if p.requires_grad],
+            self.hparams["optimizer"],
+            self.hparams["lr"],
+            self.hparams["warmup_steps"],
         )

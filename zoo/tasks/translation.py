@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchmetrics.classification import MulticlassAccuracy
 
 from zoo._registry import register_model
 from zoo.tasks.base import ZooModule
@@ -22,7 +21,10 @@ class Transformer(ZooModule):
 
     A batch is ``(source, target)``, LongTensors [B, S] and [B, T] right-padded with ``pad_id``: ``source`` is
     ``<2xx> tokens... </s>`` (the target-language token first), ``target`` is ``<s> tokens... </s>``. The model
-    reads ``(source, target[:, :-1])`` and is trained to predict ``target[:, 1:]``.
+    reads ``(source, target[:, :-1])`` and is trained to predict ``target[:, 1:]``. Validation logs ``val_loss``
+    (label-smoothed, as trained) and ``val_acc`` (next-token accuracy), token means per validation loader, which
+    Lightning suffixes ``/dataloader_idx_i`` when there are several (one per directed pair, in the data module's
+    ``directed_pairs`` order).
 
     Depth stabilisers of the paper, both on by choice: ``ff_init_scaling`` (feed-forward init scaled by
     ``num_layers ** -0.5``) and ``logits_abs_max`` (clip training logits; None turns it off, lingvo's default). The
@@ -30,7 +32,12 @@ class Transformer(ZooModule):
     (``optimizer="adafactor"``, what lingvo used for the large runs); see :mod:`zoo.transformer.optimization`.
 
     Parameter counts and how they compare with the paper are in :mod:`zoo.transformer.network`. Decoding (greedy,
-    beam search) runs on the whole model after training: :mod:`zoo.transformer.decoding`.
+    beam search) runs on the whole model after training: :mod:`zoo.transformer.decoding`; BLEU per pair:
+    :mod:`zoo.evaluation`.
+
+    Fine-tuning: ``zoo.load_pretrained(path)`` rebuilds the model with every weight loaded except the softmax (the
+    head, :meth:`head_prefixes`), which starts afresh; ``freeze_backbone=True`` then trains the softmax only (every
+    other parameter has ``requires_grad=False`` and stays out of the optimizer).
     """
 
     def __init__(
@@ -49,6 +56,7 @@ class Transformer(ZooModule):
         optimizer: str = "adam",
         lr: float = 5e-4,
         warmup_steps: int = 4000,
+        freeze_backbone: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -68,7 +76,10 @@ class Transformer(ZooModule):
             logits_abs_max=logits_abs_max,
             pad_id=pad_id,
         )
-        self.val_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro", ignore_index=pad_id)
+        if freeze_backbone:
+            head = self.head_prefixes()[0]
+            for name, parameter in self.named_parameters():
+                parameter.requires_grad_(name == head or name.startswith(head + "."))
 
     def forward(self, source: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for the next token at every position of ``target_in`` [B, T], given ``source`` [B, S]."""
@@ -99,15 +110,24 @@ class Transformer(ZooModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         source, target = batch
         logits = self.layers((source, target[:, :-1]))
         target_out = target[:, 1:]
-        self.val_accuracy(logits.argmax(dim=-1), target_out)
-        self.log("val_loss", self._loss(logits, target_out), prog_bar=True, sync_dist=True)
-        self.log("val_acc", self.val_accuracy, on_epoch=True)
+        tokens = target_out != self.hparams["pad_id"]
+        count = max(int(tokens.sum()), 1)
+        correct = ((logits.argmax(dim=-1) == target_out) & tokens).sum()
+        # TranslationDataModule gives one validation loader per directed pair, and Lightning suffixes each key with
+        # its loader's index; weighting batches by their tokens makes the epoch values per-pair token means.
+        self.log("val_loss", self._loss(logits, target_out), prog_bar=True, sync_dist=True, batch_size=count)
+        self.log("val_acc", correct / count, sync_dist=True, batch_size=count)
 
     def configure_optimizers(self) -> Any:
         return transformer_optimization(
-            self.parameters(), self.hparams["optimizer"], self.hparams["lr"], self.hparams["warmup_steps"]
+            [p for p in self.parameters() if p.requires_grad],
+            self.hparams["optimizer"],
+            self.hparams["lr"],
+            self.hparams["warmup_steps"],
         )
