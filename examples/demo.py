@@ -1,6 +1,6 @@
 """`make demo`: pretrain a small AmoebaNet-D as a 2-stage GPipe pipeline, then fine-tune it on a second task.
 
-    python examples/demo.py                        # a few minutes on two CPU cores
+    python examples/demo.py                        # about 10 minutes on two CPU cores
     python examples/demo.py --quick --out /tmp/d   # the short run the test suite uses
 
 Both tasks are the project's embedded image data (32x32 RGB in the CIFAR-10 schema, generated on first use, so
