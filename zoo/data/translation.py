@@ -80,6 +80,22 @@ class _TokenizerState:
     """What both data modules share: the tokenizer, where it comes from, and how it rides in checkpoints."""
 
     tokenizer: SubwordTokenizer | None
+    _text: dict[str, Any]  # the loaded text, empty until setup()
+
+    def _encode(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"tokenizer": <json>}`` once a tokenizer exists; Lightning saves it in checkpoints."""
+        return {} if self.tokenizer is None else {"tokenizer": self.tokenizer.to_json()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the tokenizer of a checkpoint, re-encoding the data if ``setup`` already ran with another one."""
+        if "tokenizer" not in state_dict:
+            return
+        self.tokenizer = SubwordTokenizer.from_json(state_dict["tokenizer"])
+        if self._text:
+            self._encode()
 
     def _init_tokenizer(self, tokenizer_path: str | None) -> None:
         self.tokenizer = SubwordTokenizer.load(tokenizer_path) if tokenizer_path is not None else None
@@ -190,18 +206,6 @@ class TranslationDataModule(_TokenizerState, L.LightningDataModule):
         if self.tokenizer is None:
             self.tokenizer = SubwordTokenizer.train(self._training_text(), self.languages, self.vocab_size)
         self._encode()
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"tokenizer": <json>}`` once a tokenizer exists; Lightning saves it in checkpoints."""
-        return {} if self.tokenizer is None else {"tokenizer": self.tokenizer.to_json()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the tokenizer of a checkpoint, re-encoding the data if ``setup`` already ran with another one."""
-        if "tokenizer" not in state_dict:
-            return
-        self.tokenizer = SubwordTokenizer.from_json(state_dict["tokenizer"])
-        if self._text:
-            self._encode()
 
     def train_dataloader(self) -> DataLoader:
         sets = [_Sequences(self._split(pair, "train")) for pair in self.directed_pairs]
@@ -463,18 +467,6 @@ class LanguageModelDataModule(_TokenizerState, L.LightningDataModule):
         if self.tokenizer is None:
             self.tokenizer = SubwordTokenizer.train(self._text["train"], self.languages, self.vocab_size)
         self._encode()
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"tokenizer": <json>}`` once a tokenizer exists; Lightning saves it in checkpoints."""
-        return {} if self.tokenizer is None else {"tokenizer": self.tokenizer.to_json()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the tokenizer of a checkpoint, re-encoding the text if ``setup`` already ran with another one."""
-        if "tokenizer" not in state_dict:
-            return
-        self.tokenizer = SubwordTokenizer.from_json(state_dict["tokenizer"])
-        if self._text:
-            self._encode()
 
     def texts(self, split: str = "test") -> list[str]:
         """The raw sentences of ``split``."""
