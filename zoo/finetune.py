@@ -80,14 +80,11 @@ def load_backbone(model: ZooModule, checkpoint: str | Path | Mapping[str, Any]) 
             f"zoo.load_pretrained(path, ...), which rebuilds the checkpoint's own architecture"
         )
 
-    def is_head(key: str) -> bool:
-        return any(key == prefix or key.startswith(prefix + ".") for prefix in model.head_prefixes())
-
     saved: Mapping[str, torch.Tensor] = checkpoint["state_dict"]
     own = model.state_dict()
-    backbone = [key for key in own if not is_head(key)]
+    backbone = [key for key in own if not model.is_head(key)]
     missing = [key for key in backbone if key not in saved]
-    unexpected = [key for key in saved if key not in own and not is_head(key)]
+    unexpected = [key for key in saved if key not in own and not model.is_head(key)]
     mismatched = [
         f"{key} {tuple(saved[key].shape)} vs {tuple(own[key].shape)}"
         for key in backbone
@@ -113,8 +110,8 @@ def load_backbone(model: ZooModule, checkpoint: str | Path | Mapping[str, Any]) 
             own[key].copy_(saved[key])
     report = LoadReport(
         loaded=tuple(backbone),
-        fresh=tuple(key for key in own if is_head(key)),
-        skipped=tuple(key for key in saved if is_head(key)),
+        fresh=tuple(key for key in own if model.is_head(key)),
+        skipped=tuple(key for key in saved if model.is_head(key)),
     )
     log.info("%s", report.summary())
     return report

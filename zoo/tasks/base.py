@@ -27,5 +27,14 @@ class ZooModule(L.LightningModule):
         """State-dict prefixes (e.g. ``"layers.21.fc"``) of the modules fine-tuning replaces with fresh ones."""
         raise NotImplementedError(f"{type(self).__name__} does not say which of its modules are task heads")
 
+    def is_head(self, key: str) -> bool:
+        """Whether the parameter or state-dict ``key`` belongs to a task head (one of :meth:`head_prefixes`)."""
+        return any(key == prefix or key.startswith(prefix + ".") for prefix in self.head_prefixes())
+
+    def freeze_backbone_parameters(self) -> None:
+        """Train the heads only: ``requires_grad=False`` on every parameter outside them."""
+        for name, parameter in self.named_parameters():
+            parameter.requires_grad_(self.is_head(name))
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["zoo_model"] = self.zoo_name

@@ -83,21 +83,17 @@ class ImageClassifier(ZooModule):
         self.val_top1 = MulticlassAccuracy(num_classes, average="micro")
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=top_k, average="micro")
         if freeze_backbone:
-            for name, parameter in self.layers.named_parameters(prefix="layers"):
-                parameter.requires_grad_(self._is_head(name))
+            self.freeze_backbone_parameters()
             self._freeze_batch_norm()
 
     def head_prefixes(self) -> tuple[str, ...]:
         return tuple(f"layers.{index}.fc" for index in self.head_layers)
 
-    def _is_head(self, name: str) -> bool:
-        return any(name == prefix or name.startswith(prefix + ".") for prefix in self.head_prefixes())
-
     def _freeze_batch_norm(self) -> None:
         # A frozen backbone keeps its BatchNorm statistics too: its BatchNorm layers stay in eval mode (Lightning
         # keeps each module's mode through fit, and warns that some modules are in eval mode, which is intended).
         for name, module in self.layers.named_modules(prefix="layers"):
-            if isinstance(module, nn.modules.batchnorm._BatchNorm) and not self._is_head(name):
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and not self.is_head(name):
                 module.eval()
 
     def train(self, mode: bool = True) -> ImageClassifier:

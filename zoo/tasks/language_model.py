@@ -72,9 +72,7 @@ class TransformerLM(ZooModule):
         )
         self.val_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro", ignore_index=pad_id)
         if freeze_backbone:
-            head = self.head_prefixes()[0]
-            for name, parameter in self.named_parameters():
-                parameter.requires_grad_(name == head or name.startswith(head + "."))
+            self.freeze_backbone_parameters()
         self.val_perplexity = Perplexity(ignore_index=pad_id)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -77,9 +77,7 @@ class Transformer(ZooModule):
             pad_id=pad_id,
         )
         if freeze_backbone:
-            head = self.head_prefixes()[0]
-            for name, parameter in self.named_parameters():
-                parameter.requires_grad_(name == head or name.startswith(head + "."))
+            self.freeze_backbone_parameters()
 
     def forward(self, source: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for the next token at every position of ``target_in`` [B, T], given ``source`` [B, S]."""
