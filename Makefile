@@ -3,7 +3,7 @@ UV ?= $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 RUN := $(UV) run --frozen
 PYTEST_ARGS ?=
 
-.PHONY: env demo test lint types docs pytest bench-engine bench-overhead bench-memory clean
+.PHONY: env demo test lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory clean
 
 env:  ## create or sync .venv from uv.lock (installs uv when missing)
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
@@ -26,6 +26,12 @@ pytest: env
 	$(RUN) pytest $(PYTEST_ARGS)
 
 test: lint types docs pytest  ## lint, types, docs build and the whole test suite
+
+bench: env  ## every benchmark, full (about 2 hours on 2 CPU cores); results and plots in docs/benchmarks/
+	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks
+
+bench-quick: env  ## the paper's Tables 1 and 2 and the bubble, quick (under 15 minutes); ends with the headline lines
+	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks --quick
 
 bench-engine: env  ## engine throughput vs torch.distributed.pipelining (K=2 processes, one thread each)
 	$(RUN) python -m benchmarks.engine_speed.run

@@ -9,14 +9,16 @@ goes once per step, not per micro-batch:
   of all the step's micro-batches;
 - every later micro-batch of the step is predicted from it: the same layout, with dim 0 of the tensors that carry the
   batch dimension resized to that micro-batch's size. The sender checks the prediction and raises if it fails;
-- gradients need no header: they go back for exactly the received tensors that require grad, with their shapes.
+- gradients need no header: they go back for exactly the received tensors that require grad, with their shapes,
+  one micro-batch after the other in the order of the receiving stage's backward passes.
 
 The header also carries the sender's batch fingerprint (:mod:`lightning_gpipe.fingerprint`), when the caller gives
 one: the receiver compares it with its own, so stages that read different batches are caught at the first step.
 
 Once the header is in, the receiver posts the receives of the whole step at once: gloo parks a send until its
 receive is posted, and a receive posted only when needed costs a rendezvous per message (~100 µs against ~20 µs for a
-4 KiB message posted ahead, measured on these machines).
+4 KiB message posted ahead, measured on these machines). Gradient receives can be posted ahead too
+(:meth:`GradientLink.post`), in the order the peer sends them, once the outputs they are the gradients of exist.
 
 Header wire format: a fixed ``HEADER_BYTES`` uint8 buffer holding the payload length (8 bytes, little endian) and the
 pickled payload when it fits, else the payload follows as a second message. Pickle is only ever exchanged between the
@@ -40,6 +42,7 @@ from lightning_gpipe.transport import Transport
 __all__ = ["HEADER_BYTES", "ActivationLink", "GradientLink", "TensorLayout"]
 
 HEADER_BYTES = 1024
+"""Size in bytes of the header buffer sent before a step's first activation: payload length, then the layout."""
 _LENGTH_BYTES = 8
 
 
@@ -97,7 +100,13 @@ class ActivationLink:
 
     @property
     def stage(self) -> int:
+        """The index of the stage this link belongs to."""
         return self.transport.stage
+
+    @property
+    def posted(self) -> list[int]:
+        """The micro-batches whose activations are posted and not yet received."""
+        return list(self._posted)
 
     def begin_step(self, sizes: Sequence[int], fingerprint: Fingerprint | None = None) -> None:
         """Start a step whose micro-batches have ``sizes`` samples; the next message carries a header.
@@ -107,6 +116,10 @@ class ActivationLink:
         self._sizes = list(sizes)
         self._fingerprint = fingerprint
         self._layout = None
+        self._posted = {}
+
+    def clear(self) -> None:
+        """Forget the posted receives (after a failed step: the transport cannot take them back)."""
         self._posted = {}
 
     def _predicted(self, index: int) -> _Layout:
@@ -213,25 +226,51 @@ class ActivationLink:
 
 
 class GradientLink:
-    """Sends (or receives) the gradients of a boundary value's grad-requiring tensors; their layout is known."""
+    """Sends (or receives) the gradients of a boundary value's grad-requiring tensors; their layout is known.
+
+    On the receiving side, :meth:`post` starts a micro-batch's receives ahead of its backward and :meth:`recv` waits
+    for them. Receives take the peer's messages in posting order, so micro-batches must be posted in the order the peer
+    sends their gradients: the peer's backward order.
+    """
 
     def __init__(self, transport: Transport, peer: int) -> None:
         self.transport = transport
         self.peer = peer
+        self._posted: dict[int, list[tuple[torch.Tensor, Callable[[], None]]]] = {}
 
     def send(self, inputs: Sequence[torch.Tensor]) -> None:
         """Send the gradients accumulated in ``inputs`` (leaves that require grad); zeros where none arrived."""
         for tensor in inputs:
             self.transport.send(torch.zeros_like(tensor) if tensor.grad is None else tensor.grad, self.peer)
 
-    def recv(self, outputs: Sequence[torch.Tensor], index: int) -> list[torch.Tensor]:
-        """Receive the gradients of ``outputs`` (the tensors this stage sent that require grad)."""
-        grads = []
+    @property
+    def posted(self) -> list[int]:
+        """The micro-batches whose gradients are posted and not yet received, in posting order."""
+        return list(self._posted)
+
+    def post(self, outputs: Sequence[torch.Tensor], index: int) -> None:
+        """Start receiving the gradients of ``outputs``, micro-batch ``index``'s tensors that require grad."""
+        assert index not in self._posted, f"the gradients of micro-batch {index} are posted twice"
+        posted = []
         for tensor in outputs:
             buffer = torch.empty_like(tensor, device=self.transport.device, requires_grad=False)
-            self.transport.recv(buffer, self.peer, f"gradients of micro-batch {index}")
+            posted.append((buffer, self.transport.post_recv(buffer, self.peer, f"gradients of micro-batch {index}")))
+        self._posted[index] = posted
+
+    def recv(self, outputs: Sequence[torch.Tensor], index: int) -> list[torch.Tensor]:
+        """The gradients of ``outputs``: waits for the receives :meth:`post` started, or receives them now."""
+        if index not in self._posted:
+            # Posted now, after any micro-batch still outstanding: the caller keeps the peer's order.
+            self.post(outputs, index)
+        grads = []
+        for buffer, wait in self._posted.pop(index):
+            wait()
             grads.append(buffer)
         return grads
+
+    def clear(self) -> None:
+        """Forget the posted receives (after a failed step: the transport cannot take them back)."""
+        self._posted.clear()
 
 
 def _show_fingerprint(fingerprint: Fingerprint) -> str:

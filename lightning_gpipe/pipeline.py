@@ -31,6 +31,7 @@ from lightning_gpipe.transport import DEFAULT_TIMEOUT, ThreadTransport, Transpor
 __all__ = ["LossFn", "Pipeline", "first_element", "run_in_threads"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+"""The loss of one micro-batch: ``loss_fn(last_stage_output, microbatch) -> scalar tensor``."""
 InputFn = Callable[[Any], Any]
 
 
@@ -79,10 +80,16 @@ class Pipeline:
         """Forward and backward of one mini-batch; returns its (detached) loss on the last stage, else ``None``."""
         stage = self.stage
         microbatches = scatter(batch, self.chunks)
-        stage.begin_step([mb.size for mb in microbatches])
+        K, M = stage.num_stages, len(microbatches)
+        # The next stage sends gradients in its backward order; knowing it, this stage posts their receives early.
+        gradient_order = None
+        if not stage.is_last:
+            later = stage_actions(self.schedule, stage.index + 1, K, M)
+            gradient_order = [action.microbatch for action in later if action.phase is Phase.BACKWARD]
+        stage.begin_step([mb.size for mb in microbatches], gradient_order=gradient_order)
         losses: dict[int, torch.Tensor] = {}
         try:
-            for action in stage_actions(self.schedule, stage.index, stage.num_stages, len(microbatches)):
+            for action in stage_actions(self.schedule, stage.index, K, M):
                 mb = microbatches[action.microbatch]
                 if action.phase is Phase.FORWARD:
                     output = stage.forward(mb.index, input_fn(mb.value) if stage.is_first else None)

@@ -8,10 +8,16 @@ parameter gradients exactly as ``loss.backward()`` would, and sends the input's 
 
 Only what backward needs is kept between the two: the grad-requiring input leaves and output tensors of each
 micro-batch. Which actions run in which order is the schedule's business (:mod:`lightning_gpipe.schedule`).
+
+Receives are posted ahead of the actions that need them (gloo parks a send until its receive is posted): the
+activations of the whole step once its header is in (:class:`~lightning_gpipe.boundary.ActivationLink`), and, when
+the step's ``gradient_order`` is known, the gradients of up to :data:`GRADIENTS_AHEAD` micro-batches whose outputs
+exist, in the order the next stage sends them.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -29,9 +35,17 @@ from lightning_gpipe.structure import flatten
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.transport import Transport
 
-__all__ = ["Stage"]
+__all__ = ["GRADIENTS_AHEAD", "Stage"]
 
 ComputeGuard = Callable[[], AbstractContextManager[None]]
+
+GRADIENTS_AHEAD = 2
+"""How many micro-batches' gradient receives a stage keeps posted ahead of its backward passes.
+
+Two let the next gradient arrive while the current backward computes, even when the next stage runs ahead; each holds
+a buffer the size of a micro-batch's outputs, so posting the whole step's at once would cost a mini-batch of boundary
+memory.
+"""
 
 
 def _grad_tensors(value: Any) -> list[torch.Tensor]:
@@ -80,24 +94,51 @@ class Stage:
         self._num_microbatches = 0
         self._inputs: dict[int, list[torch.Tensor]] = {}
         self._outputs: dict[int, list[torch.Tensor]] = {}
+        self._forwarded: set[int] = set()
+        self._unposted_gradients: deque[int] = deque()  # the rest of the step's gradient order, not posted yet
+        self._stranded: str | None = None  # why receives of a failed step may still be posted on the transport
 
     @property
     def is_first(self) -> bool:
+        """Whether this stage takes the mini-batch itself rather than a neighbour's activations."""
         return self.index == 0
 
     @property
     def is_last(self) -> bool:
+        """Whether this stage computes the loss and starts the backward passes."""
         return self.index == self.num_stages - 1
 
-    def begin_step(self, sizes: Sequence[int], fingerprint: Fingerprint | None = None) -> None:
+    def begin_step(
+        self,
+        sizes: Sequence[int],
+        fingerprint: Fingerprint | None = None,
+        gradient_order: Sequence[int] | None = None,
+    ) -> None:
         """Start a step of ``len(sizes)`` micro-batches with these sample counts (the same on every stage).
 
-        With a ``fingerprint`` of this stage's batch, the stages check that they all read the same batch.
+        With a ``fingerprint`` of this stage's batch, the stages check that they all read the same batch. With a
+        ``gradient_order``, the order in which the next stage runs the backward passes of the step's micro-batches
+        (hence sends their gradients), this stage posts its gradient receives ahead of its own backward passes;
+        without one, each backward posts its receive when it starts. Either way backward may run in any order.
         """
+        if self._stranded is not None:
+            raise PipelineError(
+                self.index,
+                f"a new step began after a failed one ({self._stranded}) left receives posted on the transport, where "
+                "they would take this step's messages. A pipeline cannot go on after a failed step: end the job (or "
+                "its process group) and restart it, from the last checkpoint if there is one.",
+            )
         if self._inputs or self._outputs:
             pending = sorted(set(self._inputs) | set(self._outputs))
             raise PipelineError(self.index, f"a new step began while micro-batches {pending} still await backward")
+        if gradient_order is not None and sorted(gradient_order) != list(range(len(sizes))):
+            raise ValueError(
+                f"gradient_order={list(gradient_order)} must list each of the step's {len(sizes)} micro-batches once "
+                f"(0 to {len(sizes) - 1}), in the order the next stage runs their backward passes"
+            )
         self._num_microbatches = len(sizes)
+        self._forwarded.clear()
+        self._unposted_gradients = deque(gradient_order if gradient_order is not None and not self.is_last else ())
         for link in (self._inbox, self._outbox):
             if link is not None:
                 link.begin_step(sizes, fingerprint)
@@ -132,7 +173,33 @@ class Stage:
                 outputs = _grad_tensors(output)
                 if outputs:
                     self._outputs[index] = outputs
+            self._forwarded.add(index)
+            self._post_gradients()
         return output
+
+    def _post_gradients(self, through: int | None = None) -> None:
+        """Post gradient receives in the next stage's sending order: up to :data:`GRADIENTS_AHEAD` micro-batches, or
+        every one up to and including micro-batch ``through``, whose backward needs its gradient now."""
+        order, inbox = self._unposted_gradients, self._grad_inbox
+        while order:
+            assert inbox is not None
+            needed = through is not None and through in order
+            if not needed and len(inbox.posted) >= GRADIENTS_AHEAD:
+                return
+            index = order[0]
+            if index not in self._forwarded:
+                if needed:
+                    raise PipelineError(
+                        self.index,
+                        f"backward of micro-batch {through} ran before the forward of micro-batch {index}, whose "
+                        "gradient the next stage sends first (the step's gradient_order); that would wait forever. "
+                        "Run the forward of a micro-batch before any backward that the next stage runs after its own.",
+                    )
+                return
+            order.popleft()
+            outputs = self._outputs.get(index)
+            if outputs:  # nothing comes back for outputs that need no gradient
+                inbox.post(outputs, index)
 
     def backward(self, index: int, loss: torch.Tensor | None = None) -> None:
         """Back-propagate micro-batch ``index``. The last stage is given the (already weighted) loss."""
@@ -144,10 +211,13 @@ class Stage:
             with self._guard(), self._record("backward", index):
                 torch.autograd.backward(loss)
         else:
-            outputs = self._outputs.pop(index, [])
+            outputs = self._outputs.get(index, [])
             if outputs:  # nothing downstream needs a gradient otherwise
                 assert self._grad_inbox is not None
+                self._post_gradients(through=index)
+                del self._outputs[index]
                 grads = self._grad_inbox.recv(outputs, index)
+                self._post_gradients()  # the next gradients arrive while this backward computes
                 with self._guard(), self._record("backward", index):
                     torch.autograd.backward(outputs, grads)
         inputs = self._inputs.pop(index, [])
@@ -167,7 +237,17 @@ class Stage:
             commit_running_stats(self.cell)
 
     def abort(self, reason: str) -> None:
-        """Drop the step's state and tell the other stages (where the transport can) that this one failed."""
+        """Drop the step's state and tell the other stages (where the transport can) that this one failed.
+
+        Receives the step left posted cannot be taken back; if there are any, this stage refuses further steps.
+        """
+        if any(link is not None and link.posted for link in (self._inbox, self._grad_inbox)):
+            self._stranded = reason
+        for link in (self._inbox, self._grad_inbox):
+            if link is not None:
+                link.clear()
         self._inputs.clear()
         self._outputs.clear()
+        self._forwarded.clear()
+        self._unposted_gradients.clear()
         self.transport.abort(reason)

@@ -8,9 +8,10 @@ micro-batch) is :mod:`lightning_gpipe.boundary`'s business. Two implementations 
 - :class:`ThreadTransport`: every stage in one process, one thread each, linked by in-memory queues; fast to start,
   for tests and notebooks.
 
-Sends are asynchronous (the sender never waits for its neighbour to be ready), receives block with a deadline, and
-every failure becomes a :class:`~lightning_gpipe.errors.PipelineError` naming both stages: a dead or stuck peer never
-hangs the job.
+Sends are asynchronous (the sender never waits for its neighbour to be ready), receives are posted ahead and waited
+for with a deadline, and every failure becomes a :class:`~lightning_gpipe.errors.PipelineError` naming both stages: a
+dead or stuck peer never hangs the job. Messages carry no tag: the receives posted for one peer take that peer's
+messages in posting order, so a receiver must post in the order its peer sends.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import datetime
 import queue
 import threading
 import time
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,7 @@ from lightning_gpipe.errors import PipelineError
 __all__ = ["DEFAULT_TIMEOUT", "ProcessGroupTransport", "ThreadTransport", "Transport"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+"""How long a stage waits for a neighbour's message before it raises `PipelineError` (torch's own default)."""
 
 
 class Transport(abc.ABC):
@@ -49,17 +53,19 @@ class Transport(abc.ABC):
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         """Start sending ``tensor`` to stage ``peer``; it must not be modified until :meth:`wait_sends` returns."""
 
-    @abc.abstractmethod
     def recv(self, buffer: torch.Tensor, peer: int, what: str) -> None:
         """Fill ``buffer`` with the next tensor from stage ``peer``; ``what`` names it in errors."""
+        self.post_recv(buffer, peer, what)()
 
+    @abc.abstractmethod
     def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
         """Start receiving the next tensor from ``peer`` into ``buffer``; call the returned function to wait for it.
 
-        Receives from one peer complete in posting order. Posting ahead matters on gloo, whose TCP transport parks a
-        send until the matching receive is posted: a late receive costs a rendezvous per message.
+        The receives posted for one peer take its messages in posting order, whatever order they are waited for in.
+        Posting ahead matters on gloo, whose TCP transport parks a send until the matching receive is posted: a late
+        receive costs a rendezvous per message. A posted receive cannot be taken back: one left over from a failed
+        step would take the first message of the next.
         """
-        return lambda: self.recv(buffer, peer, what)
 
     @abc.abstractmethod
     def wait_sends(self) -> None:
@@ -113,9 +119,6 @@ class ProcessGroupTransport(Transport):
         assert work is not None  # isend in the default group always returns a handle
         self._pending.append((work, tensor))  # the tensor must outlive the send
 
-    def recv(self, buffer: torch.Tensor, peer: int, what: str) -> None:
-        self.post_recv(buffer, peer, what)()
-
     def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
         try:
             work = dist.irecv(buffer, src=self.ranks[peer])
@@ -151,6 +154,15 @@ class _Mailboxes:
         self.reason = ""
 
 
+@dataclass
+class _PostedReceive:
+    """A receive that a thread-stage has posted and not yet filled."""
+
+    buffer: torch.Tensor
+    what: str
+    done: bool = False
+
+
 class ThreadTransport(Transport):
     """In-process links for stages that run as threads of one process; create them with :meth:`create`."""
 
@@ -160,6 +172,8 @@ class ThreadTransport(Transport):
         super().__init__(stage, num_stages=len({src for src, _ in mailboxes.queues}), timeout=timeout)
         self._mailboxes = mailboxes
         self._device = device
+        # Per peer, the posted receives not yet filled, oldest first; only this stage's thread touches them.
+        self._posted: defaultdict[int, deque[_PostedReceive]] = defaultdict(deque)
 
     @classmethod
     def create(
@@ -177,7 +191,23 @@ class ThreadTransport(Transport):
         # A copy, as across processes: the receiver may modify its input in place while we still hold ours.
         self._mailboxes.queues[(self.stage, peer)].put(tensor.detach().clone())
 
-    def recv(self, buffer: torch.Tensor, peer: int, what: str) -> None:
+    def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
+        # Nothing is copied before the wait, but the queue keeps the peer's order: waiting for a later receive first
+        # fills the earlier ones, as a process group would.
+        receive = _PostedReceive(buffer, what)
+        posted = self._posted[peer]
+        posted.append(receive)
+
+        def wait() -> None:
+            while not receive.done:
+                oldest = posted[0]
+                self._take(oldest.buffer, peer, oldest.what)
+                oldest.done = True
+                posted.popleft()
+
+        return wait
+
+    def _take(self, buffer: torch.Tensor, peer: int, what: str) -> None:
         mailbox = self._mailboxes.queues[(peer, self.stage)]
         deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
@@ -201,5 +231,6 @@ class ThreadTransport(Transport):
         pass  # puts complete immediately
 
     def abort(self, reason: str) -> None:
+        self._posted.clear()
         self._mailboxes.reason = f"stage {self.stage} failed: {reason}"
         self._mailboxes.failed.set()

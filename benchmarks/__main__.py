@@ -1,0 +1,221 @@
+"""Every benchmark in one run: ``make bench`` (full) and ``make bench-quick``, ending with the issue's headline lines.
+
+Usage: ``python -m benchmarks [--quick] [--no-docs] [--only NAME ...]``.
+
+Each experiment runs as its own subprocess (``python -m benchmarks.<name>.run``), one after the other so that none
+disturbs another's timing, under a hard deadline that kills its whole process group. Progress and tables stream
+through; the ``key=value`` lines an experiment prints last are collected, and this run ends by printing all of them,
+in the order below, so a script can read the run's headlines from the last lines of its output. The overview page
+``docs/benchmarks/index.md`` gets the headlines, goals, command, machine and date of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from benchmarks.machine import cpu_model
+
+__all__ = ["EXPERIMENTS", "Experiment", "Headline", "headlines_from", "main"]
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+INDEX = REPO / "docs" / "benchmarks" / "index.md"
+BEGIN, END = "<!-- headlines:begin -->", "<!-- headlines:end -->"
+HEADLINE = re.compile(r"^([a-z][a-z0-9_]*)=(\S+)$")
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A goal the issue sets for a headline value (``value >= minimum``)."""
+
+    key: str
+    minimum: float
+    meaning: str
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One benchmark folder: its module, the deadlines of its two modes, and the headlines it must print."""
+
+    name: str
+    quick_deadline: float  # seconds
+    full_deadline: float
+    headlines: tuple[Headline, ...] = ()
+    quick: bool = True  # part of ``--quick``; the others run only in the full run
+    writes_docs: bool = True  # takes ``--no-docs``; the older strategy benchmarks write their folder's RESULTS.md
+
+    def command(self, quick: bool, no_docs: bool) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            f"benchmarks.{self.name}.run",
+            *(["--quick"] if quick else []),
+            *(["--no-docs"] if no_docs and self.writes_docs else []),
+        ]
+
+
+EXPERIMENTS: tuple[Experiment, ...] = (
+    Experiment("bubble", quick_deadline=240, full_deadline=1200),
+    Experiment(
+        "zoo_throughput",
+        quick_deadline=600,
+        full_deadline=3600,
+        headlines=(
+            Headline("ratio_vs_torch_pipelining", 1.00, "our throughput / ScheduleGPipe's, K = 2, M = 8"),
+            Headline("small_stage_ratio_vs_torch_pipelining", 1.50, "the same on overhead-bound stages, M = 16"),
+            Headline("efficiency_vs_bubble_bound", 0.95, "share of the fill-drain bound reached, K = 2, M = 8"),
+        ),
+    ),
+    Experiment(
+        "zoo_memory",
+        quick_deadline=360,
+        full_deadline=2400,
+        headlines=(
+            Headline("pipeline1_layers_vs_naive1", 2.5, "deepest Transformer-L in one budget, Pipeline-1 / Naive-1"),
+        ),
+    ),
+    Experiment("engine_speed", quick_deadline=0, full_deadline=1200, quick=False),
+    Experiment("strategy_overhead", quick_deadline=0, full_deadline=1800, quick=False, writes_docs=False),
+    Experiment("strategy_memory", quick_deadline=0, full_deadline=900, quick=False, writes_docs=False),
+)
+
+
+def headlines_from(output: str) -> dict[str, str]:
+    """The trailing ``key=value`` lines of an experiment's standard output (blank lines ignored), in order."""
+    found: dict[str, str] = {}
+    for line in reversed([line.strip() for line in output.splitlines() if line.strip()]):
+        match = HEADLINE.match(line)
+        if match is None:
+            break
+        found[match.group(1)] = match.group(2)
+    return dict(reversed(found.items()))
+
+
+def _run(experiment: Experiment, quick: bool, no_docs: bool) -> tuple[int, str]:
+    """Run one experiment, echoing its output as it comes; its whole process group dies at the deadline."""
+    deadline = experiment.quick_deadline if quick else experiment.full_deadline
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        experiment.command(quick, no_docs),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    started = time.monotonic()
+
+    def on_alarm(signum: int, frame: object) -> None:
+        os.killpg(process.pid, signal.SIGKILL)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(int(deadline))
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            lines.append(line)
+        code = process.wait()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    if code < 0 and time.monotonic() - started >= deadline - 1:
+        print(f"{experiment.name}: killed at its {deadline:.0f} s deadline", file=sys.stderr)
+    return code, "".join(lines)
+
+
+def _index_block(results: dict[str, str], command: str, elapsed: float) -> str:
+    rows = ["| headline | value | goal | met | meaning |", "|---|---|---|---|---|"]
+    for experiment in EXPERIMENTS:
+        for goal in experiment.headlines:
+            value = results.get(goal.key)
+            met = "n/a" if value is None else ("yes" if _number(value) >= goal.minimum else "**no**")
+            rows.append(f"| `{goal.key}` | {value or 'missing'} | >= {goal.minimum:.2f} | {met} | {goal.meaning} |")
+    others = [f"`{key}={value}`" for key, value in results.items() if not any(key == g.key for g in _goals())]
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    lines = [
+        BEGIN,
+        *rows,
+        "",
+        *([f"Other headlines of the run: {', '.join(others)}.", ""] if others else []),
+        f"- command: `{command}` ({elapsed / 60:.1f} min)",
+        f"- machine: {os.cpu_count()} CPUs, {cpu_model()}, {platform.system()} {platform.release()}; "
+        f"load average at the end: {load}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def _goals() -> list[Headline]:
+    return [goal for experiment in EXPERIMENTS for goal in experiment.headlines]
+
+
+def _number(value: str) -> float:
+    try:
+        return float(value.rstrip("*"))
+    except ValueError:
+        return float("nan")
+
+
+def _write_index(block: str) -> None:
+    text = INDEX.read_text()
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n## Latest headlines\n\n" + block + "\n"
+    INDEX.write_text(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the quick mode of the quick experiments (< 15 min)")
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/ alone")
+    names = [experiment.name for experiment in EXPERIMENTS]
+    parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=f"a subset of {names}")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    chosen = [e for e in EXPERIMENTS if (args.only is None or e.name in args.only) and (e.quick or not args.quick)]
+    started = time.monotonic()
+    results: dict[str, str] = {}
+    failed: list[str] = []
+    for experiment in chosen:
+        print(f"\n=== {experiment.name} ({'quick' if args.quick else 'full'}) ===", file=sys.stderr, flush=True)
+        code, output = _run(experiment, args.quick, args.no_docs)
+        found = headlines_from(output)
+        missing = [goal.key for goal in experiment.headlines if goal.key not in found]
+        if code != 0 or missing:
+            failed.append(f"{experiment.name} (exit code {code}{', missing ' + ', '.join(missing) if missing else ''})")
+        results.update(found)
+    elapsed = time.monotonic() - started
+    if not args.no_docs and args.only is None:
+        command = "make bench-quick" if args.quick else "make bench"
+        _write_index(_index_block(results, command, elapsed))
+    print(f"\n{len(chosen)} experiments in {elapsed / 60:.1f} min", file=sys.stderr)
+    if failed:
+        print("failed: " + "; ".join(failed), file=sys.stderr)
+    goal_keys = [goal.key for goal in _goals()]
+    ordered = [key for key in results if key not in goal_keys] + [key for key in goal_keys if key in results]
+    print()
+    for key in ordered:
+        print(f"{key}={results[key]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

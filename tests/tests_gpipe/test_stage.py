@@ -1,0 +1,222 @@
+"""The stage's message order: gradient receives posted ahead of backward, in the order the next stage sends them.
+
+Posting early must change nothing but timing: gradients are bit-identical to the stage's unchanged path, where each
+backward posts its own receive when it starts. gloo matches messages by posting order, so the multi-process test is
+the one that can catch an order mismatch; thread transports must honour the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers.distributed import run_processes
+from helpers.models import batch, build, cells, loss_fn
+from helpers.runif import RunIf
+
+from lightning_gpipe.errors import PipelineError
+from lightning_gpipe.microbatch import scatter
+from lightning_gpipe.pipeline import Pipeline, first_element
+from lightning_gpipe.schedule import SCHEDULES, Phase, stage_actions
+from lightning_gpipe.stage import GRADIENTS_AHEAD, Stage
+from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport, Transport
+
+NESTED_BALANCE = [2, 1, 2]  # three stages; every boundary is a tuple with a bool mask and a None leaf
+CHUNKS = 4
+BATCH_SIZE = 10  # micro-batches of 3, 3, 2, 2 samples: gradient buffers must follow each one's shape
+
+
+class RecordingTransport(ThreadTransport):
+    """A thread transport that notes when each receive is posted and when it is waited for."""
+
+    events: list[tuple[str, str]]
+
+    def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
+        self.events.append(("post", what))
+        wait = super().post_recv(buffer, peer, what)
+
+        def recorded_wait() -> None:
+            self.events.append(("wait", what))
+            wait()
+
+        return recorded_wait
+
+
+def _threads(work: Callable[[int], None], num_stages: int) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(stage: int) -> None:
+        try:
+            work(stage)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(stage,)) for stage in range(num_stages)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _gradient_events(transport: RecordingTransport) -> Iterator[tuple[str, int]]:
+    for kind, what in transport.events:
+        if what.startswith("gradients of micro-batch "):
+            yield kind, int(what.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gradient_receives_are_posted_ahead_in_the_next_stages_backward_order(schedule: str) -> None:
+    transports = RecordingTransport.create(2, timeout=datetime.timedelta(seconds=60))
+    for transport in transports:
+        transport.events = []
+    model = build("mlp")
+    stages = cells(model, [4, 4])
+
+    def work(j: int) -> None:
+        Pipeline(stages[j], transports[j], chunks=CHUNKS, schedule=schedule).train_step(batch(), loss_fn)
+
+    _threads(work, 2)
+
+    events = list(_gradient_events(transports[0]))
+    backward_order = [a.microbatch for a in stage_actions(schedule, 1, 2, CHUNKS) if a.phase is Phase.BACKWARD]
+    assert [i for kind, i in events if kind == "post"] == backward_order
+    assert [i for kind, i in events if kind == "wait"] == backward_order
+    posted: set[int] = set()
+    for kind, i in events:
+        if kind == "post":
+            posted.add(i)
+        else:
+            # The next micro-batch's receive is up before this one is waited for (except for the step's last).
+            later = backward_order[backward_order.index(i) + 1 :]
+            assert later[:1] == [] or later[0] in posted, f"{schedule}: {events}"
+            posted.discard(i)
+        assert len(posted) <= GRADIENTS_AHEAD, f"{schedule}: more than {GRADIENTS_AHEAD} posted ahead: {events}"
+
+
+def test_thread_receives_complete_in_posting_order_whatever_order_they_are_waited_for_in() -> None:
+    sender, receiver = ThreadTransport.create(2, timeout=datetime.timedelta(seconds=10))
+    sent = [torch.full((2,), float(k)) for k in range(3)]
+    for tensor in sent:
+        sender.send(tensor, 1)
+    buffers = [torch.empty(2) for _ in sent]
+    waits = [receiver.post_recv(buffer, 0, f"message {k}") for k, buffer in enumerate(buffers)]
+    for k in (2, 0, 1):
+        waits[k]()
+    assert all(torch.equal(buffer, tensor) for buffer, tensor in zip(buffers, sent, strict=True))
+
+
+def test_a_gradient_order_that_is_not_a_permutation_of_the_microbatches_is_refused() -> None:
+    stage = Stage(build("mlp")[:4], ThreadTransport.create(2)[0])
+    with pytest.raises(ValueError, match=r"gradient_order=\[0, 0, 1\] must list each of the step's 3 micro-batches"):
+        stage.begin_step([2, 2, 2], gradient_order=[0, 0, 1])
+
+
+def test_a_backward_before_a_forward_whose_gradient_comes_first_fails_instead_of_waiting_forever() -> None:
+    stage = Stage(build("mlp")[:4], ThreadTransport.create(2)[0])
+    x = batch(4)[0]
+    stage.begin_step([2, 2], gradient_order=[0, 1])
+    stage.forward(1, x[2:])
+    with pytest.raises(PipelineError, match=r"backward of micro-batch 1 ran before the forward of micro-batch 0"):
+        stage.backward(1)
+
+
+def test_a_step_that_failed_with_receives_posted_refuses_the_next_one() -> None:
+    x = batch(4)[0]
+    stage = Stage(build("mlp")[:4], ThreadTransport.create(2)[0])
+    stage.begin_step([2, 2], gradient_order=[1, 0])
+    stage.forward(0, x[:2])
+    stage.forward(1, x[2:])  # both gradient receives are now posted
+    stage.abort("boom")
+    with pytest.raises(PipelineError, match=r"a new step began after a failed one \(boom\) left receives posted"):
+        stage.begin_step([2, 2], gradient_order=[1, 0])
+
+    clean = Stage(build("mlp")[:4], ThreadTransport.create(2)[0])
+    clean.begin_step([2, 2])  # without a gradient order nothing is posted before backward
+    clean.forward(0, x[:2])
+    clean.abort("boom")
+    clean.begin_step([2, 2])
+
+
+# ---------------------------------------------------------------------------------------------- over gloo processes
+
+
+def _stage_on_demand_step(stage: Stage, microbatches: list[Any], schedule: str) -> None:
+    """The stage's unchanged path: no gradient order, so each backward posts its receive when it starts."""
+    stage.begin_step([mb.size for mb in microbatches])
+    losses: dict[int, torch.Tensor] = {}
+    for action in stage_actions(schedule, stage.index, stage.num_stages, len(microbatches)):
+        mb = microbatches[action.microbatch]
+        if action.phase is Phase.FORWARD:
+            output = stage.forward(mb.index, first_element(mb.value) if stage.is_first else None)
+            if stage.is_last:
+                losses[mb.index] = loss_fn(output, mb.value) * mb.weight
+        else:
+            stage.backward(mb.index, losses.get(mb.index))
+    stage.end_step()
+
+
+def _gloo_worker(rank: int, world_size: int) -> dict[str, Any]:
+    data = batch(BATCH_SIZE)
+    transport: Transport = ProcessGroupTransport(range(world_size))
+    grads = {}
+    for schedule in SCHEDULES:
+        for posted_ahead in (True, False):
+            model = build("nested")
+            cell = cells(model, NESTED_BALANCE)[rank]
+            if posted_ahead:
+                Pipeline(cell, transport, chunks=CHUNKS, schedule=schedule).train_step(data, loss_fn)
+            else:
+                _stage_on_demand_step(Stage(cell, transport), scatter(data, CHUNKS), schedule)
+            grads[(schedule, posted_ahead)] = {k: p.grad.clone() for k, p in cell.named_parameters()}
+
+    # A step that fails on the last stage: the others time out waiting for gradients they had posted receives for.
+    impatient = ProcessGroupTransport(range(world_size), timeout=datetime.timedelta(seconds=3))
+    pipeline = Pipeline(cells(build("nested"), NESTED_BALANCE)[rank], impatient, chunks=CHUNKS)
+
+    def failing_loss(output: torch.Tensor, microbatch: Any) -> torch.Tensor:
+        raise RuntimeError("the loss failed")
+
+    errors = []
+    for _ in range(2):
+        try:
+            pipeline.train_step(data, failing_loss if rank == world_size - 1 else loss_fn)
+        except (PipelineError, RuntimeError) as error:
+            errors.append(str(error))
+    return {"grads": grads, "errors": errors}  # the worker then destroys the process group: it must not hang
+
+
+@pytest.fixture(scope="module")
+def gloo_runs() -> list[dict[str, Any]]:
+    return run_processes(_gloo_worker, len(NESTED_BALANCE), timeout=240)
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gradients_posted_ahead_over_gloo_are_bit_identical_to_the_unchanged_path(
+    gloo_runs: list[dict[str, Any]], schedule: str
+) -> None:
+    for rank, run in enumerate(gloo_runs):
+        ahead, on_demand = run["grads"][(schedule, True)], run["grads"][(schedule, False)]
+        assert ahead
+        assert ahead.keys() == on_demand.keys()
+        for name in ahead:
+            assert (ahead[name] == on_demand[name]).all(), f"stage {rank}, {name}: posting ahead changed the gradient"
+
+
+@RunIf(multiprocess=True)
+def test_a_failed_step_over_gloo_stops_the_next_one_at_once_and_the_job_shuts_down(
+    gloo_runs: list[dict[str, Any]],
+) -> None:
+    for rank, run in enumerate(gloo_runs):
+        first, second = run["errors"]
+        if rank == len(gloo_runs) - 1:
+            assert first == "the loss failed"
+        else:
+            assert f"[pipeline stage {rank}] receiving gradients of micro-batch 3 from stage {rank + 1}" in first
+        assert f"[pipeline stage {rank}] a new step began after a failed one" in second
