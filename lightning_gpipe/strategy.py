@@ -218,6 +218,7 @@ class GPipeStrategy(ParallelStrategy):
 
     @property
     def num_nodes(self) -> int:
+        """The number of machines (Lightning's ``num_nodes``); every node runs the same number of processes."""
         return self._num_nodes
 
     @num_nodes.setter
@@ -226,10 +227,12 @@ class GPipeStrategy(ParallelStrategy):
 
     @property
     def num_processes(self) -> int:
+        """Processes on this node: one per device."""
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     def is_distributed(self) -> bool:
+        """Always true: even one pipeline of one stage runs in a process group."""
         # Lightning reads this to honour `self.log(sync_dist=True)` and to inject the distributed sampler.
         return True
 
@@ -264,6 +267,7 @@ class GPipeStrategy(ParallelStrategy):
 
     @property
     def process_group_backend(self) -> str | None:
+        """The ``torch.distributed`` backend: the one given, else NCCL on CUDA and gloo on CPU, known after setup."""
         return self._process_group_backend
 
     # ------------------------------------------------------------------ launcher and environment
@@ -277,6 +281,7 @@ class GPipeStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
@@ -332,7 +337,7 @@ class GPipeStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)  # type: ignore[arg-type]
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            self._setup_stage_optimizers(trainer, module)
         self.setup_precision_plugin()
         self._use_world_synced_scaler()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -378,6 +383,25 @@ class GPipeStrategy(ParallelStrategy):
             detect_anomalies=self._detect_anomalies,
         )
         log.info(f"GPipe: rank {self.global_rank} runs stage {layout.stage}: layers {[i for i, _ in own]} of {path}")
+
+    def _setup_stage_optimizers(self, trainer: Trainer, module: LightningModule) -> None:
+        # `configure_optimizers` runs on every stage with that stage's layers only. A stage whose layers are all frozen
+        # (a frozen backbone split over several stages) gives an optimizer built from trainable parameters nothing,
+        # and torch's error would not say which stage or why.
+        try:
+            self.setup_optimizers(trainer)
+        except ValueError as error:
+            if "empty parameter list" not in str(error) or any(p.requires_grad for p in module.parameters()):
+                raise
+            assert self._partition is not None
+            layers = self._partition.bounds[self.layout.stage]
+            sizes = [len(bound) for bound in self._partition.bounds]
+            raise ValueError(
+                f"stage {self.layout.stage} (layers {layers[0]}-{layers[-1]} of {self._partition.path!r}) has no "
+                f"trainable parameters, so `configure_optimizers` gave its optimizer none ({error}). Give every stage "
+                f"a trainable layer with `balance=[...]` (layers per stage; now {sizes}), use fewer stages, or build "
+                "the optimizer from all parameters (frozen ones are then simply not updated)."
+            ) from error
 
     def _find_balance(self, module: LightningModule, sequence: torch.nn.Sequential) -> list[int]:
         if isinstance(self._balance, list):
@@ -489,7 +513,10 @@ class GPipeStrategy(ParallelStrategy):
             )
         # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
         fingerprint = batch_fingerprint(batch) if self._verify_batches and self.layout.pipe_size > 1 else None
-        self._stage.begin_step([mb.size for mb in self._microbatches], fingerprint)
+        # In training the next stage sends gradients back in the order of `backward` below (reversed): knowing it, this
+        # stage posts those receives while it still runs forwards, so no gradient waits for its receive to be posted.
+        order = list(reversed(range(len(self._microbatches)))) if hook == "training_step" else None
+        self._stage.begin_step([mb.size for mb in self._microbatches], fingerprint, gradient_order=order)
         recorder = LogRecorder(self.lightning_module)  # type: ignore[arg-type]
         outputs = []
         for mb in self._microbatches:

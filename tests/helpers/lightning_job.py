@@ -68,8 +68,11 @@ class SequentialModule(L.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.layers(batch[0])
 
+    trainable_only = False  # build the optimizer from trainable parameters only, as fine-tuning code does
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        parameters = [p for p in self.parameters() if p.requires_grad or not self.trainable_only]
+        return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 
 
 def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
@@ -110,6 +113,10 @@ def fit(run: dict[str, Any], root: Path) -> SequentialModule:
     L.seed_everything(0, verbose=False)
     module = SequentialModule(run.get("model", "mlp"), run.get("batch_norm", False), run.get("meta", False))
     module.fail_rank = run.get("fail_rank")
+    if run.get("freeze_first"):  # a frozen backbone: its first layers, with an optimizer over the rest
+        assert module.layers is not None
+        module.layers[: run["freeze_first"]].requires_grad_(False)
+        module.trainable_only = True
     trainer = trainer_for(run, root)
     loader = DataLoader(dataset(), batch_size=run.get("batch", BATCH), shuffle=run.get("shuffle", False))
     trainer.fit(module, loader, ckpt_path=run.get("resume"))

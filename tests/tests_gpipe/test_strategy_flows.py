@@ -107,6 +107,18 @@ def test_a_batch_smaller_than_the_number_of_stages_is_refused(tmp_path: Path) ->
 
 
 @RunIf(multiprocess=True)
+def test_a_stage_without_trainable_parameters_is_named_with_the_fix(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"runs": [{"pipe_size": 2, "devices": 2, "balance": [4, 4], "freeze_first": 4}]}))
+    results = run_job("helpers.lightning_job", [str(config)], 2, timeout=180)
+    assert all(result.returncode != 0 for result in results)
+    output = results[0].stdout + results[1].stdout
+    assert "stage 0 (layers 0-3 of 'layers') has no trainable parameters" in output
+    assert "`balance=[...]` (layers per stage; now [4, 4])" in output
+
+
+@RunIf(multiprocess=True)
 def test_loss_scaling_skips_an_overflowing_step_on_every_stage(tmp_path: Path) -> None:
     from helpers.amp_job import INF_STEP
 
