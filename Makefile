@@ -2,6 +2,7 @@
 UV ?= $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 RUN := $(UV) run --frozen
 PYTEST_ARGS ?=
+DOC_TESTS := tests/test_docs.py tests/test_api_reference.py  # run by `make docs`
 
 .PHONY: env demo test lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory clean
 
@@ -16,8 +17,9 @@ lint: env
 types: env
 	$(RUN) mypy
 
-docs: env  ## build the documentation site into site/ (any warning fails)
+docs: env  ## build the documentation site into site/ (any warning fails), then run the code examples of its pages
 	NO_MKDOCS_2_WARNING=1 $(RUN) mkdocs build --strict --quiet
+	OMP_NUM_THREADS=1 $(RUN) pytest $(DOC_TESTS) -q
 
 demo: env  ## pretrain AmoebaNet-D with K=2 stages on 2 CPU processes, then fine-tune it; results in out/demo/
 	OMP_NUM_THREADS=1 $(RUN) python examples/demo.py
@@ -25,7 +27,8 @@ demo: env  ## pretrain AmoebaNet-D with K=2 stages on 2 CPU processes, then fine
 pytest: env
 	$(RUN) pytest $(PYTEST_ARGS)
 
-test: lint types docs pytest  ## lint, types, docs build and the whole test suite
+test: lint types docs  ## lint, types, docs build and examples, and the rest of the test suite
+	$(RUN) pytest $(addprefix --ignore=,$(DOC_TESTS)) $(PYTEST_ARGS)
 
 bench: env  ## every benchmark, full (about 2 hours on 2 CPU cores); results and plots in docs/benchmarks/
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks

@@ -25,7 +25,9 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 __all__ = ["CHECKPOINT_MODES", "CheckpointMode", "checkpointed", "checkpoint_stop", "is_recomputing", "validate_mode"]
 
 CheckpointMode = Literal["always", "except_last", "never"]
+"""Which micro-batches re-materialize: every one, all but the last (whose backward follows at once), or none."""
 CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+"""The values of [`CheckpointMode`][lightning_gpipe.checkpoint.CheckpointMode], for validation and messages."""
 
 _state = threading.local()
 

@@ -39,7 +39,9 @@ __all__ = [
 ]
 
 CostFn = Callable[[nn.Module], float]
+"""A user's cost of one layer (the paper's c_i): any non-negative number, larger meaning slower."""
 COST_SOURCES: tuple[str, ...] = ("params", "flops", "time", "memory")
+"""The built-in cost sources; the last three run the layers on a sample input."""
 _NEEDS_SAMPLE = ("flops", "time", "memory")
 
 

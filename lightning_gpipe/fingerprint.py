@@ -25,7 +25,8 @@ from lightning_gpipe.structure import flatten
 
 __all__ = ["Fingerprint", "batch_fingerprint", "same_fingerprint"]
 
-Fingerprint = tuple[tuple[tuple[int, ...], str, float], ...]  # (shape, dtype, checksum) per tensor leaf
+Fingerprint = tuple[tuple[tuple[int, ...], str, float], ...]
+"""A batch's identity: (shape, dtype, checksum) of each tensor leaf, in pytree order."""
 
 _COLUMNS = 16
 _RELATIVE_TOLERANCE = 1e-6  # a reordered reduction on another CPU or GPU may differ in the last bits, no more

@@ -41,6 +41,7 @@ class LoggedValue:
 
     @property
     def value(self) -> torch.Tensor:
+        """The weighted mean of what was logged."""
         return self.weighted_sum / self.weight
 
 

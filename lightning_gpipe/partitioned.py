@@ -113,6 +113,7 @@ class Partition:
 
     @property
     def stage(self) -> int:
+        """The pipeline stage this process runs."""
         return self.stand_in.stage
 
     def owner_of(self, key: str) -> int | None:

@@ -38,6 +38,7 @@ __all__ = [
 #   F(i) / B(i): forward / backward pass of micro-batch i on one stage
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+"""The schedules: GPipe's fill-drain (all forwards, then all backwards) and one-forward-one-backward."""
 
 
 class Phase(str, Enum):

@@ -18,6 +18,7 @@ __all__ = ["LEAF", "Spec", "flatten", "leaf_paths", "map_tensors", "unflatten"]
 
 Spec = Any  # LEAF, or (kind, type, keys, children): see _flatten
 LEAF = "*"
+"""The placeholder that stands for one tensor in a structure's skeleton."""
 
 
 def _is_namedtuple(value: object) -> bool:

@@ -20,6 +20,7 @@ __all__ = ["IDLE_PHASES", "Span", "SpanRecord", "Timeline"]
 
 # Time spent blocked on a peer is the bubble itself: such spans are drawn but not counted as busy.
 IDLE_PHASES: frozenset[str] = frozenset({"wait"})
+"""Phases during which a stage is idle: they count towards the bubble, not towards busy time."""
 
 # Forward and backward keep fixed colours so that charts compare at a glance; other phases take the next free one.
 _PHASE_COLOURS = {
@@ -33,6 +34,7 @@ _SPARE_COLOURS = ("#C44E52", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5C
 
 #: A span as a plain tuple ``(stage, phase, microbatch, start, end)``, what processes exchange.
 SpanRecord = tuple[int, str, int, float, float]
+"""One span as plain data, picklable across processes: (stage, phase, micro-batch, start, end)."""
 
 _DISABLED: AbstractContextManager[None] = nullcontext()
 

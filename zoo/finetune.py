@@ -35,6 +35,7 @@ class LoadReport:
     skipped: tuple[str, ...]  # the checkpoint's head keys, not used
 
     def summary(self) -> str:
+        """One line for logs: how many tensors were loaded, which heads are new, what was skipped."""
         return (
             f"loaded {len(self.loaded)} backbone tensors; new heads: {', '.join(self.fresh) or 'none'}; "
             f"skipped from the checkpoint: {', '.join(self.skipped) or 'none'}"
