@@ -65,10 +65,10 @@ class Experiment:
 
 
 EXPERIMENTS: tuple[Experiment, ...] = (
-    Experiment("bubble", quick_deadline=240, full_deadline=1200),
+    Experiment("bubble", quick_deadline=300, full_deadline=1200),
     Experiment(
         "zoo_throughput",
-        quick_deadline=600,
+        quick_deadline=660,
         full_deadline=3600,
         headlines=(
             Headline("ratio_vs_torch_pipelining", 1.00, "our throughput / ScheduleGPipe's, K = 2, M = 8"),
@@ -78,7 +78,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         "zoo_memory",
-        quick_deadline=360,
+        quick_deadline=480,
         full_deadline=2400,
         headlines=(
             Headline("pipeline1_layers_vs_naive1", 2.5, "deepest Transformer-L in one budget, Pipeline-1 / Naive-1"),

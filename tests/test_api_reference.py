@@ -27,7 +27,6 @@ _DIRECTIVE = re.compile(r"^:::\s*(?P<identifier>[\w.]+)\s*$")
 _MEMBER = re.compile(r"^\s+-\s*(?P<name>\w+)\s*$")
 
 
-
 def directives(reference: pathlib.Path = REFERENCE) -> dict[str, list[str] | None]:
     """Each ``::: identifier`` of the reference pages, with its ``members:`` list (``None``: every public member).
 

@@ -11,11 +11,12 @@ import multiprocessing
 import queue
 import socket
 import time
+from collections.abc import Sequence
 from types import TracebackType
 
 from benchmarks.engine_speed.worker import Job, JobResult, run_worker
 
-__all__ = ["JobError", "Launcher"]
+__all__ = ["JobError", "JobTimeoutError", "Launcher"]
 
 _PRELOAD = [
     "torch",
@@ -29,6 +30,10 @@ class JobError(RuntimeError):
     """A rank of a job raised, died or missed the deadline; the message carries its traceback or exit code."""
 
 
+class JobTimeoutError(JobError):
+    """A rank of a job missed the deadline (on a heavily loaded machine a slow window does; no bug needed)."""
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -36,11 +41,14 @@ def _free_port() -> int:
 
 
 class Launcher:
-    """Runs jobs in fresh processes; use as a context manager so that nothing outlives the benchmark."""
+    """Runs jobs in fresh processes; use as a context manager so that nothing outlives the benchmark.
 
-    def __init__(self, observer_pid: int) -> None:
+    ``preload``: further modules the server imports once, e.g. the module that defines the benchmark's jobs.
+    """
+
+    def __init__(self, observer_pid: int, preload: Sequence[str] = ()) -> None:
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(_PRELOAD)
+        self._context.set_forkserver_preload([*_PRELOAD, *preload])
         self._results = self._context.Queue()
         self._observer_pid = observer_pid
         self._tag = 0
@@ -81,7 +89,9 @@ class Launcher:
         while len(reported) < job.world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise JobError(f"{job}: {job.world_size - len(reported)} rank(s) did not finish within {timeout:g} s")
+                raise JobTimeoutError(
+                    f"{job}: {job.world_size - len(reported)} rank(s) did not finish within {timeout:g} s"
+                )
             try:
                 tag, rank, status, value = self._results.get(timeout=min(remaining, 0.5))
             except queue.Empty:

@@ -1,4 +1,4 @@
-"""The markdown tables of a run and the results block of ``docs/benchmarks.md``."""
+"""The markdown tables of a run and the results block of ``docs/benchmarks/engine.md``."""
 
 from __future__ import annotations
 

@@ -13,26 +13,15 @@ import pstats
 import signal
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    SpinnerColumn,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
-from benchmarks.engine_speed.cpuload import idle_foreign_cores
-from benchmarks.engine_speed.launch import JobError, Launcher
+from benchmarks.engine_speed.launch import Launcher
 from benchmarks.engine_speed.report import markdown_tables, write_docs
-from benchmarks.engine_speed.results import Measurement, Results, headline
+from benchmarks.engine_speed.results import Results, headline
+from benchmarks.engine_speed.rounds import progress_bar, run_rounds
 from benchmarks.engine_speed.worker import Job, JobResult
 from benchmarks.engine_speed.workloads import K
 from lightning_gpipe.schedule import bubble_fraction
@@ -41,7 +30,7 @@ from lightning_gpipe.timeline import Timeline
 __all__ = ["Plan", "main"]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-DOCS = REPO / "docs" / "benchmarks.md"
+DOCS = REPO / "docs" / "benchmarks" / "engine.md"
 TIMELINE_PNG = REPO / "docs" / "img" / "engine_timeline.png"
 TIMELINE_CHUNKS = 8
 SMALL_CHUNKS = 16
@@ -89,61 +78,9 @@ FULL = Plan(
 QUICK = Plan(rounds=3, min_rounds=2, chunks=(1, 8), transformer_steps=(1, 4), small_steps=(20, 80), budget_seconds=170)
 
 
-class Session:
-    """Runs jobs with a quiet-machine gate and retries, within the time budget; keeps every attempt."""
-
-    def __init__(self, plan: Plan, launcher: Launcher, log: Callable[[str], None]) -> None:
-        self.plan = plan
-        self.launcher = launcher
-        self.log = log
-        self.started = time.monotonic()
-        self.measurements: list[Measurement] = []
-        self.durations: dict[Job, float] = {}  # last wall time of each job, to budget what remains
-
-    def remaining(self) -> float:
-        return self.plan.budget_seconds - (time.monotonic() - self.started)
-
-    def estimate(self, jobs: Sequence[Job]) -> float:
-        # Before a job has run once, guess from its step counts: ~0.5 s per Transformer step, ~10 ms per small one.
-        guess = {"transformer": 0.5, "small": 0.01}
-        return sum(
-            self.durations.get(job, 1.0 + (job.warmup_steps + job.timed_steps) * guess[job.workload]) for job in jobs
-        )
-
-    def _wait_for_quiet(self, spare: float) -> float:
-        # Waiting costs budget only; starting a window under load would waste the window.
-        deadline = time.monotonic() + min(self.plan.max_quiet_wait, max(spare, 0.0))
-        load = idle_foreign_cores([os.getpid()], 0.3)
-        while load > self.plan.foreign_threshold and time.monotonic() < deadline:
-            load = idle_foreign_cores([os.getpid()], 0.5)
-        return load
-
-    def measure(self, round_index: int, job: Job, spare: Callable[[], float]) -> None:
-        """Measure ``job`` for ``round_index``, retrying windows with foreign load while ``spare()`` seconds last."""
-        self._wait_for_quiet(spare())
-        for attempt in range(self.plan.max_retries + 1):
-            started = time.monotonic()
-            try:
-                result = self.launcher.run(job, self.plan.job_timeout)
-            except JobError as error:
-                if attempt == self.plan.max_retries:
-                    raise
-                self.log(f"[yellow]{job} failed, retrying:[/] {str(error).splitlines()[-1]}")
-                continue
-            self.durations[job] = time.monotonic() - started
-            clean = result.foreign_cores <= self.plan.foreign_threshold
-            self.measurements.append(Measurement(round_index, job, attempt, result, clean))
-            if clean:
-                return
-            # Retry only once the machine is quiet again: under lasting load a retry costs time and is no cleaner.
-            retry = attempt < self.plan.max_retries and spare() > self.durations[job]
-            retry = retry and self._wait_for_quiet(spare()) <= self.plan.foreign_threshold
-            self.log(
-                f"[yellow]round {round_index + 1} {job}: foreign load {result.foreign_cores:.2f} cores, window "
-                f"{'discarded, retrying' if retry else 'kept but flagged'}[/]"
-            )
-            if not retry:
-                return
+def _step_guess(job: Job) -> float:
+    # Before a job has run once: ~0.5 s per Transformer step, ~10 ms per small one.
+    return {"transformer": 0.5, "small": 0.01}[job.workload]
 
 
 def _record_timeline(launcher: Launcher) -> tuple[Timeline, JobResult]:
@@ -184,7 +121,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="3 rounds, M in {1, 8}, ~2-3 min; leaves the docs alone")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
-    parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md and the chart")
+    parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks/engine.md and the chart")
     parser.add_argument(
         "--profile",
         type=pathlib.Path,
@@ -192,28 +129,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="instead of benchmarking, cProfile both pipelines on both workloads into DIR and print the top functions",
     )
     return parser.parse_args(argv)
-
-
-def _run_rounds(plan: Plan, launcher: Launcher, progress: Progress, task: TaskID) -> list[Measurement]:
-    """Every round of ``plan`` (fewer when the time budget runs out after ``plan.min_rounds``)."""
-    jobs = plan.round_jobs()
-    session = Session(plan, launcher, progress.console.log)
-    for round_index in range(plan.rounds):
-        mandatory = max(plan.min_rounds - round_index, 0)
-        if not mandatory and session.remaining() < session.estimate(jobs) + session.estimate(jobs[:1]) * 2:
-            progress.console.log(f"time budget reached: stopping after {round_index} rounds")
-            break
-        for position, job in enumerate(jobs):
-            progress.update(task, description=f"round {round_index + 1}/{plan.rounds}: {job}")
-
-            def spare(position: int = position, mandatory: int = mandatory) -> float:
-                # Time left after what must still run: the rest of this round and the mandatory rounds after it.
-                rest = session.estimate(jobs[position + 1 :]) + session.estimate(jobs) * max(mandatory - 1, 0)
-                return session.remaining() - rest - 15.0
-
-            session.measure(round_index, job, spare)
-            progress.advance(task)
-    return session.measurements
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,15 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds, min_rounds=min(plan.min_rounds, args.rounds))
     console = Console(stderr=True)
-    columns: list[ProgressColumn] = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn()]
-    columns += [MofNCompleteColumn(), TimeElapsedColumn()]
-    with (
-        Progress(*columns, console=console, refresh_per_second=2) as progress,
-        Launcher(observer_pid=os.getpid()) as launcher,
-    ):
-        total = plan.rounds * len(plan.round_jobs()) + 1
+    with progress_bar(console) as progress, Launcher(observer_pid=os.getpid()) as launcher:
+        jobs = plan.round_jobs()
+        total = plan.rounds * len(jobs) + 1
         task = progress.add_task("starting the worker server (imports torch once)", total=total)
-        measurements = _run_rounds(plan, launcher, progress, task)
+        measurements = run_rounds(plan, jobs, launcher, progress, task, _step_guess)
         progress.update(task, description=f"timeline of one `ours` step, M = {TIMELINE_CHUNKS}")
         timeline, timeline_result = _record_timeline(launcher)
         progress.update(task, completed=total)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.engine_speed.cpuload import foreign_cores, snapshot
-from benchmarks.engine_speed.workloads import PIPELINED, WORKLOADS, build_step
+from benchmarks.engine_speed.workloads import PIPELINED, WORKLOADS, Step, build_step
 from lightning_gpipe.timeline import SpanRecord, Timeline
 
 __all__ = ["Job", "JobResult", "run_worker"]
@@ -29,7 +29,11 @@ _PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 
 @dataclass(frozen=True)
 class Job:
-    """One configuration of one workload at ``chunks`` micro-batches, timed over ``timed_steps`` steps."""
+    """One configuration of one workload at ``chunks`` micro-batches, timed over ``timed_steps`` steps.
+
+    Other benchmarks measure their own steps with this worker by subclassing it (a frozen dataclass too) and
+    overriding :meth:`build_step`, :attr:`world_size` and :attr:`threads`; ``benchmarks/zoo_throughput`` does.
+    """
 
     workload: str
     config: str
@@ -49,6 +53,10 @@ class Job:
 
     def __str__(self) -> str:
         return f"{self.workload}/{self.config}/M={self.chunks}"
+
+    def build_step(self, rank: int, timeline: Timeline | None) -> Step:
+        """This process's training step (built inside the worker, after the process group is up)."""
+        return build_step(WORKLOADS[self.workload], self.config, self.chunks, rank, timeline)
 
 
 @dataclass
@@ -84,7 +92,7 @@ def _gather(value: Any, world_size: int) -> list[Any]:
 def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
     world_size = job.world_size
     timeline = Timeline() if job.record_timeline else None
-    step = build_step(WORKLOADS[job.workload], job.config, job.chunks, rank, timeline)
+    step = job.build_step(rank, timeline)
     pids = _gather(os.getpid(), world_size) + [observer_pid]  # the orchestrator's progress display is ours too
     rss_before = _rss_mib()
     for _ in range(job.warmup_steps):
