@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from benchmarks.docs_page import write_block
 from benchmarks.machine import cpu_model
 
 __all__ = ["EXPERIMENTS", "Experiment", "Headline", "headlines_from", "main"]
@@ -148,7 +149,6 @@ def _index_block(results: dict[str, str], command: str, elapsed: float) -> str:
     others = [f"`{key}={value}`" for key, value in results.items() if not any(key == g.key for g in _goals())]
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     lines = [
-        BEGIN,
         *rows,
         "",
         *([f"Other headlines of the run: {', '.join(others)}.", ""] if others else []),
@@ -156,7 +156,6 @@ def _index_block(results: dict[str, str], command: str, elapsed: float) -> str:
         f"- machine: {os.cpu_count()} CPUs, {cpu_model()}, {platform.system()} {platform.release()}; "
         f"load average at the end: {load}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        END,
     ]
     return "\n".join(lines)
 
@@ -173,13 +172,7 @@ def _number(value: str) -> float:
 
 
 def _write_index(block: str) -> None:
-    text = INDEX.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n## Latest headlines\n\n" + block + "\n"
-    INDEX.write_text(text)
+    write_block(INDEX, BEGIN, END, block)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,8 +19,9 @@ from typing import Any
 from rich.console import Console
 
 from benchmarks.bubble.analysis import Row, Sample, all_idle_fraction, idle_fraction, max_abs_difference, summarize
+from benchmarks.docs_page import write_block
+from benchmarks.launch import JobError, Launcher
 from benchmarks.machine import cpu_model
-from benchmarks.zoo_memory.launch import JobError, Launcher
 
 __all__ = ["Plan", "main"]
 
@@ -173,7 +174,6 @@ def write_docs(rows: list[Row], images: list[pathlib.Path], lines: list[str], co
     chart = IMG / "bench_bubble_vs_m.png"
     plot(rows, chart)
     block = [
-        BEGIN,
         *context,
         "",
         table(rows),
@@ -182,11 +182,8 @@ def write_docs(rows: list[Row], images: list[pathlib.Path], lines: list[str], co
         "",
     ]
     block += [f"![Gantt chart: {image.stem}]({os.path.relpath(image, DOCS.parent)})" for image in images]
-    block += ["", "```", *lines, "```", END]
-    text = DOCS.read_text() if DOCS.exists() else "# Bubble\n\n" + BEGIN + "\n" + END + "\n"
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    DOCS.write_text(head + "\n".join(block) + tail)
+    block += ["", "```", *lines, "```"]
+    write_block(DOCS, BEGIN, END, "\n".join(block))
 
 
 def machine(started: datetime.datetime, load: str, command: str) -> list[str]:

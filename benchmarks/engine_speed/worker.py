@@ -1,30 +1,25 @@
-"""One measurement in fresh worker processes: thread settings, process group, warm-up, timed steps, CPU accounting.
+"""One measurement in a fresh rank: warm-up, timed steps, CPU and load accounting.
 
-The orchestrator starts :func:`run_worker` once per rank of a :class:`Job`. Rank 0 reports a :class:`JobResult`, the
+The orchestrator runs :func:`measure_rank` once per rank of a :class:`Job`. Rank 0 reports a :class:`JobResult`, the
 other ranks ``None``; a rank that fails reports its traceback.
 """
 
 from __future__ import annotations
 
 import cProfile
-import datetime
 import os
 import resource
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from benchmarks.engine_speed.cpuload import foreign_cores, snapshot
 from benchmarks.engine_speed.workloads import PIPELINED, WORKLOADS, Step, build_step
 from lightning_gpipe.timeline import SpanRecord, Timeline
 
-__all__ = ["Job", "JobResult", "run_worker"]
-
-_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+__all__ = ["Job", "JobResult", "measure_rank"]
 
 
 @dataclass(frozen=True)
@@ -146,29 +141,7 @@ def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
     )
 
 
-def run_worker(job: Job, rank: int, port: int, observer_pid: int, tag: int, results: Any) -> None:
-    """Entry point of rank ``rank`` of ``job``; reports ``(tag, rank, status, value)`` to ``results``, never raises.
-
-    ``tag`` identifies the attempt, so that a late message from a killed attempt is not taken for a newer one's.
-    """
-    try:
-        # Before any torch work: the inter-op pool can be sized only once, before it starts.
-        torch.set_num_threads(job.threads)
-        torch.set_num_interop_threads(1)
-        if job.world_size > 1:
-            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: nothing of this benchmark leaves the host
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=job.world_size,
-                timeout=_PROCESS_GROUP_TIMEOUT,
-            )
-        try:
-            result = _measure(job, rank, observer_pid)
-        finally:
-            if job.world_size > 1:
-                dist.destroy_process_group()
-        results.put((tag, rank, "ok", result))
-    except BaseException:
-        results.put((tag, rank, "error", traceback.format_exc()))
+def measure_rank(rank: int, world_size: int, job: Job, observer_pid: int) -> JobResult | None:
+    """What rank ``rank`` of ``job`` runs in its fresh process (see :class:`benchmarks.launch.Launcher`)."""
+    assert world_size == job.world_size
+    return _measure(job, rank, observer_pid)

@@ -23,8 +23,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), os
 
 from rich.console import Console  # noqa: E402
 
+from benchmarks.docs_page import write_block  # noqa: E402
+from benchmarks.launch import Launcher  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
-from benchmarks.zoo_memory.launch import Launcher  # noqa: E402
 from benchmarks.zoo_memory.scales import MODELS, SETTINGS, Probe  # noqa: E402
 from benchmarks.zoo_memory.search import SearchResult, largest_fitting  # noqa: E402
 
@@ -203,7 +204,7 @@ def machine(started: datetime.datetime, load: str, command: str) -> list[str]:
 
 def write_docs(results: dict[str, list[Found]], plan: Plan, lines: list[str], context: list[str]) -> None:
     """Replace the results block of the docs page (the text around it is kept) and write the plots."""
-    block = [BEGIN, *context, ""]
+    block = [*context, ""]
     for model, found in results.items():
         image = IMG / f"bench_memory_{model}.png"
         plot(found, plan.budget_mib[model], image)
@@ -215,11 +216,8 @@ def write_docs(results: dict[str, list[Found]], plan: Plan, lines: list[str], co
             f"![peak memory per rank of {model} against its size]({os.path.relpath(image, DOCS.parent)})",
             "",
         ]
-    block += ["```", *lines, "```", END]
-    text = DOCS.read_text() if DOCS.exists() else "# Memory on the zoo's models\n\n" + BEGIN + "\n" + END + "\n"
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    DOCS.write_text(head + "\n".join(block) + tail)
+    block += ["```", *lines, "```"]
+    write_block(DOCS, BEGIN, END, "\n".join(block))
 
 
 def main(argv: list[str] | None = None) -> None:

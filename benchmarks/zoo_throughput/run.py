@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
+from benchmarks.docs_page import write_block
 from benchmarks.engine_speed.launch import Launcher
 from benchmarks.engine_speed.results import Goals, Results, headline
 from benchmarks.engine_speed.rounds import progress_bar, run_rounds
@@ -24,7 +25,7 @@ from benchmarks.engine_speed.worker import Job
 from benchmarks.machine import cpu_model
 from benchmarks.zoo_throughput.models import WORKLOADS, balance
 from benchmarks.zoo_throughput.plan import FULL, QUICK, SMOKE, TINY, TINY_CHUNKS, Plan
-from benchmarks.zoo_throughput.report import goal_lines, markdown_tables, plot_model, replace_block
+from benchmarks.zoo_throughput.report import BEGIN, END, goal_lines, markdown_tables, plot_model
 
 __all__ = ["main"]
 
@@ -80,9 +81,7 @@ def _write_docs(
             "```",
         ]
     )
-    text = DOCS.read_text() if DOCS.exists() else "# Zoo throughput\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(replace_block(text, block))
+    write_block(DOCS, BEGIN, END, block)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""The benchmark orchestrator (``python -m benchmarks``): how it reads headlines and records them in the docs."""
+"""The benchmark orchestrator (``python -m benchmarks``) and the generated docs block that every benchmark rewrites."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pathlib
 import pytest
 
 import benchmarks.__main__ as orchestrator
+from benchmarks.docs_page import replace_block
 
 
 def test_headlines_are_the_trailing_key_value_lines() -> None:
@@ -46,3 +47,11 @@ def test_index_block_is_replaced_in_place(tmp_path: pathlib.Path, monkeypatch: p
     assert second.count(orchestrator.BEGIN) == 1
     assert "| `ratio_vs_torch_pipelining` | 1.10 | >= 1.00 | yes |" in second
     assert second.startswith("# Benchmarks\n\nintro\n")
+
+
+def test_a_results_block_is_replaced_in_place_or_appended() -> None:
+    begin, end = "<!-- results -->", "<!-- end of results -->"
+    text = f"# Page\n\nintro\n\n{begin}\nold numbers\n{end}\n\n## After\n"
+    updated = replace_block(text, begin, end, "new numbers")
+    assert updated == f"# Page\n\nintro\n\n{begin}\nnew numbers\n{end}\n\n## After\n"
+    assert replace_block("# Page\n", begin, end, "numbers") == f"# Page\n\n{begin}\nnumbers\n{end}\n"

@@ -17,7 +17,7 @@ from benchmarks.engine_speed.results import Measurement, Results, headline
 from benchmarks.engine_speed.worker import JobResult
 from benchmarks.zoo_throughput.models import WORKLOADS, balance
 from benchmarks.zoo_throughput.plan import FULL, QUICK, TINY, TINY_CHUNKS, ZooJob
-from benchmarks.zoo_throughput.report import BEGIN, END, goal_lines, replace_block, table_rows
+from benchmarks.zoo_throughput.report import goal_lines, table_rows
 from benchmarks.zoo_throughput.steps import CONFIGS, build_step
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -107,13 +107,6 @@ def test_loaded_windows_are_used_only_when_nothing_clean_exists_and_are_flagged(
     ]
     goals = headline(Results(measurements), 8, 16, workloads=("transformer", "tiny"))
     assert goal_lines(goals)[1] == "small_stage_ratio_vs_torch_pipelining=2.00*"
-
-
-def test_results_block_is_replaced_in_place() -> None:
-    text = f"# Page\n\nintro\n\n{BEGIN}\nold numbers\n{END}\n\n## After\n"
-    updated = replace_block(text, "new numbers")
-    assert updated == f"# Page\n\nintro\n\n{BEGIN}\nnew numbers\n{END}\n\n## After\n"
-    assert replace_block("# Page\n", "numbers") == f"# Page\n\n{BEGIN}\nnumbers\n{END}\n"
 
 
 def test_balance_splits_every_layer_into_two_stages() -> None:
