@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ __all__ = [
     "Step",
     "Workload",
     "build_step",
+    "schedule_step",
 ]
 
 K = 2  # stages, one process each
@@ -146,16 +148,21 @@ def _torch_pipelining_step(cell: nn.Module, batch: Batch, chunks: int, rank: int
         stage_output = cell(stage_input).requires_grad_(True)
     stage = PipelineStage(cell, rank, K, torch.device("cpu"), input_args=(stage_input,), output_args=(stage_output,))
     schedule = ScheduleGPipe(stage, chunks, loss_fn=F.mse_loss, scale_grads=True)
-    optimizer = _sgd(cell)
+    return schedule_step(schedule, _sgd(cell), rank, x, y)
+
+
+def schedule_step(schedule: Any, optimizer: torch.optim.Optimizer, rank: int, inputs: Any, target: Any) -> Step:
+    """One training step of a ``torch.distributed.pipelining`` schedule: stage 0 feeds ``inputs``, the last stage
+    scores ``target``; the losses stay inside the schedule (``return_outputs=False``, as in our pipeline)."""
     losses: list[torch.Tensor] = []
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
-            schedule.step(x, return_outputs=False)
+            schedule.step(inputs, return_outputs=False)
         else:
             losses.clear()
-            schedule.step(target=y, losses=losses, return_outputs=False)
+            schedule.step(target=target, losses=losses, return_outputs=False)
         optimizer.step()
 
     return step

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import zoo
+from benchmarks.engine_speed.workloads import schedule_step
 from benchmarks.zoo_throughput.models import Batch, LossFn, Workload
 from lightning_gpipe.partition import split
 from lightning_gpipe.pipeline import Pipeline
@@ -142,19 +143,7 @@ def _torch_pipelining_step(
         output_args=stage_output,
     )
     schedule = ScheduleGPipe(stage, chunks, loss_fn=loss_fn, scale_grads=True)
-    optimizer = _sgd(cells[rank])
-    losses: list[torch.Tensor] = []
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        if rank == 0:
-            schedule.step(x, return_outputs=False)
-        else:
-            losses.clear()
-            schedule.step(target=target, losses=losses, return_outputs=False)
-        optimizer.step()
-
-    return step
+    return schedule_step(schedule, _sgd(cells[rank]), rank, x, target)
 
 
 def _torchgpipe_step(
