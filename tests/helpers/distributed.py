@@ -263,3 +263,27 @@ def _kill_group(group: int) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
     return alive
+
+
+def run_module(module: str, args: list[str], *, timeout: float, cwd: str | Path | None = None) -> tuple[int, str, str]:
+    """Run ``python -m module *args`` with one thread per process; ``(returncode, stdout, stderr)``.
+
+    The process gets its own session, so that on ``timeout`` every process it started (a benchmark's worker server and
+    workers) is killed with it; the timeout is then raised.
+    """
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return process.returncode, stdout, stderr

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.distributed import run_module
 from helpers.runif import RunIf
 
 from benchmarks.bubble.analysis import Sample, all_idle_fraction, idle_fraction, max_abs_difference, summarize
@@ -88,22 +85,8 @@ def test_stages_are_equal() -> None:
 @RunIf(multiprocess=True)
 def test_smoke_run_prints_the_headline_last() -> None:
     """The run module on K = 2 processes, M = 1 and 4, one step each; ~30 s on an idle machine."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.bubble.run", "--smoke"],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = process.communicate(timeout=280)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    assert process.returncode == 0, err[-3000:]
+    code, out, err = run_module("benchmarks.bubble.run", ["--smoke"], timeout=280, cwd=REPO)
+    assert code == 0, err[-3000:]
     lines = out.strip().splitlines()
     key, _, value = lines[-1].partition("=")
     assert key == "bubble_measured_vs_formula"

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.distributed import run_module
 from helpers.runif import RunIf
 
 from benchmarks.zoo_memory.run import Found, headlines
@@ -111,23 +108,8 @@ def test_rematerialization_shrinks_the_measured_peak() -> None:
 @RunIf(multiprocess=True)
 def test_smoke_run_prints_the_headline_last(tmp_path: Path) -> None:
     """The whole run module with tiny probes in fresh processes (K = 2 included); ~30 s on an idle machine."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.zoo_memory.run", "--smoke"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = process.communicate(timeout=280)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    assert process.returncode == 0, err[-3000:]
+    code, out, err = run_module("benchmarks.zoo_memory.run", ["--smoke"], timeout=280, cwd=REPO)
+    assert code == 0, err[-3000:]
     last = out.strip().splitlines()[-1]
     key, _, value = last.partition("=")
     assert key == "pipeline1_layers_vs_naive1"

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers.distributed import run_module
 from helpers.runif import RunIf
 
 from benchmarks.engine_speed.results import Measurement, Results, headline
@@ -145,22 +142,8 @@ def test_unknown_configuration_is_refused_with_the_choices() -> None:
 def test_smoke_run_prints_the_headlines_last() -> None:
     # Every configuration once, in fresh processes (two-process ones over gloo), through the real command line. Its own
     # session, so that on a timeout the whole process group goes (the worker server and the workers included).
-    process = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.zoo_throughput.run", "--smoke"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=270)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    assert process.returncode == 0, stderr[-3000:]
+    code, stdout, stderr = run_module("benchmarks.zoo_throughput.run", ["--smoke"], timeout=270, cwd=REPO)
+    assert code == 0, stderr[-3000:]
     last = stdout.strip().splitlines()[-3:]
     assert [line.split("=")[0] for line in last] == [
         "ratio_vs_torch_pipelining",
