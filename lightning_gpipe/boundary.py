@@ -65,7 +65,7 @@ class TensorLayout:
 _Layout = tuple[Spec, tuple[TensorLayout | None, ...]]  # structure, and one entry per leaf (None for a None leaf)
 
 
-def _describe(stage: int, value: Any, batch_size: int) -> tuple[_Layout, list[torch.Tensor]]:
+def _describe(stage: int, value: Any, batch_size: int) -> tuple[_Layout, list[torch.Tensor | None]]:
     leaves, spec = flatten(value)
     layouts: list[TensorLayout | None] = []
     for path, leaf in zip(leaf_paths(spec, "output"), leaves, strict=True):
@@ -79,12 +79,28 @@ def _describe(stage: int, value: Any, batch_size: int) -> tuple[_Layout, list[to
                 f"stage {stage} produced {path} of type {type(leaf).__name__}; only tensors (or None) can cross a "
                 "stage boundary. Turn it into a tensor, or compute it inside the stage that uses it."
             )
-    return (spec, tuple(layouts)), [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return (spec, tuple(layouts)), leaves
 
 
 def _resize(layout: _Layout, size: int) -> _Layout:
     spec, tensors = layout
     return spec, tuple(None if entry is None else entry.resized(size) for entry in tensors)
+
+
+class _Posted:
+    """One micro-batch's posted receives: its presence message (if it has one) and one buffer per tensor leaf."""
+
+    def __init__(self, presence: tuple[torch.Tensor, Callable[[], None]] | None) -> None:
+        self.presence = presence
+        self.leaves: list[tuple[torch.Tensor, Callable[[], None]] | None] = []
+
+    def wait_all(self) -> None:
+        """Wait for every receive, whatever arrives (used to drain receives made void by a new header)."""
+        if self.presence is not None:
+            self.presence[1]()
+        for leaf in self.leaves:
+            if leaf is not None:
+                leaf[1]()
 
 
 class ActivationLink:
@@ -95,8 +111,9 @@ class ActivationLink:
         self.peer = peer
         self._sizes: list[int] = []
         self._fingerprint: Fingerprint | None = None
-        self._layout: _Layout | None = None  # layout of the step's first micro-batch, set by its header
-        self._posted: dict[int, list[tuple[torch.Tensor | None, Callable[[], None] | None]]] = {}
+        self._layout: _Layout | None = None  # the prediction's base: set by the step's header (or a later one)
+        self._first = 0  # the micro-batch the last header came with: later ones have presence messages
+        self._posted: dict[int, _Posted] = {}
 
     @property
     def stage(self) -> int:
@@ -116,6 +133,7 @@ class ActivationLink:
         self._sizes = list(sizes)
         self._fingerprint = fingerprint
         self._layout = None
+        self._first = 0
         self._posted = {}
 
     def clear(self) -> None:
@@ -126,35 +144,87 @@ class ActivationLink:
         assert self._layout is not None
         return _resize(self._layout, self._sizes[index])
 
+    def _has_presence(self, index: int) -> bool:
+        # Values of several leaves may carry an optional one (an attention mask that is None when nothing is
+        # padded): each micro-batch after the header's says which leaves it lacks. A single leaf cannot be optional.
+        assert self._layout is not None
+        return index > self._first and len(self._layout[1]) > 1
+
     # --- sending side
 
     def send(self, index: int, value: Any) -> None:
         """Send micro-batch ``index``'s output."""
-        layout, tensors = _describe(self.stage, value, self._sizes[index])
+        layout, leaves = _describe(self.stage, value, self._sizes[index])
+        # The receiver allocates on the transport's device; a leaf left elsewhere (a CPU mask from a stage on a GPU)
+        # would fail in the send, after the header is gone, and leave the peer waiting.
+        leaves = [None if leaf is None else leaf.to(self.transport.device) for leaf in leaves]
         if self._layout is None:
-            self._layout = _resize(layout, self._sizes[0]) if self._sizes[index] != self._sizes[0] else layout
-            self._send_header(
-                {"layout": layout, "index": index, "sizes": self._sizes, "fingerprint": self._fingerprint}
+            self._start(index, layout, self._fingerprint)
+            self._send_leaves(leaves)
+            return
+        predicted = self._predicted(index)
+        if layout == predicted and not self._has_presence(index):
+            self._send_leaves(leaves)
+            return
+        entries, expected = layout[1], predicted[1]
+        if (
+            not self._has_presence(index)
+            or layout[0] != predicted[0]
+            or any(
+                ours is not None and theirs is not None and ours != theirs
+                for ours, theirs in zip(entries, expected, strict=True)
             )
-        elif layout != self._predicted(index):
+        ):
             raise PipelineError(
                 self.stage,
                 f"the output of micro-batch {index} has layout {_show(layout)}, but the step's first micro-batch "
-                f"implies {_show(self._predicted(index))}. Within one step, stage outputs may differ only in the "
-                "micro-batch dimension (dim 0); pad variable-length data to one shape per batch.",
+                f"implies {_show(predicted)}. Within one step, stage outputs may differ only in the micro-batch "
+                "dimension (dim 0) and, in a value of several leaves, in which leaves are None; pad variable-length "
+                "data to one shape per batch.",
             )
-        for tensor in tensors:
-            self.transport.send(tensor, self.peer)
+        if any(ours is not None and theirs is None for ours, theirs in zip(entries, expected, strict=True)):
+            # A leaf the receiver has no buffer for: fill what it posted for the rest of the step with placeholders,
+            # then start over with a header that describes this micro-batch.
+            self._send_message({"restart": True})
+            self._send_placeholders(index)
+            for later in range(index + 1, len(self._sizes)):
+                self._send_message({"void": True})
+                self._send_placeholders(later)
+            self._start(index, layout, None)
+            self._send_leaves(leaves)
+            return
+        missing = [
+            position for position, (ours, theirs) in enumerate(zip(entries, expected, strict=True)) if ours != theirs
+        ]
+        self._send_message({"missing": missing})
+        for leaf, entry in zip(leaves, expected, strict=True):
+            if entry is not None:  # the receiver posted a buffer for it: fill it, with a placeholder if it is None
+                self.transport.send(_placeholder(entry, self.transport.device) if leaf is None else leaf, self.peer)
+
+    def _start(self, index: int, layout: _Layout, fingerprint: Fingerprint | None) -> None:
+        self._layout = _resize(layout, self._sizes[0]) if self._sizes[index] != self._sizes[0] else layout
+        self._first = index
+        self._send_header({"layout": layout, "index": index, "sizes": self._sizes, "fingerprint": fingerprint})
+
+    def _send_leaves(self, leaves: Sequence[torch.Tensor | None]) -> None:
+        for leaf in leaves:
+            if leaf is not None:
+                self.transport.send(leaf, self.peer)
+
+    def _send_placeholders(self, index: int) -> None:
+        for entry in self._predicted(index)[1]:
+            if entry is not None:
+                self.transport.send(_placeholder(entry, self.transport.device), self.peer)
+
+    def _send_message(self, payload: dict[str, Any]) -> None:
+        data = pickle.dumps(payload)
+        assert len(data) <= HEADER_BYTES - _LENGTH_BYTES, "a presence message outgrew its fixed buffer"
+        self.transport.send(_pack(data).to(self.transport.device), self.peer)
 
     def _send_header(self, payload: dict[str, Any]) -> None:
         data = pickle.dumps(payload)
-        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        header[:_LENGTH_BYTES] = torch.tensor(list(len(data).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
-        fits = len(data) <= HEADER_BYTES - _LENGTH_BYTES
-        if fits:
-            header[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self.transport.send(header.to(self.transport.device), self.peer)
-        if not fits:
+        self.transport.send(_pack(data).to(self.transport.device), self.peer)
+        if len(data) > HEADER_BYTES - _LENGTH_BYTES:
             self.transport.send(
                 torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.transport.device), self.peer
             )
@@ -165,27 +235,54 @@ class ActivationLink:
         """Receive micro-batch ``index``'s input; float tensors that required grad upstream are leaves that do too."""
         if self._layout is None:
             self._receive_header(index)
-            # The sender sends the step's micro-batches in forward order, starting with this one.
-            for later in range(index, len(self._sizes)):
-                self._posted[later] = self._post(later)
+            self._post_from(index)
+        posted = self._posted.pop(index)
+        missing: set[int] = set()
+        if posted.presence is not None:
+            buffer, wait = posted.presence
+            wait()
+            message = pickle.loads(_unpack(buffer.cpu()))
+            if message.get("restart"):
+                # The sender has filled every receive posted for this step with placeholders; a header follows.
+                for leaf in posted.leaves:
+                    if leaf is not None:
+                        leaf[1]()
+                for later in sorted(self._posted):
+                    self._posted.pop(later).wait_all()
+                self._receive_header(index)
+                self._post_from(index)
+                return self.recv(index)
+            missing = set(message["missing"])
         spec, entries = self._predicted(index)
         leaves: list[torch.Tensor | None] = []
-        for entry, (buffer, wait) in zip(entries, self._posted.pop(index), strict=True):
-            if buffer is None or wait is None or entry is None:
+        for position, (entry, receive) in enumerate(zip(entries, posted.leaves, strict=True)):
+            if entry is None or receive is None:
                 leaves.append(None)
                 continue
+            buffer, wait = receive
             wait()
-            leaves.append(buffer.requires_grad_(entry.requires_grad))
+            leaves.append(None if position in missing else buffer.requires_grad_(entry.requires_grad))
         return unflatten(leaves, spec)
 
-    def _post(self, index: int) -> list[tuple[torch.Tensor | None, Callable[[], None] | None]]:
-        posted: list[tuple[torch.Tensor | None, Callable[[], None] | None]] = []
+    def _post_from(self, first: int) -> None:
+        # The sender sends the step's micro-batches in forward order, starting with this one.
+        for index in range(first, len(self._sizes)):
+            self._posted[index] = self._post(index)
+
+    def _post(self, index: int) -> _Posted:
+        presence = None
+        if self._has_presence(index):
+            buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.transport.device)
+            presence = (buffer, self.transport.post_recv(buffer, self.peer, f"presence of micro-batch {index}"))
+        posted = _Posted(presence)
         for entry in self._predicted(index)[1]:
             if entry is None:
-                posted.append((None, None))
+                posted.leaves.append(None)
                 continue
             buffer = torch.empty(entry.shape, dtype=entry.dtype, device=self.transport.device)
-            posted.append((buffer, self.transport.post_recv(buffer, self.peer, f"activations of micro-batch {index}")))
+            posted.leaves.append(
+                (buffer, self.transport.post_recv(buffer, self.peer, f"activations of micro-batch {index}"))
+            )
         return posted
 
     def _receive_header(self, index: int) -> None:
@@ -195,7 +292,7 @@ class ActivationLink:
         raw = header.cpu()
         length = int.from_bytes(bytes(raw[:_LENGTH_BYTES].tolist()), "little")
         if length <= HEADER_BYTES - _LENGTH_BYTES:
-            data = bytes(raw[_LENGTH_BYTES : _LENGTH_BYTES + length].tolist())
+            data = _unpack(raw)
         else:
             payload = torch.empty(length, dtype=torch.uint8, device=self.transport.device)
             self.transport.recv(payload, self.peer, what)
@@ -223,6 +320,7 @@ class ActivationLink:
             )
         layout = message["layout"]
         self._layout = _resize(layout, self._sizes[0]) if self._sizes[index] != self._sizes[0] else layout
+        self._first = index
 
 
 class GradientLink:
@@ -236,7 +334,8 @@ class GradientLink:
     def __init__(self, transport: Transport, peer: int) -> None:
         self.transport = transport
         self.peer = peer
-        self._posted: dict[int, list[tuple[torch.Tensor, Callable[[], None]]]] = {}
+        # Per micro-batch: receive buffer, its wait, and the device of the output it is the gradient of.
+        self._posted: dict[int, list[tuple[torch.Tensor, Callable[[], None], torch.device]]] = {}
 
     def send(self, inputs: Sequence[torch.Tensor]) -> None:
         """Send the gradients accumulated in ``inputs`` (leaves that require grad); zeros where none arrived."""
@@ -253,8 +352,11 @@ class GradientLink:
         assert index not in self._posted, f"the gradients of micro-batch {index} are posted twice"
         posted = []
         for tensor in outputs:
-            buffer = torch.empty_like(tensor, device=self.transport.device, requires_grad=False)
-            posted.append((buffer, self.transport.post_recv(buffer, self.peer, f"gradients of micro-batch {index}")))
+            # Contiguous whatever the output's strides (channels_last, a transpose): gloo and NCCL receive into
+            # contiguous buffers only, and autograd accepts a gradient of any strides for the output.
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.transport.device)
+            wait = self.transport.post_recv(buffer, self.peer, f"gradients of micro-batch {index}")
+            posted.append((buffer, wait, tensor.device))
         self._posted[index] = posted
 
     def recv(self, outputs: Sequence[torch.Tensor], index: int) -> list[torch.Tensor]:
@@ -263,14 +365,34 @@ class GradientLink:
             # Posted now, after any micro-batch still outstanding: the caller keeps the peer's order.
             self.post(outputs, index)
         grads = []
-        for buffer, wait in self._posted.pop(index):
+        for buffer, wait, device in self._posted.pop(index):
             wait()
-            grads.append(buffer)
+            grads.append(buffer.to(device))  # an output left on the CPU by a stage on a GPU gets a CPU gradient
         return grads
 
     def clear(self) -> None:
         """Forget the posted receives (after a failed step: the transport cannot take them back)."""
         self._posted.clear()
+
+
+def _pack(data: bytes) -> torch.Tensor:
+    """A ``HEADER_BYTES`` buffer: the length of ``data``, then ``data`` itself if it fits."""
+    message = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    message[:_LENGTH_BYTES] = torch.tensor(list(len(data).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
+    if len(data) <= HEADER_BYTES - _LENGTH_BYTES:
+        message[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return message
+
+
+def _unpack(message: torch.Tensor) -> bytes:
+    """The data that :func:`_pack` put in ``message`` (a CPU buffer; the data fitted)."""
+    length = int.from_bytes(bytes(message[:_LENGTH_BYTES].tolist()), "little")
+    return bytes(message[_LENGTH_BYTES : _LENGTH_BYTES + length].tolist())
+
+
+def _placeholder(entry: TensorLayout, device: torch.device) -> torch.Tensor:
+    """What fills a receive posted for a tensor that the micro-batch does not have: the receiver discards it."""
+    return torch.zeros(entry.shape, dtype=entry.dtype, device=device)
 
 
 def _show_fingerprint(fingerprint: Fingerprint) -> str:

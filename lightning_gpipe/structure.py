@@ -1,4 +1,4 @@
-"""Nested values (tuples, lists, dicts, namedtuples, dataclasses) flattened to leaves and rebuilt.
+"""Nested values (tuples, lists, dicts and other mappings, namedtuples, dataclasses) flattened to leaves and rebuilt.
 
 Batches and the values that cross a stage boundary are arbitrary nests of containers. Micro-batching and transport
 only care about the leaves, so they flatten a value into its leaves plus a :data:`Spec` that rebuilds it. A spec is
@@ -9,7 +9,7 @@ same container structure.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,9 @@ def _flatten(value: Any, leaves: list[Any]) -> Spec:
     if isinstance(value, dict):
         keys = tuple(value)
         return ("dict", type(value), keys, tuple(_flatten(value[key], leaves) for key in keys))
+    if isinstance(value, Mapping):  # collections.UserDict, and Hugging Face's BatchEncoding, which is one
+        keys = tuple(value)
+        return ("mapping", type(value), keys, tuple(_flatten(value[key], leaves) for key in keys))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = tuple(field.name for field in dataclasses.fields(value) if field.init)
         return ("dataclass", type(value), names, tuple(_flatten(getattr(value, name), leaves) for name in names))
@@ -75,7 +78,18 @@ def _unflatten(leaves: Iterator[Any], spec: Spec) -> Any:
         return cls(*items)
     if kind == "dict":
         return cls(zip(keys, items, strict=True))
+    if kind == "mapping":
+        return _mapping(cls, dict(zip(keys, items, strict=True)))
     return cls(**dict(zip(keys, items, strict=True)))
+
+
+def _mapping(cls: type, items: dict[Any, Any]) -> Any:
+    # A mapping class built from a dict of its items, as UserDict and BatchEncoding are; a plain dict for one whose
+    # constructor takes something else (a read-only view has none).
+    try:
+        return cls(items)
+    except TypeError:
+        return items
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -91,7 +105,7 @@ def leaf_paths(spec: Spec, root: str = "value") -> list[str]:
     kind, _cls, keys, children = spec
     paths: list[str] = []
     for position, child in enumerate(children):
-        if kind == "dict":
+        if kind in ("dict", "mapping"):
             paths += leaf_paths(child, f"{root}[{keys[position]!r}]")
         elif kind == "dataclass":
             paths += leaf_paths(child, f"{root}.{keys[position]}")

@@ -1,7 +1,7 @@
 """Scatter and gather of nested batches, uneven sizes, and loss weights that keep the full-batch loss."""
 
 import dataclasses
-from collections import namedtuple
+from collections import UserDict, namedtuple
 
 import pytest
 import torch
@@ -88,3 +88,24 @@ def test_invalid_chunks_are_refused(chunks: object, error: type, match: str) -> 
 def test_gather_refuses_mixed_structures() -> None:
     with pytest.raises(ValueError, match="different structures"):
         gather([(torch.ones(1),), [torch.ones(1)]])
+
+
+class Encoding(UserDict):
+    """Stands in for Hugging Face's ``BatchEncoding``: a UserDict subclass with a method of its own."""
+
+    def tokens(self) -> torch.Tensor:
+        return self["input_ids"]
+
+
+@pytest.mark.parametrize("kind", [UserDict, Encoding])
+def test_userdict_batches_split_into_the_same_type(kind: type) -> None:
+    # Tokenizers and collators return BatchEncoding, a UserDict; the splitter said it held no tensor.
+    batch = kind(input_ids=torch.arange(12).view(6, 2), attention_mask=torch.ones(6, 2), language="de")
+    assert batch_size(batch) == 6
+    microbatches = scatter(batch, 3)
+    assert [type(mb.value) for mb in microbatches] == [kind] * 3
+    assert torch.equal(microbatches[1].value["input_ids"], torch.tensor([[4, 5], [6, 7]]))
+    assert microbatches[2].value["language"] == "de"
+    joined = gather([mb.value for mb in microbatches])
+    assert type(joined) is kind
+    assert torch.equal(joined["input_ids"], batch["input_ids"])

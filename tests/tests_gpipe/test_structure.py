@@ -2,6 +2,7 @@
 
 import dataclasses
 from collections import OrderedDict, namedtuple
+from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
@@ -59,3 +60,27 @@ def test_unflatten_rejects_a_wrong_number_of_leaves() -> None:
         unflatten(leaves[:1], spec)
     with pytest.raises(ValueError, match="3 leaves given"):
         unflatten([*leaves, torch.ones(1)], spec)
+
+
+class Columns(Mapping):
+    """A read-only mapping built from keywords only, so not from a dict of its items."""
+
+    def __init__(self, **columns: torch.Tensor) -> None:
+        self._columns = columns
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._columns[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._columns)
+
+
+def test_a_mapping_that_cannot_be_built_from_a_dict_comes_back_as_a_dict() -> None:
+    leaves, spec = flatten(Columns(x=torch.ones(2)))
+    assert leaf_paths(spec, "batch") == ["batch['x']"]
+    rebuilt = unflatten([torch.zeros(2)], spec)
+    assert type(rebuilt) is dict
+    assert torch.equal(rebuilt["x"], torch.zeros(2))
