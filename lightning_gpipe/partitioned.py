@@ -124,13 +124,43 @@ class Partition:
         index = int(key[len(prefix) :].split(".", 1)[0])
         return next(stage for stage, bound in enumerate(self.bounds) if index in bound)
 
+    def stage_state(self) -> dict[str, torch.Tensor]:
+        """This stage's part of the sequence on the CPU, keys relative to the sequence: its state dict and also its
+        non-persistent buffers (rotary tables, BERT's ``position_ids``), which no state dict holds but the other
+        stages need to reassemble the model."""
+        state = {key: value.detach().cpu() for key, value in self.stand_in.state_dict().items()}
+        for key, buffer in _non_persistent_buffers(self.stand_in):
+            state[key] = buffer.detach().cpu()
+        return state
+
     def restore(self, sequence_state: Mapping[str, torch.Tensor], device: torch.device) -> None:
-        """Put the whole sequence back, its layers loaded from ``sequence_state`` (keys relative to the sequence)."""
+        """Put the whole sequence back, its layers loaded from ``sequence_state`` (the stages' :meth:`stage_state`
+        merged, keys relative to the sequence)."""
+        others = [
+            layer for index, layer in enumerate(self.original) if self.owner_of(f"{self.path}.{index}") != self.stage
+        ]
+        for layer in others:
+            layer.to_empty(device=device)
+        persistent = self.original.state_dict().keys()
+        self.original.load_state_dict({key: sequence_state[key] for key in sequence_state if key in persistent})
+        # The other stages' layers came back from meta with empty memory in their non-persistent buffers: copy the
+        # values their stage had. (Extra entries, such as deferred BatchNorm's, belong to layers since reverted.)
+        others_ids = {id(layer) for layer in others}
         for index, layer in enumerate(self.original):
-            if self.owner_of(f"{self.path}.{index}") != self.stage:
-                layer.to_empty(device=device)
-        self.original.load_state_dict(sequence_state, strict=True)
+            if id(layer) not in others_ids:
+                continue
+            for key, buffer in _non_persistent_buffers(layer):
+                buffer.copy_(sequence_state[f"{index}.{key}"])
         _assign(self.module, self.path, self.original)
+
+
+def _non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers of ``module`` that its state dict leaves out, with their dotted names."""
+    for prefix, submodule in module.named_modules():
+        for name in submodule._non_persistent_buffers_set:
+            buffer = submodule._buffers.get(name)
+            if buffer is not None:
+                yield f"{prefix}.{name}".lstrip("."), buffer
 
 
 def _check_shared(cells: Sequence[Sequence[tuple[str, nn.Module]]]) -> None:
@@ -149,6 +179,30 @@ def _check_shared(cells: Sequence[Sequence[tuple[str, nn.Module]]]) -> None:
                         )
 
 
+def _check_aliases(module: nn.Module, path: str, sequence: nn.Sequential) -> None:
+    """Refuse modules or parameters outside the sequence that are also in it (a Hugging Face model kept whole next
+    to the layers built from it): each stage keeps only its own layers, so the alias would hold the others' on meta."""
+    names = {id(sub): f"{path}.{name}".rstrip(".") for name, sub in sequence.named_modules()}
+    names.update({id(p): f"{path}.{name}" for name, p in sequence.named_parameters()})
+    aliases = [
+        f"{name} is {names[id(item)]}"
+        for name, item in [
+            *module.named_modules(remove_duplicate=False),
+            *module.named_parameters(remove_duplicate=False),
+        ]
+        if name and name != path and not name.startswith(f"{path}.") and id(item) in names
+    ]
+    if aliases:
+        owner = aliases[0].split(".", 1)[0].split(" ", 1)[0]
+        raise ValueError(
+            f"{type(module).__name__} reaches layers of the pipelined sequence {path!r} from outside it too: "
+            f"{', '.join(aliases[:3])}{' ...' if len(aliases) > 3 else ''}. Each stage keeps only its own layers "
+            f"during training, so another attribute cannot hold them all. Keep {owner!r} out of the module's "
+            f"submodules, e.g. `object.__setattr__(self, {owner!r}, model)` instead of `self.{owner} = model`: it "
+            "then shares the trained layers again once fit returns (for save_pretrained and the like)."
+        )
+
+
 def partition_module(
     module: nn.Module, path: str, sequence: nn.Sequential, balance: Sequence[int], stage: int
 ) -> Partition:
@@ -157,7 +211,9 @@ def partition_module(
     Refuses what a pipeline cannot train: trainable parameters outside the sequence (they would be updated by one
     stage only) and modules or parameters shared by layers of different stages.
     """
-    outside = [name for name, p in module.named_parameters() if p.requires_grad and not name.startswith(f"{path}.")]
+    _check_aliases(module, path, sequence)
+    inside = {id(p) for p in sequence.parameters()}
+    outside = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside:
         raise ValueError(
             f"trainable parameters outside the pipelined sequence {path!r}: {', '.join(outside[:5])}"
@@ -194,8 +250,35 @@ def materialize(layers: Sequence[tuple[int, nn.Module]], device: torch.device, s
         if not any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
             continue
         layer.to_empty(device=device)
+        allocated = _versions(layer)
         with _seeded(seed + index):
             for submodule in layer.modules():
                 reset = getattr(submodule, "reset_parameters", None)
                 if callable(reset):
                     reset()
+        _check_initialized(index, layer, allocated)
+
+
+def _versions(layer: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    # Every in-place write (nn.init, fill_, copy_) bumps a tensor's version counter: a tensor still at the version
+    # to_empty gave it, and not replaced, was never written.
+    tensors = [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]
+    return {name: (tensor, tensor._version) for name, tensor in tensors}
+
+
+def _check_initialized(index: int, layer: nn.Module, allocated: Mapping[str, tuple[torch.Tensor, int]]) -> None:
+    after = dict(_versions(layer))
+    untouched = [
+        f"{index}.{name}"
+        for name, (tensor, version) in allocated.items()
+        if name in after and after[name][0] is tensor and tensor._version == version
+    ]
+    if untouched:
+        raise ValueError(
+            f"layer {index} was built on the meta device (in configure_model) and {', '.join(untouched[:5])}"
+            f"{' ...' if len(untouched) > 5 else ''} would start as uninitialized memory: materialization allocates "
+            "each stage's layers with to_empty() and then calls every module's reset_parameters(), and none of them "
+            "writes these tensors (an nn.Parameter or buffer made in __init__, such as a class token, a position "
+            "embedding or a layer-scale gamma, has no reset_parameters of its own). Give the module that owns them "
+            "a reset_parameters() that initializes them, or build the model in __init__ instead of configure_model."
+        )

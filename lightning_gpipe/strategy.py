@@ -795,8 +795,7 @@ class GPipeStrategy(ParallelStrategy):
         if self._partition is not None and _distributed_is_initialized() and not self._failed:
             module = self.lightning_module
             assert module is not None
-            prefix = f"{self._partition.path}."
-            local = {k[len(prefix) :]: v.cpu() for k, v in module.state_dict().items() if k.startswith(prefix)}
+            local = self._partition.stage_state()
             parts: list[Any] = [None] * self.layout.pipe_size
             if self.layout.pipe_size > 1:
                 dist.all_gather_object(parts, local, group=self._pipeline_group)

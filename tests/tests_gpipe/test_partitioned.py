@@ -60,3 +60,97 @@ def test_meta_layers_get_the_same_weights_whatever_their_stage() -> None:
     materialize([(2, a[2])], torch.device("cpu"), seed=5)
     materialize([(2, b[2]), (3, b[3])], torch.device("cpu"), seed=5)
     assert torch.equal(a[2].weight, b[2].weight)
+
+
+class Rotary(nn.Module):
+    """A layer with a table computed in __init__ and kept out of the state dict, as rotary embeddings are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0).cos(), persistent=False)
+        self.register_buffer("position_ids", torch.arange(4)[None], persistent=False)  # as BERT's embeddings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.table + self.position_ids
+
+
+def rotary_model() -> Holder:
+    torch.manual_seed(0)
+    return Holder(layers=nn.Sequential(Rotary(), nn.Tanh(), Rotary(), Rotary()))
+
+
+def test_reassembled_model_gets_the_other_stages_non_persistent_buffers() -> None:
+    # Restore loaded a state dict into the other stages' layers after to_empty; non-persistent buffers are in no
+    # state dict, so they stayed uninitialized memory (NaN rotary tables, BERT's position_ids out of range).
+    plain = rotary_model()
+    modules = [rotary_model(), rotary_model()]
+    parts = [
+        partition_module(module, "layers", module.layers, [2, 2], stage=stage) for stage, module in enumerate(modules)
+    ]
+    merged = {key: value for part in parts for key, value in part.stage_state().items()}
+    parts[0].restore(merged, torch.device("cpu"))
+    whole = modules[0].layers
+    assert isinstance(whole, nn.Sequential)
+    expected = dict(plain.layers.named_buffers())
+    assert dict(whole.named_buffers()).keys() == expected.keys()
+    for name, buffer in whole.named_buffers():
+        assert torch.equal(buffer, expected[name]), name
+    x = torch.randn(3, 4)
+    assert torch.equal(whole(x), plain.layers(x))
+
+
+class LayerScale(nn.Module):
+    """A parameter made directly in __init__, with no reset_parameters, as timm's ConvNeXt gamma."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((4,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+def test_meta_built_tensors_that_no_reset_parameters_writes_are_refused() -> None:
+    # materialize allocated them with to_empty and nothing wrote them: training started from uninitialized memory.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), LayerScale()), Rotary())
+    materialize([(0, model[0])], torch.device("cpu"), seed=0)  # Linear's reset_parameters covers it
+    refused = r"layer 1 was built on the meta device .*1\.1\.gamma would start as uninitialized memory.*"
+    fix = r"Give the module that owns them a reset_parameters\(\).*or build the model in __init__"
+    with pytest.raises(ValueError, match=refused + fix):
+        materialize([(1, model[1])], torch.device("cpu"), seed=0)
+    with pytest.raises(ValueError, match=r"2\.table, 2\.position_ids would start as uninitialized memory"):
+        materialize([(2, model[2])], torch.device("cpu"), seed=0)
+
+
+class Whole(nn.Module):
+    """A model kept whole next to the sequence built from its parts (a Hugging Face model and its blocks)."""
+
+    def __init__(self, blocks: nn.Sequential) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+
+@pytest.mark.parametrize("first", ["whole", "layers"])
+def test_a_module_holding_the_sequences_layers_from_outside_is_refused_with_the_fix(first: str) -> None:
+    # Registered first, its parameters were reported as "outside the sequence" although they are the sequence's;
+    # registered after, torch failed with "Cannot copy out of meta tensor" when the module was moved to the device.
+    layers = mlp()
+    children = {"whole": Whole(layers), "layers": layers}
+    module = Holder(**(children if first == "whole" else dict(reversed(children.items()))))
+    refused = r"reaches layers of the pipelined sequence 'layers' from outside it too: whole.blocks.0 is layers.0"
+    with pytest.raises(ValueError, match=refused + r".*`object.__setattr__\(self, 'whole', model\)`"):
+        partition_module(module, "layers", module.layers, [4, 4], stage=0)
+
+
+def test_a_model_kept_outside_the_submodules_shares_the_reassembled_layers() -> None:
+    module = Holder(layers=mlp())
+    object.__setattr__(module, "whole", Whole(module.layers))  # the fix the message gives
+    part = partition_module(module, "layers", module.layers, [4, 4], stage=0)
+    merged = part.stage_state()
+    other = Holder(layers=mlp())
+    merged.update(partition_module(other, "layers", other.layers, [4, 4], stage=1).stage_state())
+    part.restore(merged, torch.device("cpu"))
+    assert module.whole.blocks[6].weight is module.layers[6].weight
+    assert not module.whole.blocks[6].weight.is_meta
