@@ -1,7 +1,8 @@
 """Micro-batches: a mini-batch scattered along dim 0 into M pieces, and outputs gathered back.
 
-A batch is any nest of tuples, lists, dicts, namedtuples and dataclasses. Every tensor leaf with at least one
-dimension is split along dim 0; other leaves (numbers, strings, 0-d tensors, None) are handed to every micro-batch.
+A batch is any nest of tuples, lists, dicts (and other mappings, such as Hugging Face's ``BatchEncoding``),
+namedtuples and dataclasses. Every tensor leaf with at least one dimension is split along dim 0; other leaves
+(numbers, strings, 0-d tensors, None) are handed to every micro-batch.
 N samples in M micro-batches give sizes that differ by at most one; N < M gives N micro-batches of one sample.
 
 Each micro-batch carries ``weight = size / N``: summing ``weight * loss`` over micro-batches of a mean-reduced loss

@@ -182,7 +182,8 @@ def _check_shared(cells: Sequence[Sequence[tuple[str, nn.Module]]]) -> None:
 def _check_aliases(module: nn.Module, path: str, sequence: nn.Sequential) -> None:
     """Refuse modules or parameters outside the sequence that are also in it (a Hugging Face model kept whole next
     to the layers built from it): each stage keeps only its own layers, so the alias would hold the others' on meta."""
-    names = {id(sub): f"{path}.{name}".rstrip(".") for name, sub in sequence.named_modules()}
+    # Only modules with state: one without parameters or buffers (an activation reused outside) loses nothing.
+    names = {id(sub): f"{path}.{name}".rstrip(".") for name, sub in sequence.named_modules() if _has_state(sub)}
     names.update({id(p): f"{path}.{name}" for name, p in sequence.named_parameters()})
     aliases = [
         f"{name} is {names[id(item)]}"
@@ -201,6 +202,10 @@ def _check_aliases(module: nn.Module, path: str, sequence: nn.Sequential) -> Non
             f"submodules, e.g. `object.__setattr__(self, {owner!r}, model)` instead of `self.{owner} = model`: it "
             "then shares the trained layers again once fit returns (for save_pretrained and the like)."
         )
+
+
+def _has_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def partition_module(

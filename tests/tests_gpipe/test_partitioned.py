@@ -154,3 +154,11 @@ def test_a_model_kept_outside_the_submodules_shares_the_reassembled_layers() -> 
     part.restore(merged, torch.device("cpu"))
     assert module.whole.blocks[6].weight is module.layers[6].weight
     assert not module.whole.blocks[6].weight.is_meta
+
+
+def test_a_stateless_layer_also_used_outside_the_sequence_is_not_an_alias() -> None:
+    # An activation kept as an attribute and reused in the sequence holds nothing a stage could lose.
+    layers = mlp()
+    module = Holder(act=layers[1], layers=layers)
+    part = partition_module(module, "layers", module.layers, [4, 4], stage=0)
+    assert part.stage == 0
