@@ -9,6 +9,10 @@ goes once per step, not per micro-batch:
   of all the step's micro-batches;
 - every later micro-batch of the step is predicted from it: the same layout, with dim 0 of the tensors that carry the
   batch dimension resized to that micro-batch's size. The sender checks the prediction and raises if it fails;
+- a value of several leaves may lack some of them (``None``) on some micro-batches, as an attention mask that is
+  ``None`` when nothing is padded: each of its micro-batches after the header's is preceded by a small presence
+  message naming the leaves it lacks, or saying that a new header follows (a leaf appeared that the prediction
+  has as ``None``, so no buffer awaits it); every receive already posted is then filled with placeholders;
 - gradients need no header: they go back for exactly the received tensors that require grad, with their shapes,
   one micro-batch after the other in the order of the receiving stage's backward passes.
 

@@ -276,7 +276,8 @@ def _check_initialized(index: int, layer: nn.Module, allocated: Mapping[str, tup
     untouched = [
         f"{index}.{name}"
         for name, (tensor, version) in allocated.items()
-        if name in after and after[name][0] is tensor and tensor._version == version
+        # An empty tensor has no memory to leave uninitialized.
+        if name in after and after[name][0] is tensor and tensor._version == version and tensor.numel() > 0
     ]
     if untouched:
         raise ValueError(
