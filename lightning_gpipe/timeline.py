@@ -148,8 +148,8 @@ class Timeline:
     def _resolve(self) -> None:
         assert self._anchor is not None
         host, anchor = self._anchor
-        self._pending[-1][4].synchronize()  # events complete in stream order: the last one ends them all
         for stage, phase, microbatch, start, end in self._pending:
+            end.synchronize()  # spans may sit on several streams (stage threads): wait for each
             begin = host + anchor.elapsed_time(start) / 1e3  # elapsed_time is in milliseconds
             self._spans.append(Span(stage, phase, microbatch, begin, max(begin, host + anchor.elapsed_time(end) / 1e3)))
         self._pending.clear()
