@@ -1,4 +1,5 @@
-"""Gradient collectives of a pipeline: data-parallel averaging and clipping by the global norm.
+"""Gradient collectives of a pipeline: data-parallel averaging, clipping by the global norm, and a loss scaler whose
+overflow checks every rank agrees on.
 
 Each stage owns a disjoint slice of the parameters, so the norm of the whole model's gradient is the square root of the
 sum over stages of each stage's squared norm. Clipping by a stage's local norm would scale the stages differently
@@ -9,28 +10,63 @@ and change the training (off by 1e-3 after a few steps in our measurements); cli
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-__all__ = ["average_gradients", "clip_grad_norm"]
+from lightning_gpipe.collectives import BUCKET_BYTES, buckets
+
+__all__ = ["WorldGradScaler", "average_gradients", "clip_grad_norm"]
 
 
-def average_gradients(parameters: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
-    """Average ``.grad`` over the data-parallel ``group`` of ``size`` replicas, one collective per dtype and device."""
+def average_gradients(
+    parameters: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, size: int, bucket_bytes: int = BUCKET_BYTES
+) -> None:
+    """Average ``.grad`` over the data-parallel ``group`` of ``size`` replicas, as DDP does.
+
+    A parameter that has a gradient on some replicas only (a branch one replica's batch did not take) gets the
+    average with zeros standing in for the missing ones, as ``DistributedDataParallel(find_unused_parameters=True)``
+    gives; one that has none on any replica keeps ``grad=None``. Every replica must pass the same parameters in the
+    same order. Gradients go in flattened buckets of at most ``bucket_bytes`` per dtype and device, all started before
+    the first is waited for.
+    """
     if size == 1:
         return
-    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for parameter in parameters:
-        if parameter.grad is not None:
-            buckets.setdefault((parameter.grad.dtype, parameter.grad.device), []).append(parameter.grad)
-    for grads in buckets.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+    trainable = [p for p in parameters if p.requires_grad]
+    if not trainable:
+        return
+    # Which parameters have a gradient anywhere: the flat buckets must have the same layout on every replica, or the
+    # all-reduce mixes unrelated values (NCCL) or fails on differing sizes (gloo).
+    device = next((p.grad.device for p in trainable if p.grad is not None), trainable[0].device)
+    present = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32, device=device)
+    dist.all_reduce(present, group=group)
+    anywhere = present.tolist()  # one small host sync per optimizer step
+    grads: list[torch.Tensor] = []
+    for parameter, count in zip(trainable, anywhere, strict=True):
+        if count == 0:
+            continue
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        grads.append(parameter.grad)
+    average = _average_op(group)
+    pending = []
+    for bucket in buckets(grads, bucket_bytes):
+        flat = _flatten_dense_tensors(bucket)
+        pending.append((bucket, flat, dist.all_reduce(flat, op=average, group=group, async_op=True)))
+    for bucket, flat, work in pending:
+        work.wait()
+        if average != dist.ReduceOp.AVG:
+            flat /= size
+        for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             grad.copy_(reduced)
+
+
+def _average_op(group: dist.ProcessGroup) -> dist.ReduceOp.RedOpType:
+    # NCCL averages in the reduction itself; gloo has no AVG, so it sums and the caller divides.
+    return dist.ReduceOp.AVG if dist.get_backend(group) == "nccl" else dist.ReduceOp.SUM
 
 
 def clip_grad_norm(
@@ -50,3 +86,37 @@ def clip_grad_norm(
     for grad in grads:
         grad.detach().mul_(coefficient.to(grad.dtype))
     return total
+
+
+class WorldGradScaler(ShardedGradScaler):
+    """A loss scaler for ``precision="16-mixed"`` with which every stage and replica skips the same steps.
+
+    Each rank sees only its own gradients. ``ShardedGradScaler`` all-reduces the overflow flags in ``unscale_``, but an
+    optimizer that unscales inside its own step (``fused=True`` Adam, AdamW and SGD, for which Lightning does not call
+    ``unscale_``) has them checked by ``_check_inf_per_device``, which ``ShardedGradScaler`` leaves local: a stage with
+    an inf would skip and halve its scale while the others step. This scaler agrees on that path too, over
+    ``process_group`` (the world by default).
+    """
+
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler, device: str) -> WorldGradScaler:
+        """A scaler with ``scaler``'s settings and current scale, for ``device``'s type (``"cuda"``, ``"cpu"``)."""
+        return cls(
+            device=device,
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        found = super()._check_inf_per_device(optimizer)
+        # MAX keeps each flag 0 or 1: fused optimizers skip their step when it equals one.
+        works = [
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+            for flag in found.values()
+        ]
+        for work in works:
+            work.wait()
+        return found

@@ -11,6 +11,7 @@ Data-parallel gradients are averaged once per optimizer step, inside the optimiz
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import logging
 import os
@@ -40,17 +41,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_gpipe.anomaly import check_finite
 from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.checkpoint import CheckpointMode, validate_mode
+from lightning_gpipe.collectives import broadcast_tensors, portable, to_device
 from lightning_gpipe.cost import CostFn, layer_costs
 from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.fingerprint import batch_fingerprint
-from lightning_gpipe.gradients import average_gradients, clip_grad_norm
+from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.microbatch import Microbatch, gather, scatter, validate_chunks
@@ -172,6 +173,7 @@ class GPipeStrategy(ParallelStrategy):
         self._layout: ProcessLayout | None = None
         self._pipeline_group: dist.ProcessGroup | None = None
         self._replica_group: dist.ProcessGroup | None = None
+        self._object_group: dist.ProcessGroup | None = None
         self._partition: Partition | None = None
         self._stage: Stage | None = None
         self._full_keys: list[str] = []
@@ -311,6 +313,23 @@ class GPipeStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         self._pipeline_group, self._replica_group = self.layout.new_groups()
+        self._object_group = self._new_object_group()
+
+    def _new_object_group(self) -> dist.ProcessGroup | None:
+        """A gloo group per pipeline for object collectives (the step's logs and loss, checkpoint parts, teardown).
+
+        Objects are pickled to bytes; over NCCL those bytes are staged on the GPU, where gathering a checkpoint would
+        hold K stages' parts at once on one device. Over gloo they stay in host memory. Every rank creates every
+        pipeline's group, in the same order (``new_group`` is collective over the world).
+        """
+        if self._process_group_backend == "gloo":
+            return self._pipeline_group
+        mine = None
+        for replica in range(self.layout.num_replicas):
+            group = dist.new_group(self.layout.pipeline_ranks(replica), backend="gloo", timeout=self._timeout)
+            if replica == self.layout.replica:
+                mine = group
+        return mine
 
     @contextlib.contextmanager
     @override
@@ -336,6 +355,7 @@ class GPipeStrategy(ParallelStrategy):
         self._partition_model(module)
         self.precision_plugin.convert_module(self.model)  # type: ignore[arg-type]
         self.model_to_device()
+        self.timeline.device = self.root_device  # on a GPU, spans are timed with CUDA events
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_stage_optimizers(trainer, module)
         self.setup_precision_plugin()
@@ -418,7 +438,7 @@ class GPipeStrategy(ParallelStrategy):
         # Measured costs differ between processes: rank 0 decides and tells everyone.
         balance: list[int] | None = None
         if self.global_rank == 0:
-            costs = layer_costs(sequence, how, sample)
+            costs = _measured_costs(sequence, how, sample, self.root_device)
             balance = balance_by_cost(costs, self.layout.pipe_size)
         return self.broadcast(balance, src=0)
 
@@ -426,28 +446,25 @@ class GPipeStrategy(ParallelStrategy):
         # Replicas of a stage start from the same weights, as DDP ensures at construction.
         if self.layout.num_replicas == 1:
             return
+        # NCCL broadcasts device tensors only, and the module (or a buffer outside the sequence) may still be on the
+        # CPU here: move it first (model_to_device then finds it in place).
+        module.to(self.root_device)
         source = self.layout.replica_ranks()[0]
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=source, group=self._replica_group)
+        tensors = [tensor.data for tensor in [*module.parameters(), *module.buffers()]]
+        with self._collective(f"receiving the weights of replica 0 of this stage (global rank {source})"):
+            broadcast_tensors(tensors, source, self._replica_group)  # type: ignore[arg-type]
 
     def _use_world_synced_scaler(self) -> None:
         """Make every stage skip the same steps and keep the same loss scale under ``precision="16-mixed"``.
 
         Each stage sees only its own gradients; a plain GradScaler would skip the step on the stage that found an
-        inf while the others step, and their scales would drift apart. ``ShardedGradScaler`` all-reduces the found
-        infs over its process group (the world) before deciding.
+        inf while the others step, and their scales would drift apart. :class:`WorldGradScaler` agrees on the found
+        infs over the world before deciding, with fused optimizers as well.
         """
         scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None or isinstance(scaler, ShardedGradScaler):
+        if scaler is None or isinstance(scaler, WorldGradScaler):
             return
-        self.precision_plugin.scaler = ShardedGradScaler(  # type: ignore[attr-defined]
-            device=self.root_device.type,
-            init_scale=scaler.get_scale(),
-            growth_factor=scaler.get_growth_factor(),
-            backoff_factor=scaler.get_backoff_factor(),
-            growth_interval=scaler.get_growth_interval(),
-            enabled=scaler.is_enabled(),
-        )
+        self.precision_plugin.scaler = WorldGradScaler.like(scaler, self.root_device.type)  # type: ignore[attr-defined]
 
     def _use_global_norm_clipping(self) -> None:
         group = self._pipeline_group if self.layout.pipe_size > 1 else None
@@ -546,11 +563,12 @@ class GPipeStrategy(ParallelStrategy):
         """Send ``payload`` from the pipeline's last stage to its other stages."""
         if self.layout.pipe_size == 1:
             return payload
-        box = [payload]
         source = self.layout.last_stage_rank
+        # Sent on the CPU (pickled CUDA tensors would be restored on the sender's GPU), received onto this rank's.
+        box = [portable(payload) if self.global_rank == source else None]
         with self._collective(f"receiving the step's loss and logs from the last stage (global rank {source})"):
-            dist.broadcast_object_list(box, src=source, group=self._pipeline_group)
-        return box[0]
+            dist.broadcast_object_list(box, src=source, group=self._object_group)
+        return payload if self.global_rank == source else to_device(box[0], self.root_device)
 
     def _mirror_logs(self, recorder: LogRecorder, extra: Any = None) -> Any:
         stage = self._stage
@@ -684,7 +702,7 @@ class GPipeStrategy(ParallelStrategy):
         dst = self.layout.last_stage_rank
         parts: list[Any] | None = [None] * self.layout.pipe_size if self.global_rank == dst else None
         with self._collective(f"gathering the stages' parts on global rank {dst}"):
-            dist.gather_object(part, parts, dst=dst, group=self._pipeline_group)
+            dist.gather_object(portable(part), parts, dst=dst, group=self._object_group)
         return parts
 
     def gather_timeline(self) -> Timeline | None:
@@ -798,7 +816,7 @@ class GPipeStrategy(ParallelStrategy):
             local = self._partition.stage_state()
             parts: list[Any] = [None] * self.layout.pipe_size
             if self.layout.pipe_size > 1:
-                dist.all_gather_object(parts, local, group=self._pipeline_group)
+                dist.all_gather_object(parts, local, group=self._object_group)
             else:
                 parts = [local]
             merged: dict[str, Any] = {}
@@ -824,6 +842,23 @@ class GPipeStrategy(ParallelStrategy):
             start_method="fork",
             override=True,
         )
+
+
+def _measured_costs(sequence: torch.nn.Sequential, how: Any, sample: Any, device: torch.device) -> list[float]:
+    """Layer costs; ``"time"`` and ``"memory"`` run a copy of the layers on ``device``, where the stages will train.
+
+    Timing on the CPU copy would balance CPU speed, not the GPU's, and CUDA kernels save other tensors than CPU ones.
+    The copy needs the whole sequence to fit on rank 0's device; ``"flops"`` and ``"params"`` need no device at all.
+    """
+    if how not in ("time", "memory") or device.type == "cpu" or _is_meta(sequence):
+        return layer_costs(sequence, how, sample)
+    on_device = copy.deepcopy(sequence).to(device)
+    try:
+        return layer_costs(on_device, how, to_device(sample, device))
+    finally:
+        del on_device
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the copy's memory goes back before the stages allocate their own
 
 
 def _is_meta(module: torch.nn.Module) -> bool:

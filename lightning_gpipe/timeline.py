@@ -4,6 +4,12 @@ Spans are stamped with :func:`time.perf_counter`, which is ``CLOCK_MONOTONIC`` o
 share that clock, so the timelines of all stages of a single-host pipeline can be gathered (:meth:`Timeline.to_records`,
 :meth:`Timeline.merge`) and compared directly. Spans from different hosts have unrelated origins and are not
 comparable; merge them only to look at each stage on its own.
+
+On a GPU (:attr:`Timeline.device` is a CUDA device) the host only launches kernels, so host clock readings around a
+block would time the launches. There each span is a pair of CUDA events on the current stream, and the events are
+placed on the host clock through an anchor: after a device synchronization, an event recorded on the idle stream
+marks a known host time. The first span after :meth:`Timeline.clear` (or creation) pays that synchronization, and
+reading :attr:`Timeline.spans` synchronizes once to resolve the pending events; a disabled timeline costs nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
+
+import torch
 
 __all__ = ["IDLE_PHASES", "Span", "SpanRecord", "Timeline"]
 
@@ -77,15 +85,74 @@ class _Recording(AbstractContextManager[None]):
         self._timeline.spans.append(Span(self._stage, self._phase, self._microbatch, self._start, end))
 
 
+class _CudaRecording(AbstractContextManager[None]):
+    # The span's ends are events on the device's current stream: they complete when the work queued between them
+    # has run, which is what the stage spent, however early the host launched it.
+    __slots__ = ("_timeline", "_stage", "_phase", "_microbatch", "_start")
+
+    def __init__(self, timeline: Timeline, stage: int, phase: str, microbatch: int) -> None:
+        self._timeline = timeline
+        self._stage = stage
+        self._phase = phase
+        self._microbatch = microbatch
+        self._start: torch.cuda.Event | None = None
+
+    def __enter__(self) -> None:
+        self._start = self._timeline._event()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        assert self._start is not None
+        end = self._timeline._event()
+        self._timeline._pending.append((self._stage, self._phase, self._microbatch, self._start, end))
+
+
 class Timeline:
     """Spans of pipeline actions, per stage, with the measured bubble and a Gantt chart.
 
-    A disabled timeline records nothing and :meth:`record` costs one attribute test.
+    A disabled timeline records nothing and :meth:`record` costs one attribute test. With a CUDA ``device`` spans are
+    timed by CUDA events on that device (see the module docstring); otherwise by the host clock.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, device: torch.device | str | None = None) -> None:
         self.enabled = enabled
-        self.spans: list[Span] = []
+        self.device = torch.device(device) if device is not None else None
+        self._spans: list[Span] = []
+        self._pending: list[tuple[int, str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._anchor: tuple[float, torch.cuda.Event] | None = None
+
+    @property
+    def spans(self) -> list[Span]:
+        """The recorded spans (on a GPU, reading them waits for the recorded work to finish)."""
+        if self._pending:
+            self._resolve()
+        return self._spans
+
+    def _on_cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def _event(self) -> torch.cuda.Event:
+        """A timing event recorded now on the device's current stream, after the anchor that dates it."""
+        assert self.device is not None
+        if self._anchor is None:
+            torch.cuda.synchronize(self.device)
+            anchor = torch.cuda.Event(enable_timing=True)
+            anchor.record(torch.cuda.current_stream(self.device))
+            # The stream is idle, so the anchor completes at once: at about this host time.
+            self._anchor = (time.perf_counter(), anchor)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _resolve(self) -> None:
+        assert self._anchor is not None
+        host, anchor = self._anchor
+        for stage, phase, microbatch, start, end in self._pending:
+            end.synchronize()  # spans may sit on several streams (stage threads): wait for each
+            begin = host + anchor.elapsed_time(start) / 1e3  # elapsed_time is in milliseconds
+            self._spans.append(Span(stage, phase, microbatch, begin, max(begin, host + anchor.elapsed_time(end) / 1e3)))
+        self._pending.clear()
 
     def __repr__(self) -> str:
         return f"Timeline(enabled={self.enabled}, spans={len(self.spans)}, stages={self.stages()})"
@@ -94,15 +161,19 @@ class Timeline:
         """Time the ``with`` block as one span of ``phase`` on ``stage`` for ``microbatch``."""
         if not self.enabled:
             return _DISABLED
+        if self._on_cuda():
+            return _CudaRecording(self, stage, phase, microbatch)
         return _Recording(self, stage, phase, microbatch)
 
     def add(self, span: Span) -> None:
         """Append a span measured elsewhere (recorded even when disabled: the caller chose to add it)."""
-        self.spans.append(span)
+        self.spans.append(span)  # after any pending CUDA spans, which resolve first
 
     def clear(self) -> None:
-        """Forget every span, e.g. after warm-up steps."""
-        self.spans.clear()
+        """Forget every span, e.g. after warm-up steps (on a GPU the next span re-anchors the device clock)."""
+        self._spans.clear()
+        self._pending.clear()
+        self._anchor = None
 
     @classmethod
     def merge(cls, timelines_or_span_lists: Iterable[Timeline | Iterable[Span | SpanRecord]]) -> Timeline:

@@ -329,3 +329,27 @@ def test_cost_sources_on_cuda() -> None:
     assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, state[name]), name
+
+
+class _DeviceProbe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.device.type)
+        return self.linear(x)
+
+
+def test_strategy_measures_costs_on_the_stages_device() -> None:
+    # R19: balance="time"/"memory" measured the CPU copy of the model before it moved to the GPU. The meta device
+    # stands in for the GPU here (memory_cost runs there): the measurement must see it, the model must stay put.
+    from lightning_gpipe.strategy import _measured_costs
+
+    sequence = nn.Sequential(_DeviceProbe(), nn.Tanh(), nn.Linear(4, 2))
+    on_device = _measured_costs(sequence, "memory", torch.randn(3, 4), torch.device("meta"))
+    assert sequence[0].seen == []  # the user's layers are untouched; a copy was measured
+    assert next(sequence.parameters()).device.type == "cpu"
+    assert on_device == _measured_costs(sequence, "memory", torch.randn(3, 4), torch.device("cpu"))
+    assert sequence[0].seen == ["cpu", "cpu"]  # the CPU run does use the layers themselves

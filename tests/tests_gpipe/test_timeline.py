@@ -7,6 +7,8 @@ import sys
 import time
 
 import pytest
+import torch
+from helpers.runif import RunIf
 
 from lightning_gpipe.schedule import SCHEDULES, bubble_fraction, simulate
 from lightning_gpipe.timeline import Span, Timeline
@@ -128,3 +130,30 @@ def test_plot_writes_a_png_and_leaves_pyplot_and_the_backend_alone(tmp_path):
     assert ("matplotlib.pyplot" in sys.modules) == had_pyplot
     if had_pyplot:
         assert sys.modules["matplotlib.pyplot"].get_fignums() == figures
+
+
+@RunIf(gpu=True)
+def test_cuda_spans_time_the_device_work_not_its_launch():
+    # R18: on a GPU the host leaves a block as soon as its kernels are queued; host clock spans measured the launch.
+    timeline = Timeline(device="cuda")
+    torch.cuda.synchronize()
+    host_start = time.perf_counter()
+    with timeline.record(0, "forward", 0):
+        torch.cuda._sleep(400_000_000)  # about 0.2 s of device time, queued in microseconds
+    host_seconds = time.perf_counter() - host_start
+    with timeline.record(0, "backward", 0):
+        torch.cuda._sleep(1_000)
+    forward, backward = timeline.spans
+    assert host_seconds < 0.05, "the launch itself took long: the comparison below means nothing"
+    assert forward.end - forward.start > 3 * host_seconds
+    assert forward.start >= host_start - 1e-3  # anchored to the host clock, as CPU spans are
+    assert backward.start >= forward.end - 1e-4  # stream order kept
+    assert time.perf_counter() >= backward.end
+
+
+def test_a_timeline_without_cuda_device_times_on_the_host():
+    timeline = Timeline(device="cpu")
+    with timeline.record(0, "forward", 0):
+        time.sleep(0.01)
+    (span,) = timeline.spans
+    assert span.end - span.start >= 0.01

@@ -1,0 +1,71 @@
+"""Tensors and objects the strategy sends between ranks besides the pipeline's own messages.
+
+Two rules keep these collectives right on GPUs. Objects travel on the CPU: a CUDA tensor pickled by
+``broadcast_object_list`` or ``gather_object`` is restored on the *sender's* device index, so a receiver would allocate
+on another rank's GPU; :func:`portable` detaches and moves every tensor to the CPU before sending, and :func:`to_device`
+puts what arrives on the receiver's own device. Tensors travel in flattened buckets, one collective per bucket
+(:func:`buckets`), not one per tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_gpipe.structure import map_tensors
+
+__all__ = ["BUCKET_BYTES", "broadcast_tensors", "buckets", "portable", "to_device"]
+
+BUCKET_BYTES = 25 * 2**20
+"""The most bytes one bucketed collective carries (DDP's default bucket size)."""
+
+
+def portable(value: Any) -> Any:
+    """``value`` with every tensor leaf detached and on the CPU, ready for an object collective."""
+    return to_device(value, torch.device("cpu"))
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor leaf detached and moved to ``device`` (containers as in :mod:`.structure`)."""
+    return map_tensors(lambda tensor: tensor.detach().to(device), value)
+
+
+def buckets(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, split by dtype and device into runs of at most ``bucket_bytes`` (a larger tensor alone).
+
+    The split depends only on the tensors' order, dtypes, devices and sizes, so ranks holding alike tensors agree on it.
+    """
+    open_buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    used: dict[tuple[torch.dtype, torch.device], int] = {}
+    done: list[list[torch.Tensor]] = []
+    for tensor in tensors:
+        key = (tensor.dtype, tensor.device)
+        size = tensor.numel() * tensor.element_size()
+        if open_buckets.get(key) and used[key] + size > bucket_bytes:
+            done.append(open_buckets[key])
+            open_buckets[key], used[key] = [], 0  # the key keeps its place: open buckets end in first-seen order
+        open_buckets.setdefault(key, []).append(tensor)
+        used.setdefault(key, 0)
+        used[key] += size
+    done.extend(open_buckets.values())
+    return done
+
+
+def broadcast_tensors(
+    tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup, bucket_bytes: int = BUCKET_BYTES
+) -> None:
+    """Overwrite ``tensors`` in place with global rank ``src``'s, in flattened buckets all in flight at once.
+
+    Every rank of ``group`` passes alike tensors in the same order. With NCCL they must be on the rank's GPU.
+    """
+    pending = []
+    for bucket in buckets(tensors, bucket_bytes):
+        flat = _flatten_dense_tensors(bucket)
+        pending.append((bucket, flat, dist.broadcast(flat, src=src, group=group, async_op=True)))
+    for bucket, flat, work in pending:
+        work.wait()
+        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            tensor.copy_(value)

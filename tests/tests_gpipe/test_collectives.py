@@ -1,0 +1,70 @@
+"""Collectives beside the pipeline: objects travel on the CPU and land on the receiver's device; tensors in buckets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from helpers.distributed import run_processes
+from helpers.runif import RunIf
+
+from lightning_gpipe.collectives import broadcast_tensors, buckets, portable, to_device
+
+
+@dataclass
+class _Record:
+    name: str
+    value: torch.Tensor
+
+
+def _payload(device: str) -> object:
+    loss = torch.ones((), device=device, requires_grad=True) * 2
+    logs = [("loss", loss, {"prog_bar": True})]
+    return (logs, {"preds": [torch.zeros(3, device=device)], "n": 4}, _Record("m", loss))
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    from lightning_gpipe.structure import flatten
+
+    return [leaf for leaf in flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def test_portable_payload_holds_only_detached_cpu_tensors() -> None:
+    # R5: a CUDA tensor pickled into an object collective is restored on the sender's GPU; the payload must be CPU.
+    sent = portable(_payload("cpu"))
+    assert all(t.device.type == "cpu" and not t.requires_grad for t in _tensors(sent))
+    assert sent[1]["n"] == 4  # non-tensor leaves and containers kept
+    assert sent[2].name == "m"
+
+
+def test_arrivals_move_to_the_local_device() -> None:
+    # The meta device stands in for the receiver's GPU: what arrives from the CPU lands there, containers intact.
+    arrived = to_device(portable(_payload("cpu")), torch.device("meta"))
+    assert [t.device.type for t in _tensors(arrived)] == ["meta", "meta", "meta"]
+    assert isinstance(arrived[2], _Record)
+    assert arrived[0][0][2] == {"prog_bar": True}
+
+
+def test_buckets_split_by_size_and_dtype_in_order() -> None:
+    grads = [torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(4), torch.zeros(20), torch.zeros(1)]
+    split = buckets(grads, bucket_bytes=32)
+    assert [[id(g) for g in bucket] for bucket in split] == [
+        [id(grads[0]), id(grads[2])],  # 16 + 16 bytes fill the float32 bucket
+        [id(grads[3])],  # larger than a bucket: alone
+        [id(grads[4])],
+        [id(grads[1])],  # float64, its own bucket
+    ]
+
+
+def _broadcast_from_rank_1(rank: int, world_size: int) -> list[torch.Tensor]:
+    tensors = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 + rank, dtype=torch.float64)]
+    tensors.append(torch.ones(5) * rank)
+    broadcast_tensors(tensors, src=1, group=dist.group.WORLD, bucket_bytes=16)
+    return tensors
+
+
+@RunIf(multiprocess=True)
+def test_broadcast_tensors_copies_the_source_rank_everywhere() -> None:
+    for tensors in run_processes(_broadcast_from_rank_1, 2, timeout=300, pg_timeout=120):
+        assert [torch.as_tensor(t).tolist() for t in tensors] == [[1.0] * 3, [[11.0, 11.0]] * 2, [1.0] * 5]
