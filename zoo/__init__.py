@@ -9,6 +9,7 @@ memory::
     zoo.list_models()
     model = zoo.create_model("amoebanet_d", num_layers=18, num_filters=208, num_classes=1000)
     model = zoo.load_pretrained("pretrain.ckpt", num_classes=10)  # backbone loaded, new random heads
+    model = zoo.load_pretrained("timm/resnet50", num_classes=10)  # timm's ImageNet weights, a new classifier
 """
 
 from zoo._registry import create_model, list_models, register_model
@@ -17,6 +18,7 @@ from zoo.tasks.base import ZooModule
 from zoo.tasks.classification import AmoebaNetB, AmoebaNetD, ImageClassifier
 from zoo.tasks.language_model import TransformerLM
 from zoo.tasks.translation import Transformer
+from zoo.timm_models import TimmClassifier
 
 __all__ = [
     "AmoebaNetB",
@@ -24,6 +26,7 @@ __all__ = [
     "ImageClassifier",
     "LoadReport",
     "Transformer",
+    "TimmClassifier",
     "TransformerLM",
     "ZooModule",
     "create_model",

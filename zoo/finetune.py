@@ -25,6 +25,8 @@ __all__ = ["LoadReport", "load_backbone", "load_pretrained", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
+TIMM_SOURCE = "timm/"  # load_pretrained("timm/<model name>"): timm's pretrained weights (zoo.timm_models)
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
@@ -129,7 +131,9 @@ def load_pretrained(
     """Rebuild the zoo model saved at ``path`` for a new task: backbone weights loaded, heads new.
 
     Args:
-        path: a checkpoint written by ``Trainer.save_checkpoint`` from a zoo model, with any number of stages.
+        path: a checkpoint written by ``Trainer.save_checkpoint`` from a zoo model, with any number of stages; or
+            ``"timm/<model name>"`` for a timm ResNet, ConvNeXt or ViT with timm's pretrained weights (a local file
+            with ``weights=PATH``; see :func:`zoo.timm_models.load_timm`).
         num_classes: classes of the new task; the classifier and the aux classifier are re-created for it and
             freshly initialized. ``None`` keeps the checkpoint's number of classes (the heads are still new).
         freeze_backbone: train the heads only; every other parameter has ``requires_grad=False``.
@@ -140,6 +144,10 @@ def load_pretrained(
     Returns:
         The model; ``model.load_report`` (a :class:`LoadReport`) lists the loaded, new and skipped keys.
     """
+    if isinstance(path, str) and path.startswith(TIMM_SOURCE):
+        from zoo.timm_models import load_timm  # imports this module
+
+        return load_timm(path.removeprefix(TIMM_SOURCE), num_classes, freeze_backbone, **overrides)
     checkpoint = read_checkpoint(path)
     name = checkpoint["zoo_model"]
     if architecture is not None and name != architecture:

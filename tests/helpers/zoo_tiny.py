@@ -18,12 +18,14 @@ TINY: dict[str, dict[str, Any]] = {
                     "dropout": 0.0, "warmup_steps": 0, "lr": 3e-3, "logits_abs_max": 5.0},
     "transformer_lm": {"num_layers": 2, "ff_dim": 64, "num_heads": 2, "d_model": 32, "vocab_size": 50,
                        "dropout": 0.0, "warmup_steps": 0, "lr": 3e-3, "logits_abs_max": 5.0},
+    "timm": {"model_name": "resnet18d", "num_classes": 5, "image_size": 32, "warmup_epochs": 0.0, "lr": 0.01,
+             "model_kwargs": {"layers": [1, 1, 1, 1], "channels": [8, 16, 32, 64], "stem_width": 4}},
 }  # fmt: skip
 
 BATCH_SIZE = 8
 STEPS = 2  # optimizer steps of the multi-process fits
 # BatchNorm normalizes each micro-batch on its own, so the CNNs run with M = 1 to compare exactly with plain training.
-CHUNKS = {"amoebanet_d": 1, "amoebanet_b": 1, "transformer": 4, "transformer_lm": 4}
+CHUNKS = {"amoebanet_d": 1, "amoebanet_b": 1, "transformer": 4, "transformer_lm": 4, "timm": 1}
 
 
 def tiny_model(name: str, **overrides: Any) -> zoo.ZooModule:
@@ -36,7 +38,7 @@ def tiny_batch(name: str, batch_size: int = BATCH_SIZE, seed: int = 0) -> Any:
     """One batch in the model's own format, with a fixed seed."""
     generator = torch.Generator().manual_seed(seed)
     config = TINY[name]
-    if name.startswith("amoebanet"):
+    if name.startswith("amoebanet") or name == "timm":
         images = torch.randn(batch_size, 3, config["image_size"], config["image_size"], generator=generator)
         return images, torch.randint(0, config["num_classes"], (batch_size,), generator=generator)
     vocab = config["vocab_size"]
