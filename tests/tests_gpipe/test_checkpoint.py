@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.utils.checkpoint
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from helpers.distributed import run_processes
 from helpers.runif import RunIf
 from torch import nn
