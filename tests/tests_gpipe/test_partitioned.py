@@ -3,6 +3,7 @@
 import pytest
 import torch
 from helpers.models import mlp
+from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe.partitioned import PipelinedSequential, find_sequence, materialize, partition_module
@@ -59,4 +60,32 @@ def test_meta_layers_get_the_same_weights_whatever_their_stage() -> None:
         a, b = mlp(), mlp()
     materialize([(2, a[2])], torch.device("cpu"), seed=5)
     materialize([(2, b[2]), (3, b[3])], torch.device("cpu"), seed=5)
+    assert torch.equal(a[2].weight, b[2].weight)
+
+
+def test_materializing_leaves_the_cuda_generators_alone() -> None:
+    # R9: materialize seeded with torch.manual_seed under a CPU-only fork, which reseeds every CUDA generator for good
+    # (on a machine where CUDA has not started, torch queues that reseed for when it does), so the CUDA stream the
+    # user seeded was lost. Here the queued reseed is what shows it.
+    tracker = torch.cuda._lazy_seed_tracker
+    torch.manual_seed(0)
+    queued = tracker.get_calls()
+    with torch.device("meta"):
+        model = mlp()
+    before = torch.get_rng_state()
+    materialize(list(enumerate(model)), torch.device("cpu"), seed=5)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert tracker.get_calls() == queued
+
+
+@RunIf(gpu=True)
+def test_materializing_on_cuda_leaves_its_generator_alone() -> None:
+    # R9 on a GPU: the CUDA generator's state is the same before and after, and the weights still come from the seed.
+    torch.cuda.manual_seed(3)
+    before = torch.cuda.get_rng_state()
+    with torch.device("meta"):
+        a, b = mlp(), mlp()
+    materialize([(2, a[2])], torch.device("cuda"), seed=5)
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    materialize([(2, b[2])], torch.device("cuda"), seed=5)
     assert torch.equal(a[2].weight, b[2].weight)
