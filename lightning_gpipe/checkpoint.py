@@ -5,6 +5,11 @@ backward pass runs the cell's forward again to rebuild the activations it needs.
 random numbers (dropout masks) as the first forward, and it must not repeat side effects such as BatchNorm running
 statistics; :func:`is_recomputing` lets a layer tell the two apart.
 
+torch saves the CPU random state, and the state of every CUDA device that holds a tensor argument, which it finds by
+walking the arguments with pytree. pytree treats dataclasses and most dict subclasses as leaves, both valid boundary
+values here, so the value's tensors are handed over as separate arguments: otherwise a CUDA stage would recompute
+with fresh dropout masks.
+
 Non-reentrant checkpointing (``use_reentrant=False``) is used on purpose: reentrant checkpointing runs a nested
 backward that DistributedDataParallel sees as a second gradient ready event ("Expected to mark a variable ready only
 once"), the failure that kept torchgpipe and PyTorch's old ``Pipe`` from combining re-materialization with DDP.
@@ -21,6 +26,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from lightning_gpipe.structure import flatten, map_tensors, unflatten
 
 __all__ = ["CHECKPOINT_MODES", "CheckpointMode", "checkpointed", "checkpoint_stop", "is_recomputing", "validate_mode"]
 
@@ -81,14 +88,23 @@ def _stat_buffers(norm: nn.Module) -> list[torch.Tensor]:
     return [norm.running_mean, norm.running_var, norm.num_batches_tracked]  # type: ignore[list-item]
 
 
-def checkpointed(function: Callable[[Any], Any], value: Any) -> Any:
+def checkpointed(function: Callable[[Any], Any], value: Any, *, copy_input: bool = False) -> Any:
     """Run ``function(value)`` keeping only ``value``; the forward is replayed with the same RNG state in backward.
+
+    The CPU generator and the generator of every CUDA device holding one of ``value``'s tensors are replayed,
+    whatever containers hold them. With ``copy_input``, ``function`` gets a copy of ``value``'s tensors, for cells
+    that modify their input in place: the replay must see the input as it was.
 
     Callers decide when to checkpoint: in eval mode or under ``torch.no_grad`` there is no backward to recompute for,
     so they should call ``function`` directly.
     """
+    leaves, spec = flatten(value)
+
+    def run(*arguments: Any) -> Any:
+        rebuilt = unflatten(arguments, spec)
+        return function(map_tensors(torch.clone, rebuilt) if copy_input else rebuilt)
 
     def contexts() -> tuple[Any, Any]:
         return nullcontext(), _recomputing(function)
 
-    return _torch_checkpoint(function, value, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+    return _torch_checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)

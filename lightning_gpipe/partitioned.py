@@ -239,9 +239,17 @@ def partition_module(
 
 
 @contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Draw from the CPU generator and ``device``'s seeded ``seed``, and leave every generator as it was.
+
+    Not ``torch.manual_seed``: it reseeds every CUDA generator (or queues that until CUDA starts), which the fork would
+    not undo, and the user's seeded CUDA stream would be lost.
+    """
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
         yield
 
 
@@ -256,7 +264,7 @@ def materialize(layers: Sequence[tuple[int, nn.Module]], device: torch.device, s
             continue
         layer.to_empty(device=device)
         allocated = _versions(layer)
-        with _seeded(seed + index):
+        with _seeded(seed + index, device):
             for submodule in layer.modules():
                 reset = getattr(submodule, "reset_parameters", None)
                 if callable(reset):

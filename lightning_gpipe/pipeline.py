@@ -7,7 +7,8 @@ cell and the last stage computes ``loss_fn(output, micro-batch)``. After ``train
 hold exactly what ``loss.backward()`` of the unpartitioned model on the whole mini-batch would have accumulated (up
 to float round-off from summing micro-batches).
 
-:func:`run_in_threads` runs all the stages of a pipeline in one process, one thread each, for tests and notebooks.
+:func:`run_in_threads` runs all the stages of a pipeline in one process, one thread each, for tests and notebooks;
+each stage keeps its own device and its own random streams, as it would in a process of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import datetime
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from lightning_gpipe.checkpoint import CheckpointMode
 from lightning_gpipe.microbatch import gather, scatter, validate_chunks
 from lightning_gpipe.schedule import Phase, stage_actions, validate_schedule
 from lightning_gpipe.stage import Stage
+from lightning_gpipe.structure import map_tensors
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.transport import DEFAULT_TIMEOUT, ThreadTransport, Transport
 
@@ -62,11 +64,12 @@ class Pipeline:
         checkpoint: CheckpointMode = "except_last",
         schedule: str = "gpipe",
         timeline: Timeline | None = None,
-        compute_guard: Callable[[], Any] | None = None,
+        compute_guard: Callable[[], AbstractContextManager[Any]] | None = None,
         detect_anomalies: bool = False,
     ) -> None:
         self.chunks = validate_chunks(chunks)
         self.schedule = validate_schedule(schedule)
+        self._guard = compute_guard or nullcontext
         self.stage = Stage(
             cell,
             transport,
@@ -92,9 +95,11 @@ class Pipeline:
             for action in stage_actions(self.schedule, stage.index, K, M):
                 mb = microbatches[action.microbatch]
                 if action.phase is Phase.FORWARD:
-                    output = stage.forward(mb.index, input_fn(mb.value) if stage.is_first else None)
+                    output = stage.forward(mb.index, self._input(input_fn, mb.value))
                     if stage.is_last:
-                        losses[mb.index] = loss_fn(output, mb.value) * mb.weight
+                        # Under the guard: a random loss draws from this stage's stream, as in a process of its own.
+                        with self._guard():
+                            losses[mb.index] = loss_fn(output, mb.value) * mb.weight
                 else:
                     stage.backward(mb.index, losses.get(mb.index))
             stage.end_step()
@@ -112,38 +117,92 @@ class Pipeline:
         microbatches = scatter(batch, self.chunks)
         stage.begin_step([mb.size for mb in microbatches])
         try:
-            outputs = [stage.forward(mb.index, input_fn(mb.value) if stage.is_first else None) for mb in microbatches]
+            outputs = [stage.forward(mb.index, self._input(input_fn, mb.value)) for mb in microbatches]
             stage.end_step()
         except BaseException as error:
             stage.abort(repr(error))
             raise
         return gather(outputs) if stage.is_last else None
 
+    def _input(self, input_fn: InputFn, microbatch: Any) -> Any:
+        """What stage 0 feeds its cell (random augmentation draws from its stream); ``None`` on later stages."""
+        if not self.stage.is_first:
+            return None
+        with self._guard():
+            return input_fn(microbatch)
+
 
 class _StageRandomness:
-    """Gives each thread-stage a private CPU random stream, as it would have in a process of its own.
+    """Gives each thread-stage private CPU and CUDA random streams, as it would have in a process of its own.
 
-    Threads share torch's global generator, so dropout masks would depend on thread timing. Computation of all stages
-    is serialized by one lock, and each stage's generator state is swapped in and out around it.
+    Threads share torch's global generators, so dropout masks would depend on thread timing, and a re-materialized
+    forward, whose replay restores the generator state saved when it first ran, would draw other masks than the first
+    time whenever another stage drew in between. So all stages' computation (cells, backward passes with their
+    recomputation, ``input_fn`` and ``loss_fn``) is serialized by one lock, and each stage's generator states (the CPU
+    one and, for a CUDA stage, its device's) are swapped into the global generators around it.
+
+    Stage ``j`` starts from generators seeded ``seeds[j]``, like a process that called ``torch.manual_seed``; without
+    seeds every stage starts from the caller's current state, like processes seeded alike, and :meth:`hand_back`
+    leaves the caller's generators where stage 0's stream ended, so that successive steps draw new numbers.
     """
 
-    def __init__(self, seeds: Sequence[int]) -> None:
+    def __init__(self, devices: Sequence[torch.device], seeds: Sequence[int] | None) -> None:
         self._lock = threading.Lock()
-        self._states = []
-        for seed in seeds:
-            generator = torch.Generator().manual_seed(seed)
-            self._states.append(generator.get_state())
+        self._cuda = [_cuda_index(device) for device in devices]
+        self._states = [self._initial(cuda, None if seeds is None else seeds[j]) for j, cuda in enumerate(self._cuda)]
+
+    @staticmethod
+    def _initial(cuda: int | None, seed: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with torch.random.fork_rng(devices=[] if cuda is None else [cuda], device_type="cuda"):
+            if seed is not None:
+                torch.random.default_generator.manual_seed(seed)
+                if cuda is not None:
+                    with torch.cuda.device(cuda):
+                        torch.cuda.manual_seed(seed)
+            return _get_states(cuda)
 
     @contextmanager
     def scope(self, stage: int) -> Iterator[None]:
+        """Run the body with stage ``stage``'s streams in torch's global generators, and no other stage computing."""
+        cuda = self._cuda[stage]
         with self._lock:
-            outer = torch.get_rng_state()
-            torch.set_rng_state(self._states[stage])
+            outer = _get_states(cuda)
+            _set_states(cuda, self._states[stage])
             try:
                 yield
             finally:
-                self._states[stage] = torch.get_rng_state()
-                torch.set_rng_state(outer)
+                self._states[stage] = _get_states(cuda)
+                _set_states(cuda, outer)
+
+    def hand_back(self, stage: int) -> None:
+        """Leave torch's global generators where stage ``stage``'s streams are now."""
+        with self._lock:
+            _set_states(self._cuda[stage], self._states[stage])
+
+
+def _cuda_index(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _get_states(cuda: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), None if cuda is None else torch.cuda.get_rng_state(cuda)
+
+
+def _set_states(cuda: int | None, states: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    cpu, device = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        assert device is not None
+        torch.cuda.set_rng_state(device, cuda)
+
+
+def _cell_device(cell: nn.Module) -> torch.device:
+    """Where ``cell`` computes: the device of its first parameter (or buffer); the CPU for a cell with neither."""
+    for tensor in [*cell.parameters(), *cell.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
 
 
 def run_in_threads(
@@ -162,19 +221,28 @@ def run_in_threads(
 ) -> torch.Tensor:
     """One training step of the pipeline made of ``cells``, every stage a thread of this process.
 
-    Gradients accumulate into the cells' parameters. With ``seeds`` (one per stage) each stage draws random numbers
-    from its own generator seeded so, which makes dropout reproducible and equal to a run with one process per stage
-    seeded the same way. The first stage error is re-raised here; the other stages are stopped, never left hanging.
+    Gradients accumulate into the cells' parameters. Each stage runs on its cell's device (that of its first parameter
+    or buffer; the CPU for a cell with neither), receives its neighbours' tensors there and is handed the batch there,
+    so cells may sit on different CUDA devices or on the CPU.
+
+    Each stage draws random numbers (its cell, ``input_fn`` on stage 0, ``loss_fn`` on the last) from private CPU and
+    CUDA streams, as it would in a process of its own, so dropout is replayed exactly under re-materialization. With
+    ``seeds`` (one per stage) stage ``j``'s streams are seeded ``seeds[j]``, which equals a run with one process per
+    stage in which process ``j`` called ``torch.manual_seed(seeds[j])``. Without, every stage starts from the
+    caller's generator state (processes seeded alike), and the caller's generators end where stage 0's did.
+
+    The first stage error is re-raised here; the other stages are stopped, never left hanging.
     """
-    transports = ThreadTransport.create(len(cells), timeout=datetime.timedelta(seconds=timeout))
-    randomness = _StageRandomness(seeds) if seeds is not None else None
     if seeds is not None and len(seeds) != len(cells):
         raise ValueError(f"seeds has {len(seeds)} entries for {len(cells)} stages; give one seed per stage")
+    devices = [_cell_device(cell) for cell in cells]
+    transports = ThreadTransport.create(len(cells), devices, timeout=datetime.timedelta(seconds=timeout))
+    randomness = _StageRandomness(devices, seeds)
     results: dict[int, Any] = {}
     errors: list[tuple[int, BaseException]] = []
 
     def work(stage: int) -> None:
-        guard = (lambda: randomness.scope(stage)) if randomness is not None else None
+        device = devices[stage]
         pipeline = Pipeline(
             cells[stage],
             transports[stage],
@@ -182,11 +250,15 @@ def run_in_threads(
             checkpoint=checkpoint,
             schedule=schedule,
             timeline=timeline,
-            compute_guard=guard,
+            compute_guard=lambda: randomness.scope(stage),
             detect_anomalies=detect_anomalies,
         )
         try:
-            results[stage] = pipeline.train_step(batch, loss_fn, input_fn)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread; tensors a cell creates land there
+            # A process of its own would have moved its batch to its device too.
+            own_batch = map_tensors(lambda tensor: tensor.to(device), batch)
+            results[stage] = pipeline.train_step(own_batch, loss_fn, input_fn)
         except BaseException as error:
             errors.append((stage, error))
 
@@ -199,4 +271,6 @@ def run_in_threads(
         # The stage that failed first aborted the others, whose errors only say so: report the original.
         original = [(stage, error) for stage, error in errors if "the pipeline was aborted" not in str(error)]
         raise (original or errors)[0][1]
+    if seeds is None:
+        randomness.hand_back(0)
     return results[len(cells) - 1]

@@ -177,11 +177,17 @@ class ThreadTransport(Transport):
 
     @classmethod
     def create(
-        cls, num_stages: int, device: torch.device | str = "cpu", timeout: datetime.timedelta = DEFAULT_TIMEOUT
+        cls,
+        num_stages: int,
+        device: torch.device | str | Sequence[torch.device | str] = "cpu",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> list[ThreadTransport]:
-        """One linked transport per stage."""
+        """One linked transport per stage; ``device`` is every stage's, or a list with one per stage."""
+        devices = [device] * num_stages if isinstance(device, (torch.device, str)) else list(device)
+        if len(devices) != num_stages:
+            raise ValueError(f"{len(devices)} devices given for {num_stages} stages; give one device per stage")
         mailboxes = _Mailboxes(num_stages)
-        return [cls(stage, mailboxes, torch.device(device), timeout) for stage in range(num_stages)]
+        return [cls(stage, mailboxes, torch.device(devices[stage]), timeout) for stage in range(num_stages)]
 
     @property
     def device(self) -> torch.device:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from helpers.distributed import run_processes
 from helpers.runif import RunIf
 from torch import nn
@@ -77,3 +82,72 @@ def test_rematerialization_composes_with_ddp() -> None:
     grads = run_processes(_ddp_worker, 2, timeout=120)
     for name in grads[0]:
         assert torch.allclose(torch.from_numpy(grads[0][name]), torch.from_numpy(grads[1][name])), name
+
+
+@dataclasses.dataclass
+class Boundary:
+    hidden: torch.Tensor
+    extras: dict[str, torch.Tensor]
+
+
+class Tensors(dict):  # type: ignore[type-arg]
+    """A dict subclass: a boundary container that torch's pytree does not open."""
+
+
+class Noisy(nn.Module):
+    """Dropout on every tensor of a dataclass boundary value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, value: Boundary) -> torch.Tensor:
+        return self.dropout(self.linear(value.hidden)) + self.dropout(value.extras["skip"])
+
+
+def _boundary(device: str) -> Boundary:
+    hidden = torch.randn(6, 4, device=device, requires_grad=True)
+    return Boundary(hidden, Tensors(skip=torch.randn(6, 4, device=device, requires_grad=True)))
+
+
+def test_every_tensor_of_a_dataclass_boundary_reaches_torch_rng_saving(monkeypatch: pytest.MonkeyPatch) -> None:
+    # R6: torch finds the CUDA devices whose RNG it saves by walking the checkpoint's arguments with pytree, which
+    # stops at dataclasses and dict subclasses: handed the value as one argument, it saw no tensor at all.
+    seen: list[torch.Tensor] = []
+    infer = torch.utils.checkpoint._infer_device_type
+
+    def recording(*args: Any) -> str:
+        seen.extend(leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor))
+        return infer(*args)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "_infer_device_type", recording)
+    value = _boundary("cpu")
+    checkpointed(Noisy(), value).sum().backward()
+    assert {id(t) for t in seen} >= {id(value.hidden), id(value.extras["skip"])}
+
+
+def _dropout_replay_grads(device: str, rematerialize: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    cell = Noisy().to(device)
+    value = _boundary(device)
+    torch.manual_seed(1)  # the CPU and CUDA generators start alike for both runs
+    output = checkpointed(cell, value) if rematerialize else cell(value)
+    output.pow(2).sum().backward()
+    return [cell.linear.weight.grad, value.hidden.grad, value.extras["skip"].grad]  # type: ignore[list-item]
+
+
+def _assert_dataclass_boundary_replays_dropout(device: str) -> None:
+    replayed = _dropout_replay_grads(device, rematerialize=True)
+    for got, expected in zip(replayed, _dropout_replay_grads(device, rematerialize=False), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_dataclass_boundary_replays_dropout_masks_on_cpu() -> None:
+    _assert_dataclass_boundary_replays_dropout("cpu")
+
+
+@RunIf(gpu=True)
+def test_dataclass_boundary_replays_dropout_masks_on_cuda() -> None:
+    # R6 on CUDA: without the CUDA generator's state the replay drew new masks and the gradients were silently wrong.
+    _assert_dataclass_boundary_replays_dropout("cuda")

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from helpers.models import mlp
+from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe.partitioned import PipelinedSequential, find_sequence, materialize, partition_module
@@ -162,3 +163,30 @@ def test_a_stateless_layer_also_used_outside_the_sequence_is_not_an_alias() -> N
     module = Holder(act=layers[1], layers=layers)
     part = partition_module(module, "layers", module.layers, [4, 4], stage=0)
     assert part.stage == 0
+
+def test_materializing_leaves_the_cuda_generators_alone() -> None:
+    # R9: materialize seeded with torch.manual_seed under a CPU-only fork, which reseeds every CUDA generator for good
+    # (on a machine where CUDA has not started, torch queues that reseed for when it does), so the CUDA stream the
+    # user seeded was lost. Here the queued reseed is what shows it.
+    tracker = torch.cuda._lazy_seed_tracker
+    torch.manual_seed(0)
+    queued = tracker.get_calls()
+    with torch.device("meta"):
+        model = mlp()
+    before = torch.get_rng_state()
+    materialize(list(enumerate(model)), torch.device("cpu"), seed=5)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert tracker.get_calls() == queued
+
+
+@RunIf(gpu=True)
+def test_materializing_on_cuda_leaves_its_generator_alone() -> None:
+    # R9 on a GPU: the CUDA generator's state is the same before and after, and the weights still come from the seed.
+    torch.cuda.manual_seed(3)
+    before = torch.cuda.get_rng_state()
+    with torch.device("meta"):
+        a, b = mlp(), mlp()
+    materialize([(2, a[2])], torch.device("cuda"), seed=5)
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    materialize([(2, b[2])], torch.device("cuda"), seed=5)
+    assert torch.equal(a[2].weight, b[2].weight)
