@@ -166,8 +166,11 @@ class ActivationLink:
         if self._layout is None:
             self._receive_header(index)
             # The sender sends the step's micro-batches in forward order, starting with this one.
-            for later in range(index, len(self._sizes)):
-                self._posted[later] = self._post(later)
+            if self.transport.posts_ahead:
+                for later in range(index, len(self._sizes)):
+                    self._posted[later] = self._post(later)
+        if index not in self._posted:  # posted when needed (device streams), in the same forward order
+            self._posted[index] = self._post(index)
         spec, entries = self._predicted(index)
         leaves: list[torch.Tensor | None] = []
         for entry, (buffer, wait) in zip(entries, self._posted.pop(index), strict=True):
