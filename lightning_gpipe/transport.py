@@ -132,6 +132,7 @@ class ProcessGroupTransport(Transport):
                 "of adjacent stages (ProcessLayout.new_groups creates them)"
             )
         self._links = list(links) if links is not None else None
+        self._aborted = False
         self._device = torch.device(device)
         # Device waits are stream waits; CPU waits block the host with a deadline.
         self._on_stream = self._device.type != "cpu"
@@ -152,6 +153,8 @@ class ProcessGroupTransport(Transport):
         """The group that carries messages between this stage and ``peer``, and the peer's rank in it."""
         if abs(peer - self.stage) != 1:
             raise ValueError(f"stage {self.stage} has no link to stage {peer}: only adjacent stages exchange messages")
+        if self._aborted:
+            raise RuntimeError(f"stage {self.stage}'s links were aborted after a failure; the transport is closed")
         if self._links is None:
             return None, self.ranks[peer]
         group = self._links[min(peer, self.stage)]
@@ -206,12 +209,13 @@ class ProcessGroupTransport(Transport):
         """Abort the link groups after a failure, so that receives left posted cannot hold up the process's exit.
 
         On NCCL a posted receive is a kernel that waits for its peer; the communicator must be aborted before the
-        process group can be destroyed. On gloo the peers' pending operations fail at once instead of at the timeout.
+        process group can be destroyed. On gloo it only unregisters the groups; peers see the connections close at exit.
         The transport cannot be used afterwards.
         """
-        if self._links is None:
+        if self._links is None or self._aborted:
             return
-        links, self._links = self._links, None
+        self._aborted = True
+        links = self._links
         self._pending.clear()
         for group in links:
             try:
