@@ -12,7 +12,8 @@ goes once per step, not per micro-batch:
 - a value of several leaves may lack some of them (``None``) on some micro-batches, as an attention mask that is
   ``None`` when nothing is padded: each of its micro-batches after the header's is preceded by a small presence
   message naming the leaves it lacks, or saying that a new header follows (a leaf appeared that the prediction
-  has as ``None``, so no buffer awaits it); every receive already posted is then filled with placeholders;
+  has as ``None``, so no buffer awaits it); every receive already posted is then filled with placeholders (on
+  devices, where receives are posted when needed, only that micro-batch's);
 - gradients need no header: they go back for exactly the received tensors that require grad, with their shapes,
   one micro-batch after the other in the order of the receiving stage's backward passes.
 
@@ -191,9 +192,10 @@ class ActivationLink:
             # then start over with a header that describes this micro-batch.
             self._send_message({"restart": True})
             self._send_placeholders(index)
-            for later in range(index + 1, len(self._sizes)):
-                self._send_message({"void": True})
-                self._send_placeholders(later)
+            if self.transport.posts_ahead:  # else the receiver has posted this micro-batch's receives only
+                for later in range(index + 1, len(self._sizes)):
+                    self._send_message({"void": True})
+                    self._send_placeholders(later)
             self._start(index, layout, None)
             self._send_leaves(leaves)
             return
@@ -239,7 +241,10 @@ class ActivationLink:
         """Receive micro-batch ``index``'s input; float tensors that required grad upstream are leaves that do too."""
         if self._layout is None:
             self._receive_header(index)
-            self._post_from(index)
+            if self.transport.posts_ahead:
+                self._post_from(index)
+        if index not in self._posted:  # posted when needed (device streams), in the same forward order
+            self._posted[index] = self._post(index)
         posted = self._posted.pop(index)
         missing: set[int] = set()
         if posted.presence is not None:
@@ -254,7 +259,8 @@ class ActivationLink:
                 for later in sorted(self._posted):
                     self._posted.pop(later).wait_all()
                 self._receive_header(index)
-                self._post_from(index)
+                if self.transport.posts_ahead:
+                    self._post_from(index)
                 return self.recv(index)
             missing = set(message["missing"])
         spec, entries = self._predicted(index)

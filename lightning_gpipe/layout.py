@@ -10,10 +10,17 @@ Example, 4 ranks with K = 2::
     rank      0  1  2  3
     replica   0  0  1  1
     stage     1  0  1  0
+
+Besides the pipeline and data-parallel groups, every link between adjacent stages (j, j+1) of every pipeline gets a
+2-rank group of its own, which carries only that link's point-to-point messages. NCCL runs all operations of one group
+in issue order on one stream: on a group shared with collectives, a collective issued after a posted receive would
+wait for that receive (a deadlock when the peer sends only after the same collective), and a middle stage's sends
+would queue behind the receives it posted from the previous stage.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -72,20 +79,31 @@ class ProcessLayout:
         """Global rank of this pipeline's last stage."""
         return self.pipeline_ranks()[-1]
 
-    def new_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """Create (this rank's pipeline group, its data-parallel group).
+    def new_groups(
+        self, timeout: datetime.timedelta
+    ) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[dist.ProcessGroup]]:
+        """Create (this rank's pipeline group, its data-parallel group, its pipeline's link groups).
 
-        Every rank must call this, in the same order, because ``new_group`` is collective over the world.
+        The link groups are in stage order: entry ``j`` holds stages ``j`` and ``j + 1`` of this rank's pipeline. Every
+        group waits ``timeout`` for its peers, as the world group does. Every rank must call this, in the same order,
+        because ``new_group`` is collective over the world: each rank creates every group, also those it is not in.
         """
         pipeline_group = replica_group = None
+        links: list[dist.ProcessGroup] = []
         for replica in range(self.num_replicas):
-            group = dist.new_group(self.pipeline_ranks(replica))
+            group = dist.new_group(self.pipeline_ranks(replica), timeout=timeout)
             if replica == self.replica:
                 pipeline_group = group
         for stage in range(self.pipe_size):
-            group = dist.new_group(self.replica_ranks(stage))
+            group = dist.new_group(self.replica_ranks(stage), timeout=timeout)
             if stage == self.stage:
                 replica_group = group
+        for replica in range(self.num_replicas):
+            ranks = self.pipeline_ranks(replica)
+            for stage in range(self.pipe_size - 1):
+                group = dist.new_group([ranks[stage], ranks[stage + 1]], timeout=timeout)
+                if replica == self.replica:
+                    links.append(group)
         assert pipeline_group is not None
         assert replica_group is not None
-        return pipeline_group, replica_group
+        return pipeline_group, replica_group, links

@@ -12,7 +12,9 @@ micro-batch. Which actions run in which order is the schedule's business (:mod:`
 Receives are posted ahead of the actions that need them (gloo parks a send until its receive is posted): the
 activations of the whole step once its header is in (:class:`~lightning_gpipe.boundary.ActivationLink`), and, when
 the step's ``gradient_order`` is known, the gradients of up to :data:`GRADIENTS_AHEAD` micro-batches whose outputs
-exist, in the order the next stage sends them.
+exist, in the order the next stage sends them. Transports that run on device streams (NCCL) do not want receives
+posted long before use (:attr:`~lightning_gpipe.transport.Transport.posts_ahead`): there activations are posted one
+micro-batch at a time and gradients from the first backward on.
 """
 
 from __future__ import annotations
@@ -174,7 +176,10 @@ class Stage:
                 if outputs:
                     self._outputs[index] = outputs
             self._forwarded.add(index)
-            self._post_gradients()
+            if self.transport.posts_ahead:
+                # On NCCL the receives wait for backward: a receive posted now would sit on the GPU through whatever
+                # the step does between its forwards and backwards (log syncs, allocator frees that synchronize).
+                self._post_gradients()
         return output
 
     def _post_gradients(self, through: int | None = None) -> None:

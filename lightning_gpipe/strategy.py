@@ -111,6 +111,7 @@ class GPipeStrategy(ParallelStrategy):
     """
 
     strategy_name = "gpipe"
+    _links_on_world = False  # tests only: P2P on the world group, the wiring that deadlocks under NCCL's stream order
 
     def __init__(
         self,
@@ -174,6 +175,7 @@ class GPipeStrategy(ParallelStrategy):
         self._pipeline_group: dist.ProcessGroup | None = None
         self._replica_group: dist.ProcessGroup | None = None
         self._object_group: dist.ProcessGroup | None = None
+        self._links: list[dist.ProcessGroup] = []  # one group per pair of adjacent stages of this pipeline
         self._partition: Partition | None = None
         self._stage: Stage | None = None
         self._full_keys: list[str] = []
@@ -308,11 +310,12 @@ class GPipeStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        _check_backend_for_device(backend, self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        self._pipeline_group, self._replica_group = self.layout.new_groups()
+        self._pipeline_group, self._replica_group, self._links = self.layout.new_groups(self._timeout)
         self._object_group = self._new_object_group()
 
     def _new_object_group(self) -> dist.ProcessGroup | None:
@@ -394,7 +397,8 @@ class GPipeStrategy(ParallelStrategy):
                 # Metric state lives on the last stage of each pipeline; torchmetrics must sync it among the
                 # replicas of that stage only (over WORLD, the other stages would never join: a hang).
                 metric.process_group = self._replica_group
-        transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout)
+        links = None if self._links_on_world else self._links
+        transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout, links=links)
         self._stage = Stage(
             cell,
             transport,
@@ -801,8 +805,11 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # The other stages may be dead or blocked: teardown must not wait for them in a collective.
+        # The other stages may be dead or blocked: teardown must not wait for them in a collective. Receives this stage
+        # left posted would hold up the process group's destruction at exit (NCCL): abort the links that carry them.
         self._failed = True
+        if self._stage is not None and isinstance(self._stage.transport, ProcessGroupTransport):
+            self._stage.transport.abort_links()
 
     @override
     def teardown(self) -> None:
@@ -906,6 +913,14 @@ def _check_backend(backend: object) -> str | None:
             "'nccl', or None to choose by device"
         )
     return backend
+
+
+def _check_backend_for_device(backend: str, device: torch.device) -> None:
+    if backend == "gloo" and device.type == "cuda":
+        raise ValueError(
+            f"process_group_backend='gloo' cannot move the pipeline's tensors on {device}: gloo's send and receive "
+            "take CPU tensors only. Use process_group_backend='nccl' (or leave it None to choose by device)."
+        )
 
 
 def _check_timeout(timeout: object) -> datetime.timedelta:

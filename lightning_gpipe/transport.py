@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import logging
 import queue
 import threading
 import time
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from lightning_gpipe.errors import PipelineError
 
 __all__ = ["DEFAULT_TIMEOUT", "ProcessGroupTransport", "ThreadTransport", "Transport"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 """How long a stage waits for a neighbour's message before it raises `PipelineError` (torch's own default)."""
@@ -48,6 +51,11 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def device(self) -> torch.device:
         """Where received tensors are allocated."""
+
+    @property
+    def posts_ahead(self) -> bool:
+        """Whether stages should post receives ahead of need (where a late receive costs a rendezvous, as on gloo)."""
+        return True
 
     @abc.abstractmethod
     def send(self, tensor: torch.Tensor, peer: int) -> None:
@@ -88,13 +96,28 @@ class Transport(abc.ABC):
 
 
 class ProcessGroupTransport(Transport):
-    """P2P over ``torch.distributed``: ``ranks[j]`` is the global rank of stage ``j`` of this pipeline."""
+    """P2P over ``torch.distributed``: ``ranks[j]`` is the global rank of stage ``j`` of this pipeline.
+
+    Args:
+        ranks: the global rank of every stage, in stage order.
+        device: where received tensors are allocated; a CUDA device means NCCL (see below).
+        timeout: how long a CPU receive or send may take before it raises.
+        links: one process group per link, ``links[j]`` holding stages ``j`` and ``j + 1`` (as
+            :meth:`~lightning_gpipe.layout.ProcessLayout.new_groups` creates them); ``None`` sends on the default
+            group. On NCCL give them: the default group runs its collectives and P2P on one stream, in issue order.
+
+    On CPU (gloo) a wait blocks the host, for at most ``timeout``. On a device (NCCL) a wait only makes the current
+    stream wait for the message, so the host keeps launching work; a stuck peer is then caught by the process
+    group's own timeout. Gloo parks a send until its receive is posted, so on CPU the stages post receives ahead;
+    on a device a posted receive is a kernel waiting on the GPU, so they post them when needed (:attr:`posts_ahead`).
+    """
 
     def __init__(
         self,
         ranks: Sequence[int],
         device: torch.device | str = "cpu",
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        links: Sequence[dist.ProcessGroup] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ProcessGroupTransport needs torch.distributed.init_process_group() to have run first")
@@ -103,44 +126,102 @@ class ProcessGroupTransport(Transport):
             raise ValueError(f"this process (global rank {rank}) is not one of the pipeline's ranks {list(ranks)}")
         super().__init__(list(ranks).index(rank), len(ranks), timeout)
         self.ranks = list(ranks)
+        if links is not None and len(links) != len(self.ranks) - 1:
+            raise ValueError(
+                f"links has {len(links)} process groups for a pipeline of {len(self.ranks)} stages; give one per pair "
+                "of adjacent stages (ProcessLayout.new_groups creates them)"
+            )
+        self._links = list(links) if links is not None else None
+        self._aborted = False
         self._device = torch.device(device)
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        # Device waits are stream waits; CPU waits block the host with a deadline.
+        self._on_stream = self._device.type != "cpu"
+        self._pending: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
 
     @property
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def posts_ahead(self) -> bool:
+        return not self._on_stream
+
     def peer_name(self, peer: int) -> str:
         return f"stage {peer} (global rank {self.ranks[peer]})"
 
+    def _route(self, peer: int) -> tuple[dist.ProcessGroup | None, int]:
+        """The group that carries messages between this stage and ``peer``, and the peer's rank in it."""
+        if abs(peer - self.stage) != 1:
+            raise ValueError(f"stage {self.stage} has no link to stage {peer}: only adjacent stages exchange messages")
+        if self._aborted:
+            raise RuntimeError(f"stage {self.stage}'s links were aborted after a failure; the transport is closed")
+        if self._links is None:
+            return None, self.ranks[peer]
+        group = self._links[min(peer, self.stage)]
+        return group, dist.get_group_rank(group, self.ranks[peer])
+
+    def _wait(self, work: dist.Work) -> None:
+        if self._on_stream:
+            work.wait()  # the current stream waits; the process group's timeout aborts a stuck peer
+        else:
+            work.wait(self.timeout)
+
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         tensor = tensor.detach().contiguous()
-        work = dist.isend(tensor, dst=self.ranks[peer])
-        assert work is not None  # isend in the default group always returns a handle
-        self._pending.append((work, tensor))  # the tensor must outlive the send
+        group, group_peer = self._route(peer)
+        work = dist.isend(tensor, group=group, group_dst=group_peer)
+        assert work is not None  # isend returns a handle on every rank of the group
+        self._release_completed()
+        self._pending.append((work, tensor, peer))  # the tensor must outlive the send
+
+    def _release_completed(self) -> None:
+        """Drop the oldest sends that have completed, and their tensors (a gradient would live until the step ends)."""
+        while self._pending and self._pending[0][0].is_completed():
+            self._pending.popleft()
 
     def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
+        group, group_peer = self._route(peer)
         try:
-            work = dist.irecv(buffer, src=self.ranks[peer])
+            work = dist.irecv(buffer, group=group, group_src=group_peer)
         except RuntimeError as error:
             raise self._failure(peer, what, error) from error
         assert work is not None
 
         def wait() -> None:
             try:
-                work.wait(self.timeout)
+                self._wait(work)
             except RuntimeError as error:
                 raise self._failure(peer, what, error) from error
 
         return wait
 
     def wait_sends(self) -> None:
-        pending, self._pending = self._pending, []
-        for work, _tensor in pending:
+        pending, self._pending = self._pending, deque()
+        for work, _tensor, peer in pending:
             try:
-                work.wait(self.timeout)
+                self._wait(work)
             except RuntimeError as error:
-                raise PipelineError(self.stage, f"a send to a neighbouring stage did not complete: {error}") from error
+                raise PipelineError(
+                    self.stage, f"a send to {self.peer_name(peer)} did not complete: {error}"
+                ) from error
+
+    def abort_links(self) -> None:
+        """Abort the link groups after a failure, so that receives left posted cannot hold up the process's exit.
+
+        On NCCL a posted receive is a kernel that waits for its peer; the communicator must be aborted before the
+        process group can be destroyed. On gloo it only unregisters the groups; peers see the connections close at exit.
+        The transport cannot be used afterwards.
+        """
+        if self._links is None or self._aborted:
+            return
+        self._aborted = True
+        links = self._links
+        self._pending.clear()
+        for group in links:
+            try:
+                dist.distributed_c10d._abort_process_group(group)
+            except (RuntimeError, ValueError) as error:  # already destroyed, or a backend that cannot abort
+                log.debug(f"aborting a link group failed: {error}")
 
 
 class _Mailboxes:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gpipe
 from helpers.models import IN, OUT, build
+from helpers.stream_order import impose_stream_order
 
 SAMPLES, BATCH = 64, 16
 
@@ -52,13 +53,14 @@ class SequentialModule(L.LightningModule):
         self.local_parameters = sum(p.numel() for p in self.parameters())
 
     fail_rank: int | None = None  # a rank whose training_step raises on step 2 (fault tests)
+    sync_dist = False  # all-reduce the logged loss in training_step, between the forwards and the backwards
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_rank == self.fail_rank and self.global_step == 2:
             raise RuntimeError(f"deliberate failure on rank {self.global_rank}")
         x, y = batch
         loss = F.mse_loss(self.layers(x), y)
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=self.sync_dist)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -86,6 +88,8 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
             balance=run.get("balance"),
             **run.get("options", {}),  # further GPipeStrategy arguments, e.g. {"detect_anomalies": true}
         )
+        # The single-world-group P2P wiring that NCCL's stream order deadlocks (kept for the regression test).
+        strategy._links_on_world = run.get("links_on_world", False)
     elif run["strategy"] == "ddp":
         strategy = "ddp"
     options: dict[str, Any] = {
@@ -113,6 +117,9 @@ def fit(run: dict[str, Any], root: Path) -> SequentialModule:
     L.seed_everything(0, verbose=False)
     module = SequentialModule(run.get("model", "mlp"), run.get("batch_norm", False), run.get("meta", False))
     module.fail_rank = run.get("fail_rank")
+    module.sync_dist = run.get("sync_dist", False)
+    if run.get("stream_order"):  # every process group runs its operations in issue order, as on NCCL
+        impose_stream_order()
     if run.get("freeze_first"):  # a frozen backbone: its first layers, with an optimizer over the rest
         assert module.layers is not None
         module.layers[: run["freeze_first"]].requires_grad_(False)

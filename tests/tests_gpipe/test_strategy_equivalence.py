@@ -81,3 +81,15 @@ def test_two_stages_times_two_replicas_equals_ddp(tmp_path: Path) -> None:
     pipelined = run_fits(tmp_path / "gpipe", 4, [{**run, "pipe_size": 2, "devices": 4}])[0]
     ddp = run_fits(tmp_path / "ddp", 2, [{**run, "strategy": "ddp", "devices": 2}])[0]
     assert_same_parameters(pipelined, ddp)
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [3, 4])
+def test_under_nccl_stream_order_stages_train_like_plain_lightning(tmp_path: Path, stages: int) -> None:
+    # Every process group runs its operations in issue order, as NCCL's streams do (helpers.stream_order), and the
+    # loss is logged with sync_dist=True between the forwards and the backwards: no operation may wait behind one that
+    # needs the other ranks to get further first.
+    run = {"pipe_size": stages, "devices": stages, "chunks": 5, "steps": 2, "sync_dist": True, "stream_order": True}
+    result = run_fits(tmp_path, stages, [run])[0]
+    assert_same_parameters(result, plain(tmp_path, steps=2))

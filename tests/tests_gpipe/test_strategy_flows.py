@@ -72,6 +72,36 @@ def test_a_rank_that_raises_ends_the_whole_job(tmp_path: Path) -> None:
     assert elapsed < 120
 
 
+@RunIf(multiprocess=True)
+@pytest.mark.parametrize("links_on_world", [False, True], ids=["link-groups", "one-world-group"])
+def test_logging_with_sync_dist_in_training_step_under_nccl_stream_order(tmp_path: Path, links_on_world: bool) -> None:
+    # R1 (examples/spiral.py's pattern): `self.log(..., sync_dist=True)` in training_step runs a barrier and an
+    # all-reduce on the world group between the forwards and the backwards. Under NCCL's rule (every group's operations
+    # in issue order, imposed here by helpers.stream_order), P2P on the world group deadlocks: stage 0's barrier
+    # waits behind the gradient receive it posted, whose gradient the last stage sends only after that barrier.
+    tmp_path.mkdir(exist_ok=True)
+    run = {"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 2, "sync_dist": True, "stream_order": True}
+    if not links_on_world:
+        assert_same_parameters(run_fits(tmp_path, 2, [run])[0], plain(tmp_path, steps=2))
+        return
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"runs": [{**run, "links_on_world": True}]}))
+    results = run_job("helpers.lightning_job", [str(config)], 2, timeout=400)
+    assert any(result.returncode != 0 for result in results)
+    assert "waits behind earlier operations of its group" in results[0].stdout + results[1].stdout
+
+
+def test_gloo_with_cuda_devices_is_refused_with_the_fix() -> None:
+    # R12: gloo's send and receive take CPU tensors only; the job would fail at the first boundary.
+    from lightning_gpipe.strategy import _check_backend_for_device
+
+    fix = r"process_group_backend='gloo' cannot .* on cuda:1.* Use process_group_backend='nccl'"
+    with pytest.raises(ValueError, match=fix):
+        _check_backend_for_device("gloo", torch.device("cuda", 1))
+    _check_backend_for_device("nccl", torch.device("cuda", 1))
+    _check_backend_for_device("gloo", torch.device("cpu"))
+
+
 def test_bad_configuration_fails_when_the_trainer_is_built() -> None:
     from lightning_gpipe import GPipeStrategy
 
