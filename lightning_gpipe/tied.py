@@ -201,7 +201,11 @@ class TiedCopies:
                 tensor.copy_(wire)
 
     def sum_gradients(self) -> None:
-        """Sum the copies' gradients over the stages holding them: once per optimizer step, before clipping."""
+        """Sum the copies' gradients over the stages holding them: once per optimizer step, before clipping.
+
+        A copy whose layers got no gradient here takes the others' sum; a tensor that got no gradient on any stage
+        keeps ``grad = None``, as the plain model's would (so the optimizer skips it, weight decay included).
+        """
         for stages, group in sorted(self._groups.items()):
             parameters = [
                 self._tensor(tie, name)
@@ -210,14 +214,20 @@ class TiedCopies:
             ]
             buckets: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
             for parameter in parameters:
-                if parameter.grad is None:  # its layers here got no gradient this step; the others' still count
-                    parameter.grad = torch.zeros_like(parameter)
-                buckets.setdefault((parameter.grad.dtype, parameter.grad.device), []).append(parameter.grad)
-            for _, grads in sorted(buckets.items(), key=lambda item: str(item[0])):
-                flat = _flatten_dense_tensors(grads)
+                buckets.setdefault((parameter.dtype, parameter.device), []).append(parameter)
+            for (dtype, device), members in sorted(buckets.items(), key=lambda item: str(item[0])):
+                # One count per parameter rides along: how many stages had a gradient for it.
+                counts = torch.tensor([float(p.grad is not None) for p in members], dtype=dtype, device=device)
+                grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in members]
+                flat = _flatten_dense_tensors([*grads, counts])
                 dist.all_reduce(flat, group=group)
-                for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-                    grad.copy_(summed)
+                *summed, counts = _unflatten_dense_tensors(flat, [*grads, counts])
+                for parameter, grad, total, count in zip(members, grads, summed, counts.tolist(), strict=True):
+                    if count == 0:
+                        parameter.grad = None
+                        continue
+                    grad.copy_(total)
+                    parameter.grad = grad
 
     def duplicates(self) -> list[nn.Parameter]:
         """This stage's tied parameters whose gradient norm the owner stage counts (the global norm counts it once)."""
