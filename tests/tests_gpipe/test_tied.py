@@ -176,7 +176,7 @@ def test_threads_share_the_tied_tensor_and_accumulate_its_whole_gradient(balance
         torch.testing.assert_close(parameter.grad, expected[name], atol=1e-6, rtol=1e-5)
 
 
-def _pipeline_with_tied_copies(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+def _pipeline_with_tied_copies(rank: int, world_size: int) -> dict[str, torch.Tensor | None]:
     torch.manual_seed(0)  # every process builds the same model and keeps its own cell
     model = tied_lm()
     ties = find_ties(model, [4, 4])
@@ -188,7 +188,17 @@ def _pipeline_with_tied_copies(rank: int, world_size: int) -> dict[str, torch.Te
     pipeline = Pipeline(cell, ProcessGroupTransport(ranks=[0, 1]), chunks=4)
     pipeline.train_step(tokens(16)[:], lm_loss)
     copies.sum_gradients()
-    return {name: p.grad for name, p in cell.named_parameters()}  # type: ignore[misc]
+    grads: dict[str, torch.Tensor | None] = {name: p.grad for name, p in cell.named_parameters()}
+    # A tied layer used only on stage 0 this step, and one used nowhere: the sum reaches stage 1, None stays None.
+    used, unused = nn.Linear(2, 2), nn.Linear(2, 2)
+    layers = nn.Sequential(used, unused, used, unused)
+    cell = split(layers, [2, 2], allow_shared=True)[rank]
+    copies = TiedCopies(find_ties(layers, [2, 2]), cell, stage=rank, pipelines=[[0, 1]])
+    if rank == 0:
+        used(torch.ones(1, 2)).sum().backward()
+    copies.sum_gradients()
+    grads.update({"used": used.weight.grad, "unused": unused.weight.grad})
+    return grads
 
 
 @RunIf(multiprocess=True)
@@ -196,6 +206,8 @@ def test_pipeline_processes_keep_tied_copies_equal_with_tied_copies() -> None:
     stages = run_processes(_pipeline_with_tied_copies, 2, timeout=240)
     torch.manual_seed(0)
     expected = plain_gradients(tied_lm(), tokens(16)[:])
+    assert stages[0].pop("used").tolist() == stages[1].pop("used").tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert (stages[0].pop("unused"), stages[1].pop("unused")) == (None, None)
     assert stages[1].keys() == {"5.weight", "5.bias", "7.weight", "7.bias"}
     for name, grad in [*stages[0].items(), *stages[1].items()]:
         torch.testing.assert_close(torch.as_tensor(grad), expected[name.replace("7.weight", "0.weight")])
