@@ -179,9 +179,9 @@ class TiedCopies:
         self.cell = cell
         self.stage = stage
         self.ties = [tie for tie in ties if len(tie.stages) > 1]
-        self._sources = {tie.stages: pipelines[replica][tie.owner] for tie in self.ties}
+        self._ranks = list(pipelines[replica])  # global rank of each stage of this rank's pipeline
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for stages in sorted(self._sources):
+        for stages in sorted({tie.stages for tie in self.ties}):
             for index, ranks in enumerate(pipelines):
                 group = dist.new_group([ranks[s] for s in stages], timeout=timeout)
                 if index == replica and stage in stages:
@@ -196,7 +196,8 @@ class TiedCopies:
         for tie, name in self._held:
             tensor = self._tensor(tie, name).detach()
             wire = tensor if device is None else tensor.to(device)
-            dist.broadcast(wire, src=self._sources[tie.stages], group=self._groups[tie.stages])
+            # From each tie's own owner: ties over the same stages may have different owners.
+            dist.broadcast(wire, src=self._ranks[tie.owner], group=self._groups[tie.stages])
             if wire is not tensor:
                 tensor.copy_(wire)
 
