@@ -4,7 +4,7 @@ The module keeps its shape: its ``nn.Sequential`` attribute is replaced by a :cl
 only this stage's layers, registered under their original indices. Parameter names, ``state_dict`` keys and therefore
 checkpoints stay those of the unpartitioned model, and ``configure_optimizers`` sees only this stage's parameters.
 The other stages' layers are kept aside on the ``meta`` device, which holds their structure but no memory, so that the
-whole model can be reassembled when training ends.
+whole model can be reassembled when training ends; a tensor they share with this stage's layers (tied weights) stays.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_gpipe.partition import cell_bounds
+from lightning_gpipe.tied import Tie, find_ties, set_aside
 
 __all__ = ["Partition", "PipelinedSequential", "find_sequence", "materialize", "partition_module"]
 
@@ -103,13 +104,14 @@ class PipelinedSequential(nn.Module):
 
 @dataclass
 class Partition:
-    """How the module was cut: where the sequence lives, the original, and this stage's stand-in."""
+    """How the module was cut: where the sequence lives, the original, this stage's stand-in, and its tied tensors."""
 
     module: nn.Module
     path: str
     original: nn.Sequential
     stand_in: PipelinedSequential
     bounds: list[range]
+    ties: list[Tie] = field(default_factory=list)
 
     @property
     def stage(self) -> int:
@@ -163,22 +165,6 @@ def _non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tens
                 yield f"{prefix}.{name}".lstrip("."), buffer
 
 
-def _check_shared(cells: Sequence[Sequence[tuple[str, nn.Module]]]) -> None:
-    owners: dict[int, tuple[int, str]] = {}
-    for stage, layers in enumerate(cells):
-        for index, layer in layers:
-            for kind, items in (("module", [("", layer)]), ("parameter", list(layer.named_parameters()))):
-                for name, item in items:
-                    label = f"{index}.{name}".rstrip(".")
-                    seen = owners.setdefault(id(item), (stage, label))
-                    if seen[0] != stage:
-                        raise ValueError(
-                            f"layer {seen[1]} (stage {seen[0]}) and layer {label} (stage {stage}) share one "
-                            f"{kind}; a pipeline stage cannot update another stage's weights. Tie weights within "
-                            "one stage (choose a balance that keeps both layers together) or untie them."
-                        )
-
-
 def _check_aliases(module: nn.Module, path: str, sequence: nn.Sequential) -> None:
     """Refuse modules or parameters outside the sequence that are also in it (a Hugging Face model kept whole next
     to the layers built from it): each stage keeps only its own layers, so the alias would hold the others' on meta."""
@@ -213,8 +199,9 @@ def partition_module(
 ) -> Partition:
     """Replace ``sequence`` (the attribute ``path`` of ``module``) by this stage's stand-in.
 
-    Refuses what a pipeline cannot train: trainable parameters outside the sequence (they would be updated by one
-    stage only) and modules or parameters shared by layers of different stages.
+    Refuses trainable parameters outside the sequence, which one stage alone would update. A tensor (or module) that
+    layers of several stages share stays on every stage that uses it; :mod:`lightning_gpipe.tied` keeps its copies
+    equal.
     """
     _check_aliases(module, path, sequence)
     inside = {id(p) for p in sequence.parameters()}
@@ -228,14 +215,13 @@ def partition_module(
         )
     bounds = cell_bounds(balance)
     layers = list(sequence._modules.items())  # not named_children(), which drops a module used twice
-    _check_shared([[layers[i] for i in bound] for bound in bounds])
+    ties = find_ties(sequence, balance)
     own = OrderedDict(layers[i] for i in bounds[stage])
-    for index, (_name, layer) in enumerate(layers):
-        if index not in bounds[stage]:
-            layer.to("meta")  # keeps the structure for reassembly, frees the memory
+    # The other stages' layers keep their structure for reassembly, on meta: no memory.
+    set_aside([layer for index, (_, layer) in enumerate(layers) if index not in bounds[stage]], list(own.values()))
     stand_in = PipelinedSequential(own, len(layers), stage, len(bounds))
     _assign(module, path, stand_in)
-    return Partition(module, path, sequence, stand_in, bounds)
+    return Partition(module, path, sequence, stand_in, bounds, ties)
 
 
 @contextlib.contextmanager
