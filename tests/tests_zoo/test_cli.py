@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,6 +43,10 @@ def test_configs_exist_for_every_task() -> None:
         "amoebanet/finetune_cifar10.yaml",
         "amoebanet/finetune_cifar100.yaml",
         "amoebanet/finetune_food101.yaml",
+        "timm/resnet50_cifar10.yaml",
+        "timm/resnet50_cifar100.yaml",
+        "timm/convnext_tiny_food101.yaml",
+        "timm/vit_small_cifar10.yaml",
     } <= names
 
 
@@ -73,3 +78,67 @@ def test_pretrain_then_finetune_from_the_command_line_with_two_stages(tmp_path: 
     for key in heads:
         assert before["state_dict"][key].shape[0] == 10
         assert finetuned["state_dict"][key].shape[0] == 6
+
+
+@pytest.mark.slow  # two ranks starting timm, datasets and Lightning: about 30 s alone, minutes on a loaded machine
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(900)
+def test_a_timm_config_fine_tunes_from_a_local_weights_file_with_two_stages(tmp_path: Path) -> None:
+    # The shipped ResNet-50 CIFAR-10 config as a user offline runs it (a local weights file in timm's format, a local
+    # copy of the dataset), on CPU with a tiny ResNet-50 and 32 px images so it takes seconds.
+    import datasets
+    import numpy as np
+    import timm
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    tiny = {"layers": [1, 1, 1, 1], "channels": [4, 8, 16, 32]}
+    torch.manual_seed(0)
+    original = timm.create_model("resnet50", pretrained=False, **tiny)
+    save_file(original.state_dict(), tmp_path / "resnet50.safetensors")
+    rng = np.random.default_rng(0)
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+    split = datasets.Dataset.from_dict(
+        {
+            "img": [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in range(32)],
+            "label": [i % 10 for i in range(32)],
+        },
+        features=features,
+    )
+    datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "cifar10"))
+
+    run = zoo_cli(
+        "fit",
+        "--config",
+        str(REPO / "configs/timm/resnet50_cifar10.yaml"),
+        "--trainer.accelerator=cpu",
+        "--trainer.precision=32-true",
+        "--trainer.max_epochs=1",
+        "--trainer.strategy.init_args.chunks=2",
+        "--model.init_args.pretrained=resnet50.safetensors",
+        f"--model.init_args.model_kwargs={json.dumps(tiny)}",
+        "--model.init_args.image_size=32",
+        "--model.init_args.lr=0.0",  # every weight stays as loaded (a frozen backbone would leave stage 0 idle)
+        "--data.init_args.source=cifar10",
+        "--data.init_args.image_size=32",
+        "--data.init_args.cutout=16",
+        "--data.init_args.batch_size=8",
+        "--data.init_args.num_workers=0",
+        cwd=tmp_path,
+    )
+
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    (last,) = (tmp_path / "out/zoo/timm-resnet50_cifar10").rglob("last.ckpt")
+    checkpoint = torch.load(last, weights_only=True)
+    assert checkpoint["zoo_model"] == "timm"
+    state = checkpoint["state_dict"]
+    head = [key for key in state if key.endswith(".weight") and state[key].shape == (10, 128)]
+    assert len(head) == 1  # the new classifier: 10 classes on ResNet-50's 4 x 32 pooled features
+    # With lr = 0 the checkpoint's backbone weights are the file's, not a fresh initialization (the BatchNorm
+    # statistics moved with training and are left out).
+    prefix = head[0].rsplit(".", 1)[0] + "."
+    weights = [value for key, value in state.items() if not key.startswith(prefix) and "running_" not in key]
+    weights = [value for value in weights if value.is_floating_point()]
+    expected = [value for key, value in original.named_parameters() if not key.startswith("fc.")]
+    assert len(weights) == len(expected)
+    assert sorted(w.sum().item() for w in weights) == pytest.approx(sorted(e.sum().item() for e in expected), abs=1e-5)

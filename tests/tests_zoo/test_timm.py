@@ -1,8 +1,9 @@
 """timm models in the zoo: each family's flat layers compute timm's forward, and weights load as a user's would.
 
 Offline: every timm model is built with ``pretrained=False`` and tiny arguments, its state dict saved in timm's own
-file formats, and loaded back through the path a user online takes (``pretrained=True`` with the file given as
-``pretrained_cfg_overlay=dict(file=...)``, which is what ``weights=PATH`` does).
+file formats, and loaded back through the path a user online takes: ``pretrained=True`` with the file given as
+``pretrained_cfg_overlay=dict(file=...)`` (what ``weights=PATH`` does), or timm's Hugging Face Hub download itself,
+answered from a hub cache laid out as ``huggingface_hub`` writes it.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub.constants
 import pytest
 import timm
 import torch
 from safetensors.torch import save_file
+from timm.models import save_for_hf
 from torch import nn
 
 import lightning_gpipe.partitioned
@@ -73,6 +76,8 @@ def test_load_pretrained_from_a_timm_weights_file_keeps_the_backbone_and_makes_a
     x = images()
     features = original.forward_head(original.forward_features(x), pre_logits=True)
     torch.testing.assert_close(model.layers[:-1](x), features, rtol=0, atol=1e-5)
+    # Before the head change the logits are timm's own: its classifier on the converted backbone's features.
+    torch.testing.assert_close(original.get_classifier()(model.layers[:-1](x)), original(x), rtol=0, atol=1e-5)
     head = model.layers[-1]
     assert isinstance(head, nn.Linear)
     assert head.out_features == 3
@@ -81,6 +86,33 @@ def test_load_pretrained_from_a_timm_weights_file_keeps_the_backbone_and_makes_a
     assert report.fresh == (f"layers.{len(model.layers) - 1}.weight", f"layers.{len(model.layers) - 1}.bias")
     assert set(report.skipped) <= set(original.state_dict())
     assert len(report.loaded) == len(original.state_dict()) - len(report.skipped)
+
+
+@pytest.mark.parametrize("case", ["resnet", "vit"])
+def test_load_pretrained_takes_timms_hub_weights_as_a_user_online_does(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The repository timm downloads for the name (its default pretrained tag), written as timm publishes it
+    # (save_for_hf: config.json + model.safetensors) into a hub cache laid out as huggingface_hub keeps it.
+    name, kwargs = TINY[case]
+    original = tiny_timm(case, num_classes=1000)
+    repo_id = timm.models.get_pretrained_cfg(name).hf_hub_id
+    assert repo_id is not None
+    assert repo_id.startswith("timm/")
+    repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    save_for_hf(original, str(repo / "snapshots" / commit), safe_serialization=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # a miss raises instead of downloading
+
+    model = zoo.load_pretrained(f"timm/{name}", num_classes=3, model_kwargs=kwargs).eval()
+
+    x = images()
+    torch.testing.assert_close(original.get_classifier()(model.layers[:-1](x)), original(x), rtol=0, atol=1e-5)
+    assert model(x).shape == (3, 3)
+    assert len(model.load_report.loaded) == len(original.state_dict()) - 2
 
 
 def test_a_timm_classifier_checkpoint_reloads_through_load_pretrained(tmp_path: Path) -> None:
@@ -129,9 +161,11 @@ def test_on_meta_the_vit_materializes_every_parameter_including_its_tokens() -> 
 
 def test_on_meta_models_that_timm_alone_can_initialize_or_weights_are_refused() -> None:
     name, kwargs = TINY["convnext"]
-    with pytest.raises(ValueError, match=r"holds parameters that only timm's own initializer sets \(stages.0.blocks.0"):
-        with torch.device("meta"):
-            zoo.create_model("timm", model_name=name, model_kwargs=kwargs)
-    with pytest.raises(ValueError, match=r"pretrained=True under the meta device: weights cannot be loaded"):
-        with torch.device("meta"):
-            zoo.create_model("timm", model_name="resnet18", pretrained=True)
+    uninitialized = r"holds parameters that only timm's own initializer sets \(stages.0.blocks.0"
+    with pytest.raises(ValueError, match=uninitialized), torch.device("meta"):
+        zoo.create_model("timm", model_name=name, model_kwargs=kwargs)
+    with (
+        pytest.raises(ValueError, match=r"pretrained=True under the meta device: weights cannot be loaded"),
+        torch.device("meta"),
+    ):
+        zoo.create_model("timm", model_name="resnet18", pretrained=True)

@@ -82,9 +82,10 @@ class TimmClassifier(ImageClassifier):
         self.save_hyperparameters()
         self.family = family
         self.timm_head_keys = converted.head_keys
-        size = image_size or int(timm_model.pretrained_cfg.get("input_size", (3, 224, 224))[-1])
+        pretrained_cfg: dict[str, Any] = getattr(timm_model, "pretrained_cfg", {})
+        size = image_size or int(pretrained_cfg.get("input_size", (3, 224, 224))[-1])
         if family == "vit":
-            size = int(timm_model.patch_embed.img_size[0])
+            size = int(getattr(timm_model, "patch_embed").img_size[0])  # noqa: B009 (timm types it as Tensor | Module)
         # A sample input lets GPipeStrategy balance stages by FLOPs (early high-resolution blocks cost the most).
         self.example_input_array = torch.zeros(2, 3, size, size)
 
@@ -166,9 +167,7 @@ def load_timm(
 
         num_classes = int(timm.models.get_pretrained_cfg_value(model_name, "num_classes") or 1000)
     pretrained: bool | str = str(weights) if weights is not None else True
-    model = TimmClassifier(
-        model_name, num_classes, pretrained=pretrained, freeze_backbone=freeze_backbone, **overrides
-    )
+    model = TimmClassifier(model_name, num_classes, pretrained=pretrained, freeze_backbone=freeze_backbone, **overrides)
     state = model.state_dict()
     model.load_report = LoadReport(
         loaded=tuple(key for key in state if not model.is_head(key)),

@@ -98,11 +98,11 @@ class TokenPool(nn.Module):
                 "global_pool='map' (attention pooling) is not supported by the zoo's ViT layers; build the timm model "
                 "with global_pool='token' or 'avg'"
             )
-        self.pool_type = model.global_pool
-        self.num_prefix_tokens = model.num_prefix_tokens
-        self.include_prefix = model.pool_include_prefix
-        self.fc_norm = model.fc_norm
-        self.head_drop = model.head_drop
+        self.pool_type: str = model.global_pool
+        self.num_prefix_tokens: int = model.num_prefix_tokens
+        self.include_prefix: bool = model.pool_include_prefix
+        self.fc_norm: nn.Module = model.fc_norm
+        self.head_drop: nn.Module = model.head_drop
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = global_pool_nlc(
@@ -117,7 +117,8 @@ class TokenPool(nn.Module):
 def _resnet(model: nn.Module) -> TimmLayers:
     assert isinstance(model, ResNet)
     stem = nn.Sequential(model.conv1, model.bn1, model.act1, model.maxpool)
-    blocks = [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for block in stage]
+    stages: list[nn.Sequential] = [model.layer1, model.layer2, model.layer3, model.layer4]  # type: ignore[list-item]
+    blocks = [block for stage in stages for block in stage]
     pool: nn.Module = model.global_pool
     if model.drop_rate:  # timm applies this dropout between pooling and fc
         pool = nn.Sequential(pool, nn.Dropout(float(model.drop_rate)))
@@ -134,9 +135,12 @@ def _convnext(model: nn.Module) -> TimmLayers:
         )
     layers: list[nn.Module] = [model.stem]
     for stage in model.stages:
-        if not isinstance(stage.downsample, nn.Identity):
-            layers.append(stage.downsample)
-        layers.extend(stage.blocks)
+        downsample, blocks = stage.downsample, stage.blocks
+        assert isinstance(downsample, nn.Module)
+        assert isinstance(blocks, nn.Sequential)
+        if not isinstance(downsample, nn.Identity):
+            layers.append(downsample)
+        layers.extend(blocks)
     if not isinstance(model.norm_pre, nn.Identity):
         layers.append(model.norm_pre)
     layers.append(nn.Sequential(head.global_pool, head.norm, head.flatten, head.drop))
@@ -190,7 +194,7 @@ def flatten_timm_model(model: nn.Module) -> TimmLayers:
     The layers share their modules and parameters with ``model``: ``nn.Sequential(*layers.backbone, layers.head)``
     computes ``model(x)`` (in eval mode, exactly). Raises ``ValueError`` for a model of another family.
     """
-    for family, cls, recipe in FAMILIES.values():
+    for _, cls, recipe in FAMILIES.values():
         if type(model) is cls:
             return recipe(model)
     supported = ", ".join(f"{family} ({cls.__name__})" for family, cls, _ in FAMILIES.values())
