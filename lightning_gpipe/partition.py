@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from torch import nn
 
 from lightning_gpipe.tied import find_ties
 
-__all__ = ["balance_by_cost", "cell_bounds", "split", "validate_balance"]
+__all__ = ["balance_by_cost", "cell_bounds", "in_place_starts", "split", "validate_balance"]
 
 
-def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
+def balance_by_cost(costs: Sequence[float], num_stages: int, *, avoid_cuts: Collection[int] = ()) -> list[int]:
     """Return the number of layers per stage that best balances ``costs`` over ``num_stages`` contiguous cells.
 
     The result is the exact optimum, not a heuristic:
@@ -26,8 +26,9 @@ def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
     1. the cost of the most expensive cell (the pipeline's bottleneck) is minimal;
     2. among those partitions, the cell costs have the lowest variance (equivalently, since K and the total are fixed,
        the lowest sum of squared cell costs), so the stages that are not the bottleneck are as even as possible;
-    3. among those, the lexicographically smallest balance wins (earlier stages get fewer layers), so the answer is a
-       pure function of ``costs``.
+    3. among those, cut by cut from the first, a cell does not start at a layer of ``avoid_cuts`` where an optimal
+       cut elsewhere exists, and otherwise the lexicographically smallest balance wins (earlier stages get fewer
+       layers), so the answer is a pure function of ``costs`` and ``avoid_cuts``.
 
     Two dynamic programs over prefix sums do this. The first finds the minimal bottleneck ``B``; it uses that the
     best bottleneck of the first ``j`` layers grows with ``j`` while the last cell's cost shrinks as its start moves
@@ -42,6 +43,8 @@ def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
     Args:
         costs: the cost of each layer, non-negative and finite (zeros are fine, e.g. activations without parameters).
         num_stages: K, the number of cells; ``1 <= K <= len(costs)`` because every cell needs at least one layer.
+        avoid_cuts: indices of layers that had better not start a cell, such as those :func:`in_place_starts` finds:
+            a cell's input arrives from another stage, so an in-place first layer costs a copy of it.
 
     Returns:
         ``K`` positive ints that add up to ``len(costs)``.
@@ -64,7 +67,7 @@ def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
         prefix[i + 1] = prefix[i] + value
 
     bottleneck = _min_bottleneck(prefix, K)
-    return _min_square_balance(prefix, K, bottleneck)
+    return _min_square_balance(prefix, K, bottleneck, set(avoid_cuts))
 
 
 def _min_bottleneck(prefix: list[float], K: int) -> float:
@@ -97,8 +100,9 @@ def _min_bottleneck(prefix: list[float], K: int) -> float:
     return best[L]
 
 
-def _min_square_balance(prefix: list[float], K: int, bottleneck: float) -> list[int]:
-    """Return the lexicographically smallest balance of least sum of squared cell costs, each cell <= bottleneck."""
+def _min_square_balance(prefix: list[float], K: int, bottleneck: float, avoid: set[int]) -> list[int]:
+    """Return a balance of least sum of squared cell costs, each cell <= bottleneck: at each cut the first optimal one
+    outside ``avoid``, or the first optimal one if all are in it."""
     L = len(prefix) - 1
     # rest[k][i]: minimal sum of squares of layers i..L-1 split into k cells that each cost at most the bottleneck.
     rest = [[math.inf] * (L + 1) for _ in range(K + 1)]
@@ -122,15 +126,19 @@ def _min_square_balance(prefix: list[float], K: int, bottleneck: float) -> list[
             current[i] = best
 
     # The same float expressions as above, so the optimum is found again by exact comparison; taking the shortest
-    # matching first cell at every step yields the lexicographically smallest optimal balance.
+    # matching first cell at every step yields the lexicographically smallest optimal balance. Every matching cut
+    # leads to an optimal partition, so skipping the avoided ones keeps the optimum.
     assert math.isfinite(rest[K][0]), "the minimal bottleneck must admit a partition"
     balance: list[int] = []
     i = 0
     for k in range(K, 1, -1):
         target = rest[k][i]
-        j = i + 1
-        while not _is_optimal_cut(prefix[j] - prefix[i], rest[k - 1][j], bottleneck, target):
-            j += 1
+        cuts = [
+            j
+            for j in range(i + 1, L - k + 2)
+            if _is_optimal_cut(prefix[j] - prefix[i], rest[k - 1][j], bottleneck, target)
+        ]
+        j = next((cut for cut in cuts if cut not in avoid), cuts[0])
         balance.append(j - i)
         i = j
     balance.append(L - i)
@@ -260,6 +268,23 @@ def cell_bounds(balance: Sequence[int]) -> list[range]:
         bounds.append(range(start, start + layers))
         start += layers
     return bounds
+
+
+def in_place_starts(layers: Iterable[nn.Module]) -> list[int]:
+    """Indices of the layers whose first module modifies its input in place (``inplace=True``, as ``nn.ReLU`` takes).
+
+    A stage starting with such a layer must copy its input: the tensors it receives are leaves of autograd, on which
+    an in-place operation is refused, and a re-materialized forward must replay from the input as it was. Pass them
+    to :func:`balance_by_cost` as ``avoid_cuts``.
+    """
+    return [index for index, layer in enumerate(layers) if _first_module_is_in_place(layer)]
+
+
+def _first_module_is_in_place(layer: nn.Module) -> bool:
+    # Containers run their children in order only when they are nn.Sequential; a custom forward may do anything.
+    while isinstance(layer, nn.Sequential) and len(layer) > 0:
+        layer = layer[0]
+    return getattr(layer, "inplace", False) is True
 
 
 def split(module: nn.Sequential, balance: Sequence[int], *, allow_shared: bool = False) -> list[nn.Sequential]:

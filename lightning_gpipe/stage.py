@@ -33,7 +33,7 @@ from lightning_gpipe.boundary import ActivationLink, GradientLink
 from lightning_gpipe.checkpoint import CheckpointMode, checkpoint_stop, checkpointed, validate_mode
 from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.fingerprint import Fingerprint
-from lightning_gpipe.structure import flatten
+from lightning_gpipe.structure import flatten, map_tensors
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.transport import Transport
 
@@ -48,6 +48,22 @@ Two let the next gradient arrive while the current backward computes, even when 
 a buffer the size of a micro-batch's outputs, so posting the whole step's at once would cost a mini-batch of boundary
 memory.
 """
+
+
+class _Alias(torch.autograd.Function):
+    """The identity, returning a tensor that shares its input's memory but is not a leaf."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _alias_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    return _Alias.apply(tensor) if tensor.requires_grad and tensor.is_leaf else tensor
 
 
 def _grad_tensors(value: Any) -> list[torch.Tensor]:
@@ -160,8 +176,15 @@ class Stage:
         rematerialize = (
             grad_enabled and self.cell.training and index < checkpoint_stop(self.checkpoint, self._num_microbatches)
         )
+        # A received value's tensors are leaves, on which autograd refuses an in-place operation (a cell that starts
+        # with ReLU(inplace=True)): the cell gets a copy when re-materialized, so the replay starts from the input as
+        # it was, and otherwise aliases that share the leaves' memory but not their leaf status.
+        received = grad_enabled and not self.is_first
         with self._guard(), self._record("forward", index):
-            output = checkpointed(self.cell, value) if rematerialize else self.cell(value)
+            if rematerialize:
+                output = checkpointed(self.cell, value, copy_input=received)
+            else:
+                output = self.cell(map_tensors(_alias_leaf, value) if received else value)
         if self.detect_anomalies:
             check_finite(self.index, index, "the output", output)
         if grad_enabled:

@@ -55,7 +55,7 @@ from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_g
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.microbatch import Microbatch, gather, scatter, validate_chunks
-from lightning_gpipe.partition import balance_by_cost, validate_balance
+from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
 from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.schedule import validate_schedule
 from lightning_gpipe.stage import Stage
@@ -459,7 +459,7 @@ class GPipeStrategy(ParallelStrategy):
         balance: list[int] | None = None
         if self.global_rank == 0:
             costs = _measured_costs(sequence, how, sample, self.root_device)
-            balance = balance_by_cost(costs, self.layout.pipe_size)
+            balance = balance_by_cost(costs, self.layout.pipe_size, avoid_cuts=in_place_starts(sequence))
         return self.broadcast(balance, src=0)
 
     def _broadcast_replica_weights(self, module: LightningModule) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.partition import balance_by_cost, cell_bounds, split, validate_balance
+from lightning_gpipe.partition import balance_by_cost, cell_bounds, in_place_starts, split, validate_balance
 
 
 def all_balances(num_layers: int, num_stages: int) -> list[list[int]]:
@@ -216,3 +216,16 @@ def test_split_rejects() -> None:
         split(nn.ModuleList([nn.Linear(1, 1)]), [1])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"balance \[1, 1\] sums to 2 but the module has 3 layers"):
         split(nn.Sequential(nn.ReLU(), nn.ReLU(), nn.ReLU()), [1, 1])
+
+
+def test_balance_does_not_start_a_cell_with_an_in_place_layer_when_it_need_not() -> None:
+    # C1: parameter costs give ReLU nothing, so the tie between cutting before and after it went to the smaller first
+    # stage: the second cell started with ReLU(inplace=True), which costs a copy of its input.
+    layers = nn.Sequential(
+        nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.Sequential(nn.ReLU(inplace=True)), nn.Linear(4, 4)
+    )
+    starts = in_place_starts(layers)
+    assert starts == [1, 3]
+    assert balance_by_cost([20, 0, 20, 0, 20], 3, avoid_cuts=starts) == [2, 2, 1]
+    # Only among optimal partitions: the bottleneck is never traded for it.
+    assert balance_by_cost([20, 5, 15], 2, avoid_cuts=[1]) == [1, 2]

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 from helpers.distributed import run_processes
-from helpers.models import batch, build, cells, loss_fn
+from helpers.models import batch, build, cells, full_batch_grads, loss_fn
 from helpers.runif import RunIf
 
 from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.microbatch import scatter
-from lightning_gpipe.pipeline import Pipeline, first_element
+from lightning_gpipe.pipeline import Pipeline, first_element, run_in_threads
 from lightning_gpipe.schedule import SCHEDULES, Phase, stage_actions
 from lightning_gpipe.stage import GRADIENTS_AHEAD, Stage
 from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport, Transport
@@ -220,3 +220,16 @@ def test_a_failed_step_over_gloo_stops_the_next_one_at_once_and_the_job_shuts_do
         else:
             assert f"[pipeline stage {rank}] receiving gradients of micro-batch 3 from stage {rank + 1}" in first
         assert f"[pipeline stage {rank}] a new step began after a failed one" in second
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+def test_a_stage_starting_with_an_in_place_layer_trains(mode: str) -> None:
+    # C1: a received value's tensors are leaves that require grad, so ReLU(inplace=True) first in a stage raised
+    # "a leaf Variable that requires grad is being used in an in-place operation" in every checkpoint mode.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(inplace=True), torch.nn.Linear(12, 3))
+    reference = full_batch_grads(model, batch())
+    model.zero_grad()
+    run_in_threads([model[:1], model[1:]], batch(), loss_fn, chunks=CHUNKS, checkpoint=mode)
+    for name, expected in reference.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, expected)
