@@ -197,7 +197,7 @@ def _check_aliases(module: nn.Module, path: str, sequence: nn.Sequential) -> Non
         owner = aliases[0].split(".", 1)[0].split(" ", 1)[0]
         raise ValueError(
             f"{type(module).__name__} reaches layers of the pipelined sequence {path!r} from outside it too: "
-            f"{', '.join(aliases[:3])}{' ...' if len(aliases) > 3 else ''}. Each stage keeps only its own layers "
+            f"{', '.join(aliases[:3])}{' and more' if len(aliases) > 3 else ''}. Each stage keeps only its own layers "
             f"during training, so another attribute cannot hold them all. Keep {owner!r} out of the module's "
             f"submodules, e.g. `object.__setattr__(self, {owner!r}, model)` instead of `self.{owner} = model`: it "
             "then shares the trained layers again once fit returns (for save_pretrained and the like)."
