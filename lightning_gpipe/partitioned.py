@@ -183,7 +183,7 @@ def _check_aliases(module: nn.Module, path: str, sequence: nn.Sequential) -> Non
         owner = aliases[0].split(".", 1)[0].split(" ", 1)[0]
         raise ValueError(
             f"{type(module).__name__} reaches layers of the pipelined sequence {path!r} from outside it too: "
-            f"{', '.join(aliases[:3])}{' ...' if len(aliases) > 3 else ''}. Each stage keeps only its own layers "
+            f"{', '.join(aliases[:3])}{' and more' if len(aliases) > 3 else ''}. Each stage keeps only its own layers "
             f"during training, so another attribute cannot hold them all. Keep {owner!r} out of the module's "
             f"submodules, e.g. `object.__setattr__(self, {owner!r}, model)` instead of `self.{owner} = model`: it "
             "then shares the trained layers again once fit returns (for save_pretrained and the like)."
@@ -245,6 +245,7 @@ def materialize(layers: Sequence[tuple[int, nn.Module]], device: torch.device, s
     Layer ``i`` is initialized from a generator seeded ``seed + i``, so its weights are the same whichever stage
     holds it: a model built on meta starts from the same parameters for every number of stages.
     """
+    untouched: dict[int, list[str]] = {}
     for index, layer in layers:
         if not any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
             continue
@@ -255,7 +256,24 @@ def materialize(layers: Sequence[tuple[int, nn.Module]], device: torch.device, s
                 reset = getattr(submodule, "reset_parameters", None)
                 if callable(reset):
                     reset()
-        _check_initialized(index, layer, allocated)
+        names = _never_written(index, layer, allocated)
+        if names:
+            untouched[index] = names
+    # Refused only once every layer is allocated: the teardown after the error moves the module to the CPU, which
+    # a layer left on the meta device would fail with torch's "Cannot copy out of meta tensor" instead.
+    if untouched:
+        indices = [str(index) for index in untouched]
+        names = [name for layer_names in untouched.values() for name in layer_names]
+        shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+        raise ValueError(
+            f"layer{'s' if len(indices) > 1 else ''} {', '.join(indices)} {'were' if len(indices) > 1 else 'was'} "
+            f"built on the meta device (in configure_model) and {shown} would start as uninitialized memory: "
+            "materialization allocates each stage's layers with to_empty() and then calls every module's "
+            "reset_parameters(), and none of them writes these tensors (an nn.Parameter or buffer made in __init__, "
+            "such as a class token, a position embedding or a layer-scale gamma, has no reset_parameters of its own). "
+            "Give the module that owns them a reset_parameters() that initializes them, or build the model in "
+            "__init__ instead of configure_model."
+        )
 
 
 def _versions(layer: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
@@ -265,20 +283,11 @@ def _versions(layer: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     return {name: (tensor, tensor._version) for name, tensor in tensors}
 
 
-def _check_initialized(index: int, layer: nn.Module, allocated: Mapping[str, tuple[torch.Tensor, int]]) -> None:
+def _never_written(index: int, layer: nn.Module, allocated: Mapping[str, tuple[torch.Tensor, int]]) -> list[str]:
     after = dict(_versions(layer))
-    untouched = [
+    return [
         f"{index}.{name}"
         for name, (tensor, version) in allocated.items()
         # An empty tensor has no memory to leave uninitialized.
         if name in after and after[name][0] is tensor and tensor._version == version and tensor.numel() > 0
     ]
-    if untouched:
-        raise ValueError(
-            f"layer {index} was built on the meta device (in configure_model) and {', '.join(untouched[:5])}"
-            f"{' ...' if len(untouched) > 5 else ''} would start as uninitialized memory: materialization allocates "
-            "each stage's layers with to_empty() and then calls every module's reset_parameters(), and none of them "
-            "writes these tensors (an nn.Parameter or buffer made in __init__, such as a class token, a position "
-            "embedding or a layer-scale gamma, has no reset_parameters of its own). Give the module that owns them "
-            "a reset_parameters() that initializes them, or build the model in __init__ instead of configure_model."
-        )

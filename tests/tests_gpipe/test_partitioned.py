@@ -118,6 +118,17 @@ def test_meta_built_tensors_that_no_reset_parameters_writes_are_refused() -> Non
         materialize([(2, model[2])], torch.device("cpu"), seed=0)
 
 
+def test_a_refused_stage_keeps_no_meta_tensor_so_teardown_can_move_it() -> None:
+    # The refusal came at the first such layer and left the later ones on meta: the teardown that follows the error
+    # moved the module to the CPU and torch's "Cannot copy out of meta tensor" replaced the refusal.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), LayerScale(), nn.Linear(4, 4), LayerScale())
+    with pytest.raises(ValueError, match=r"layers 1, 3 were built on the meta device .* 1\.gamma, 3\.gamma would"):
+        materialize(list(enumerate(model)), torch.device("cpu"), seed=0)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    model.cpu()
+
+
 class Whole(nn.Module):
     """A model kept whole next to the sequence built from its parts (a Hugging Face model and its blocks)."""
 
