@@ -2,9 +2,9 @@
 a token-mean loss over padding, a Metric logged per step, predictions that are not per-sample, indexing the
 sequence in ``configure_optimizers``, two optimizers, and a checkpoint saved on global rank 0 alone.
 
-``python -m helpers.user_model_job OUT`` writes what each rank saw to ``OUT/rank-N.json``; a section that fails
-records its error instead, so that one broken behaviour does not hide the others. The modules and data are
-importable, so the test computes the plain-Lightning reference in its own process.
+``python -m helpers.user_model_job OUT [SECTION ...]`` (all sections by default) writes what each rank saw to
+``OUT/rank-N.json``; a section that fails records its error instead, so that one broken behaviour does not hide the
+others. The modules and data are importable, so the test computes the plain-Lightning reference in its own process.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def section(seen: dict[str, Any], name: str, work: Callable[[], Any]) -> None:
     print(f"section {name}: {time.monotonic() - started:.1f} s", flush=True)
 
 
-def main(out: str) -> None:
+def main(out: str, chosen: list[str]) -> None:
     root = Path(out)
     seen: dict[str, Any] = {}
     rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
@@ -189,14 +189,18 @@ def main(out: str) -> None:
             run.save_checkpoint(root / "rank0.ckpt")
         return time.monotonic() - started
 
-    section(seen, "token_mean", token_mean)
-    section(seen, "metric_and_groups", metric_and_groups)
-    section(seen, "predict", predict)
-    section(seen, "two_optimizers", two_optimizers)
-    section(seen, "should_stop", should_stop)
-    section(seen, "save_on_rank_zero", save_on_rank_zero)
+    sections = {
+        "token_mean": token_mean,
+        "metric_and_groups": metric_and_groups,
+        "predict": predict,
+        "two_optimizers": two_optimizers,
+        "should_stop": should_stop,
+        "save_on_rank_zero": save_on_rank_zero,
+    }
+    for name in chosen or list(sections):
+        section(seen, name, sections[name])
     (root / f"rank-{rank}.json").write_text(json.dumps(seen))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
