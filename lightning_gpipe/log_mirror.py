@@ -6,16 +6,24 @@ collectives, and the progress bar and loggers live on global rank 0. So during a
 ``self.log`` call of the user's step on the last stage, sends the records to the other stages of the pipeline, and
 every stage replays them through the real ``LightningModule.log`` in the same order.
 
-A key logged once per micro-batch becomes one value, the micro-batches' values weighted by their share of the batch,
-which is what the user's code would have logged for the whole batch (exactly so for means). A torchmetrics ``Metric``
-is logged as the object itself on every stage: the last stage sends its accumulated state, and the other stages copy
-it into their own instance of the same attribute, so every rank computes the same epoch value.
+A key logged once per micro-batch becomes one value, the micro-batches' values weighted by their share of the batch
+(or by the ``loss_weight`` the step returned, see :mod:`lightning_gpipe.strategy`), which is what the user's code
+would have logged for the whole batch (exactly so for means). The values stay on the device until the step ends and
+then move to the host together, once per step: logging never synchronizes the device per micro-batch.
+
+A torchmetrics ``Metric`` is logged as the object itself on every stage. Its step value (``on_step=True``) is the
+whole batch's: a twin of the metric, updated with every micro-batch's inputs of the step, computes it (the
+micro-batches' own values would not average to it for metrics such as F1 or macro accuracy). For the epoch value the
+last stage sends its accumulated state, and the other stages copy it into their own instance of the same attribute,
+so every rank computes the same epoch value.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from numbers import Number
@@ -28,21 +36,32 @@ from torchmetrics import Metric
 __all__ = ["LogRecorder", "LoggedValue"]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
+_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
+
+# One twin per Metric computes step values; made once (a deep copy), reset every step.
+_TWINS: weakref.WeakKeyDictionary[Metric, Metric] = weakref.WeakKeyDictionary()
 
 
 @dataclass
 class LoggedValue:
-    """One key's micro-batch values combined: weighted sum and total weight, its options, and its Metric if any."""
+    """One key's values over the micro-batches that logged it (on the device), its options, and its Metric if any."""
 
-    weighted_sum: torch.Tensor
-    weight: float
     options: dict[str, Any]
+    positions: list[int] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
     metric: Metric | None = field(default=None, repr=False)
 
-    @property
-    def value(self) -> torch.Tensor:
-        """The weighted mean of what was logged."""
-        return self.weighted_sum / self.weight
+    def combine(self, weights: torch.Tensor) -> torch.Tensor:
+        """The weighted mean of the values, micro-batch ``i`` weighing ``weights[i]``; stays on the device."""
+        device = weights.device
+        if all(value.device == device for value in self.values):
+            values = torch.stack(self.values)
+        else:  # logged numbers wait on the host: one copy per key and step, not one per micro-batch
+            values = torch.stack([value.cpu() for value in self.values]).to(device)
+        chosen = weights.to(values.dtype)
+        if self.positions != list(range(len(weights))):  # a key logged by some micro-batches only
+            chosen = chosen[torch.tensor(self.positions, device=device)]
+        return (values * chosen).sum() / chosen.sum()
 
 
 def _as_tensor(value: Any) -> torch.Tensor | None:
@@ -50,68 +69,120 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
         cached = value._forward_cache  # the step value from the user's `metric(preds, target)` call
         value = cached if cached is not None else value.compute()
     if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64).cpu()
+        # float64 where the device has it: a sum of many micro-batches' values keeps its precision.
+        dtype = torch.float32 if value.device.type == "mps" else torch.float64
+        return value.detach().reshape(-1)[0].to(dtype) if value.numel() == 1 else None
     if isinstance(value, Number):
-        return torch.tensor(float(value), dtype=torch.float64)  # type: ignore[arg-type]
+        return torch.tensor(float(value), dtype=torch.float64)  # type: ignore[arg-type]  # on the host until combine
     return None
 
 
 class LogRecorder:
-    """Captures the ``self.log`` calls of a LightningModule's step, one micro-batch at a time."""
+    """Captures the ``self.log`` calls of a LightningModule's step, one micro-batch at a time.
 
-    def __init__(self, module: LightningModule) -> None:
+    Args:
+        module: the LightningModule whose ``log`` is captured.
+        step_values: whether ``on_step`` defaults to true, as in ``training_step``: a logged Metric's step value is
+            then computed for the whole batch.
+    """
+
+    def __init__(self, module: LightningModule, step_values: bool = True) -> None:
         self.module = module
+        self.step_values = step_values
         self.values: dict[str, LoggedValue] = {}
+        self._inputs: dict[int, list[tuple[tuple, dict]]] = {}  # id(metric) -> each micro-batch's forward inputs
+        self._combined: dict[str, torch.Tensor] = {}
+        self._metrics = [child for child in module.modules() if isinstance(child, Metric)]  # once per step
 
     @contextmanager
-    def capture(self, weight: float) -> Iterator[None]:
-        """Record, instead of logging, every ``self.log`` (and so ``self.log_dict``) call made inside."""
+    def capture(self, position: int) -> Iterator[None]:
+        """Record, instead of logging, every ``self.log`` (and so ``self.log_dict``) call made inside.
+
+        ``position`` is the micro-batch's index in the step; :meth:`combine` weighs it.
+        """
 
         def record(name: str, value: Any, *positional: Any, **keywords: Any) -> None:
-            # Lightning's own signature tells which option a positional argument is (prog_bar, logger, ...).
-            bound = _LOG_SIGNATURE.bind(self.module, name, value, *positional, **keywords)
-            options = {key: item for key, item in bound.arguments.items() if key not in ("self", "name", "value")}
+            if positional or not _OPTIONS.issuperset(keywords):
+                # Lightning's own signature tells which option a positional argument is (prog_bar, logger, ...),
+                # and refuses unknown ones as Lightning would. Binding costs ~0.1 ms, so only when needed.
+                bound = _LOG_SIGNATURE.bind(self.module, name, value, *positional, **keywords)
+                options = {key: item for key, item in bound.arguments.items() if key not in ("self", "name", "value")}
+            else:
+                options = keywords
             tensor = _as_tensor(value)
             if tensor is None:
                 raise TypeError(
-                    f"self.log({name!r}, ...) got a {type(value).__name__}; under GPipeStrategy logged values must be "
-                    "tensors, numbers or torchmetrics Metrics, so that they can be sent to every stage"
+                    f"self.log({name!r}, ...) got a {type(value).__name__}"
+                    f"{' of ' + str(value.numel()) + ' elements' if isinstance(value, torch.Tensor) else ''}; under "
+                    "GPipeStrategy logged values must be one-element tensors, numbers or torchmetrics Metrics, so "
+                    "that they can be sent to every stage"
                 )
             entry = self.values.get(name)
             if entry is None:
-                entry = self.values[name] = LoggedValue(torch.zeros_like(tensor), 0.0, options)
-            entry.weighted_sum = entry.weighted_sum + weight * tensor
-            entry.weight += weight
+                entry = self.values[name] = LoggedValue(options)
+            entry.positions.append(position)
+            entry.values.append(tensor)
             entry.options = options
             entry.metric = value if isinstance(value, Metric) else None
 
+        def remember_inputs(metric: Metric, args: tuple, kwargs: dict) -> None:
+            self._inputs.setdefault(id(metric), []).append((args, kwargs))
+
+        hooks = [metric.register_forward_pre_hook(remember_inputs, with_kwargs=True) for metric in self._metrics]
         self.module.log = record  # type: ignore[method-assign]
         try:
             yield
         finally:
             del self.module.log  # the class's own method again
+            for hook in hooks:
+                hook.remove()
 
-    def portable(self) -> list[tuple[str, Any, dict[str, Any]]]:
-        """The combined values in a form that can be sent to another process: tensors, or a Metric's state."""
+    def combine(self, weights: torch.Tensor) -> None:
+        """Combine every key's micro-batch values, micro-batch ``i`` weighing ``weights[i]`` (on the device)."""
+        self._combined = {name: entry.combine(weights) for name, entry in self.values.items()}
+        for name, entry in self.values.items():
+            metric = entry.metric
+            if metric is None or not self._logs_step(entry.options):
+                continue
+            inputs = self._inputs.get(id(metric))
+            if inputs:  # the Metric was called in the step: its whole-batch value, from a twin fed every input
+                self._combined[name] = _step_value(metric, inputs)
+
+    def _logs_step(self, options: Mapping[str, Any]) -> bool:
+        on_step = options.get("on_step")
+        return bool(on_step) if on_step is not None else self.step_values
+
+    def portable(self, extra: Mapping[str, torch.Tensor] | None = None) -> tuple[list[tuple[str, Any, dict]], dict]:
+        """The combined values, and the one-element tensors in ``extra``, in a form another process can receive.
+
+        Every value crosses to the host in one transfer.
+        """
+        extra = dict(extra or {})
+        names = [*self._combined, *extra]
+        scalars = [*self._combined.values(), *extra.values()]
+        host = dict(zip(names, torch.stack([s.to(torch.float64) for s in scalars]).cpu(), strict=True)) if names else {}
         paths = {id(child): path for path, child in self.module.named_modules()}
         records: list[tuple[str, Any, dict[str, Any]]] = []
         for name, entry in self.values.items():
             if entry.metric is not None:
                 metric = entry.metric
-                state = {key: _to_cpu(getattr(metric, key)) for key in metric._defaults}
-                cache = _to_cpu(metric._forward_cache)
+                state = {key: _to_cpu(value) for key, value in metric.metric_state.items()}
                 records.append(
-                    (name, _MetricState(paths[id(metric)], state, metric._update_count, cache), entry.options)
+                    (name, _MetricState(paths[id(metric)], state, metric._update_count, host[name]), entry.options)
                 )
             else:
-                records.append((name, entry.value, entry.options))
-        return records
+                records.append((name, host[name], entry.options))
+        return records, {name: host[name] for name in extra}
 
     def replay_own(self) -> None:
-        """Log the recorded values on the stage that recorded them."""
+        """Log the combined values on the stage that recorded them."""
         for name, entry in self.values.items():
-            value = entry.metric if entry.metric is not None else entry.value.to(self.module.device, torch.float32)
-            self.module.log(name, value, **entry.options)
+            value = self._combined[name]
+            if entry.metric is not None:
+                entry.metric._forward_cache = value.to(torch.float32)  # type: ignore[assignment]  # Lightning logs it
+                self.module.log(name, entry.metric, **entry.options)
+            else:
+                self.module.log(name, value.to(self.module.device, torch.float32), **entry.options)
 
     @staticmethod
     def replay(module: LightningModule, records: list[tuple[str, Any, dict[str, Any]]]) -> None:
@@ -123,6 +194,26 @@ class LogRecorder:
                 module.log(name, value.to(device=module.device, dtype=torch.float32), **options)
 
 
+def _step_value(metric: Metric, inputs: list[tuple[tuple, dict]]) -> torch.Tensor:
+    twin = _TWINS.get(metric)
+    if twin is None:
+        # A deep copy, sharing what cannot be copied: the process group the strategy gave the metric.
+        group = getattr(metric, "process_group", None)
+        twin = _TWINS[metric] = copy.deepcopy(metric, {id(group): group} if group is not None else None)
+        # A step value is this rank's batch alone, as torchmetrics' own forward computes it: no sync with replicas.
+        twin.distributed_available_fn = lambda: False
+    twin.reset()
+    for args, kwargs in inputs:
+        twin.update(*args, **kwargs)
+    value = twin.compute()
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise TypeError(
+            f"the Metric {type(metric).__name__} computes a {type(value).__name__}, not a one-element tensor, so it "
+            "cannot be logged with self.log; log one of its values instead"
+        )
+    return value.detach().reshape(())
+
+
 @dataclass
 class _MetricState:
     """A torchmetrics Metric's accumulated state, addressed by its attribute path in the module."""
@@ -130,7 +221,7 @@ class _MetricState:
     path: str
     state: dict[str, Any]
     update_count: int
-    forward_cache: Any
+    forward_cache: torch.Tensor
 
     def load_into(self, module: LightningModule) -> Metric:
         metric = module.get_submodule(self.path)
@@ -139,7 +230,7 @@ class _MetricState:
             setattr(metric, key, _to_device(value, module.device))
         # torchmetrics' bookkeeping of updates and its cached step value: compute() reads both.
         metric._update_count = self.update_count
-        metric._forward_cache = _to_device(self.forward_cache, module.device)
+        metric._forward_cache = _to_device(self.forward_cache, module.device).to(torch.float32)
         metric._computed = None
         return metric
 

@@ -6,12 +6,14 @@ namedtuples and dataclasses. Every tensor leaf with at least one dimension is sp
 N samples in M micro-batches give sizes that differ by at most one; N < M gives N micro-batches of one sample.
 
 Each micro-batch carries ``weight = size / N``: summing ``weight * loss`` over micro-batches of a mean-reduced loss
-gives exactly the full-batch loss, and therefore the full-batch gradient, even when the sizes are unequal.
+gives exactly the full-batch loss, and therefore the full-batch gradient, even when the sizes are unequal. A loss
+that is a mean over something else (the real tokens of padded sequences) reports that count, and
+:func:`loss_weights` weighs the micro-batches by it instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch
 
 from lightning_gpipe.structure import flatten, leaf_paths, unflatten
 
-__all__ = ["Microbatch", "batch_size", "gather", "scatter", "validate_chunks"]
+__all__ = ["Microbatch", "batch_size", "gather", "loss_weights", "scatter", "validate_chunks"]
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,12 @@ def scatter(batch: Any, chunks: int) -> list[Microbatch]:
 
 
 def gather(values: Sequence[Any]) -> Any:
-    """Join per-micro-batch values of one structure: tensors concatenated along dim 0 (0-d tensors stacked),
-    other leaves collected into a list in micro-batch order."""
+    """Join per-micro-batch values of one structure back into the batch's value.
+
+    Tensors with a batch dimension are concatenated along dim 0. A value that is not per-sample (a Python scalar,
+    a string, a 0-d tensor, None) and equal in every micro-batch is kept as it is, once; one that differs between
+    micro-batches becomes the list of the micro-batches' values (0-d tensors: a tensor of M entries), in order.
+    """
     if not values:
         raise ValueError("nothing to gather: no micro-batch values were given")
     flat = [flatten(value) for value in values]
@@ -99,8 +105,54 @@ def gather(values: Sequence[Any]) -> Any:
     columns = zip(*(leaves for leaves, _spec in flat), strict=True)
     joined: list[Any] = []
     for column in columns:
-        if all(isinstance(leaf, torch.Tensor) for leaf in column):
-            joined.append(torch.stack(column) if column[0].dim() == 0 else torch.cat(column))
+        if all(_splittable(leaf) for leaf in column):
+            joined.append(torch.cat(column))
+        elif all(_same(leaf, column[0]) for leaf in column[1:]):
+            joined.append(column[0])
+        elif all(isinstance(leaf, torch.Tensor) for leaf in column):
+            joined.append(torch.stack(column))
         else:
             joined.append(list(column))
     return unflatten(joined, spec)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b))
+        )
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose == is not a truth value (e.g. an array): not collapsible
+        return False
+
+
+def loss_weights(outputs: Sequence[Any], microbatches: Sequence[Microbatch], device: torch.device) -> torch.Tensor:
+    """Each micro-batch's share of the batch's loss: the ``loss_weight`` its step returned, or its share of samples.
+
+    A loss that is a mean over something other than samples (the non-padding tokens of an ``ignore_index`` loss)
+    reports its normalizer as ``{"loss": ..., "loss_weight": n}``; weighting micro-batch ``i`` by ``n_i / sum(n)``
+    then gives exactly the whole batch's mean. Without ``loss_weight`` the weights are ``size / N``. The result is a
+    float64 tensor of one weight per micro-batch on ``device``, computed without reading a value on the host.
+    """
+    given = [isinstance(output, Mapping) and "loss_weight" in output for output in outputs]
+    if not any(given):
+        return torch.tensor([mb.weight for mb in microbatches], dtype=torch.float64, device=device)
+    if not all(given):
+        raise ValueError(
+            f"the step returned 'loss_weight' for {sum(given)} of {len(given)} micro-batches; return it for every "
+            "batch (the number of elements the loss averages over, e.g. the batch's non-padding tokens)"
+        )
+    counts = [torch.as_tensor(output["loss_weight"], device=device) for output in outputs]
+    if any(count.numel() != 1 or count.is_complex() for count in counts):
+        shapes = sorted({tuple(count.shape) for count in counts if count.numel() != 1})
+        raise ValueError(
+            "'loss_weight' must be one real number per batch (the number of elements the loss averages over), got "
+            f"values of shape {shapes[0] if shapes else 'complex'}; return e.g. (target != ignore_index).sum()"
+        )
+    weights = torch.stack([count.reshape(()) for count in counts]).to(torch.float64)
+    return weights / weights.sum()

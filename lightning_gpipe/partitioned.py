@@ -21,7 +21,7 @@ from torch import nn
 from lightning_gpipe.partition import cell_bounds
 from lightning_gpipe.tied import Tie, find_ties, set_aside
 
-__all__ = ["Partition", "PipelinedSequential", "find_sequence", "materialize", "partition_module"]
+__all__ = ["Partition", "PipelinedSequential", "RemoteLayers", "find_sequence", "materialize", "partition_module"]
 
 
 def _resolve(module: nn.Module, path: str) -> Any:
@@ -100,6 +100,54 @@ class PipelinedSequential(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}/{self.num_stages}, layers of {self.num_layers}"
+
+    def __len__(self) -> int:
+        return self.num_layers  # the whole sequence's length, as ``len(self.layers)`` is in the user's code
+
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        """``self.layers[i]`` or ``self.layers[a:b]`` as in the user's sequence, seen from this stage.
+
+        A layer of this stage is the layer itself. A layer of another stage is a :class:`RemoteLayers` without
+        parameters, and a slice holds this stage's layers within it: so ``self.layers[-1].parameters()`` in a
+        parameter group of ``configure_optimizers`` gives, on every stage, this stage's share of the group.
+        """
+        if isinstance(index, slice):
+            chosen = [str(i) for i in range(self.num_layers)[index]]
+            held = {name: layer for name in chosen if (layer := self._modules.get(name)) is not None}
+            return RemoteLayers(held, chosen)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(
+                f"the pipelined sequence is indexed by int or slice, like nn.Sequential, not {type(index).__name__}"
+            )
+        if not -self.num_layers <= index < self.num_layers:
+            raise IndexError(f"index {index} is out of range for a sequence of {self.num_layers} layers")
+        name = str(index % self.num_layers)
+        layer = self._modules.get(name)
+        return layer if layer is not None else RemoteLayers({}, [name])
+
+
+class RemoteLayers(nn.Module):
+    """The part of a selection of the pipelined sequence's layers that lives on this stage (possibly none).
+
+    It exists for code that reads parameters by position (``self.layers[-1].parameters()``); running it is refused,
+    since the selected layers are spread over the stages.
+    """
+
+    def __init__(self, layers: Mapping[str, nn.Module], selected: Sequence[str]) -> None:
+        super().__init__()
+        for name, layer in layers.items():
+            self.add_module(name, layer)
+        self.selected = list(selected)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"layers {', '.join(self.selected)} of the pipelined sequence are spread over the pipeline's stages "
+            f"(this stage holds {', '.join(self._modules) or 'none'} of them); under GPipeStrategy call the whole "
+            "sequence (`self.layers(x)`) once per step, and index it only to select parameters"
+        )
+
+    def extra_repr(self) -> str:
+        return f"layers {self.selected}, held here: {list(self._modules)}"
 
 
 @dataclass

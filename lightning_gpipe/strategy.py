@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torchmetrics import Metric
@@ -54,7 +54,7 @@ from lightning_gpipe.fingerprint import batch_fingerprint
 from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
-from lightning_gpipe.microbatch import Microbatch, gather, scatter, validate_chunks
+from lightning_gpipe.microbatch import Microbatch, gather, loss_weights, scatter, validate_chunks
 from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
 from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.schedule import validate_schedule
@@ -78,6 +78,7 @@ Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | No
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _BALANCE_NAMES = ("params", "flops", "time", "memory")
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_SAVE_ARRIVAL_TIMEOUT = datetime.timedelta(seconds=30)  # how long saving waits for every rank to arrive
 
 
 class _StageDone(BaseException):
@@ -178,6 +179,7 @@ class GPipeStrategy(ParallelStrategy):
         self._replica_group: dist.ProcessGroup | None = None
         self._object_group: dist.ProcessGroup | None = None
         self._links: list[dist.ProcessGroup] = []  # one group per pair of adjacent stages of this pipeline
+        self._control_group: dist.ProcessGroup | None = None
         self._partition: Partition | None = None
         self._stage: Stage | None = None
         self._full_keys: list[str] = []
@@ -321,6 +323,10 @@ class GPipeStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         self._pipeline_group, self._replica_group, self._links = self.layout.new_groups(self._timeout)
         self._object_group = self._new_object_group()
+        # A gloo group for checks that must give up after a while (monitored_barrier), whatever the backend.
+        self._control_group = (
+            dist.new_group(backend="gloo", timeout=self._timeout) if backend != "gloo" else dist.group.WORLD
+        )
 
     def _new_object_group(self) -> dist.ProcessGroup | None:
         """A gloo group per pipeline for object collectives (the step's logs and loss, checkpoint parts, teardown).
@@ -357,7 +363,9 @@ class GPipeStrategy(ParallelStrategy):
             raise ValueError(
                 "GPipeStrategy supports automatic optimization only: the pipeline runs every micro-batch's forward in "
                 "training_step and every backward in Lightning's backward. Set `self.automatic_optimization = True` "
-                "(the default) and return the loss from training_step."
+                "(the default) and return the loss from training_step. For several optimizers, use one optimizer "
+                "with parameter groups (e.g. torch.optim.AdamW([{'params': self.layers[:-1].parameters()}, "
+                "{'params': self.layers[-1].parameters(), 'lr': 1e-3}]))."
             )
         self._partition_model(module)
         self.precision_plugin.convert_module(self.model)  # type: ignore[arg-type]
@@ -422,18 +430,52 @@ class GPipeStrategy(ParallelStrategy):
             timeline=self.timeline,
             detect_anomalies=self._detect_anomalies,
         )
-        log.info(f"GPipe: rank {self.global_rank} runs stage {layout.stage}: layers {[i for i, _ in own]} of {path}")
+        self._describe_pipeline(path, len(sequence), [i for i, _ in own], sum(p.numel() for p in cell.parameters()))
+
+    def _describe_pipeline(self, path: str, num_layers: int, layers: list[int], parameters: int) -> None:
+        """Print, on global rank 0 and through Lightning's logger, which stage holds which layers and parameters.
+
+        Lightning's model summary runs on rank 0 and sees only its own stage; this table shows the whole pipeline.
+        """
+        layout = self.layout
+        rows: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rows, (layout.replica, layout.stage, self.global_rank, layers, parameters))
+        pipelines = "pipeline" if layout.num_replicas == 1 else "data-parallel pipelines"
+        lines = [
+            f"GPipe: {layout.num_replicas} {pipelines} of {layout.pipe_size} stages, {self.chunks} micro-batches per "
+            f"batch; {path!r} has {num_layers} layers"
+        ]
+        for _replica, stage, rank, own, count in sorted(row for row in rows if row[0] == 0):
+            lines.append(f"  stage {stage} (rank {rank}): layers {own[0]}-{own[-1]}, {count:,} parameters")
+        rank_zero_info("\n".join(lines))
 
     def _setup_stage_optimizers(self, trainer: Trainer, module: LightningModule) -> None:
         # `configure_optimizers` runs on every stage with that stage's layers only. A stage whose layers are all frozen
         # (a frozen backbone split over several stages) gives an optimizer built from trainable parameters nothing,
         # and torch's error would not say which stage or why.
+        assert self._partition is not None
         try:
             self.setup_optimizers(trainer)
-        except ValueError as error:
-            if "empty parameter list" not in str(error) or any(p.requires_grad for p in module.parameters()):
+        except RuntimeError as error:
+            if "multiple optimizers" not in str(error):
                 raise
-            assert self._partition is not None
+            raise ValueError(
+                f"{error} But GPipeStrategy supports automatic optimization only: use one optimizer with parameter "
+                "groups instead, one group per set of layers (e.g. torch.optim.AdamW([{'params': "
+                f"self.{self._partition.path}[:-1].parameters()}}, {{'params': self.{self._partition.path}[-1]"
+                ".parameters(), 'lr': 1e-3}])); a group may be empty on a stage that holds none of its layers."
+            ) from error
+        except ValueError as error:
+            if "empty parameter list" not in str(error):
+                raise
+            if any(p.requires_grad for p in module.parameters()):
+                raise ValueError(
+                    f"an optimizer of `configure_optimizers` got no parameters on stage {self.layout.stage} ({error}): "
+                    f"each stage builds its optimizers from its own layers of {self._partition.path!r}, and this one's "
+                    "layers are all elsewhere. Use one optimizer over all parameters with parameter groups (e.g. "
+                    f"[{{'params': self.{self._partition.path}[-1].parameters(), 'lr': 1e-3}}, ...]): a group may be "
+                    "empty on a stage."
+                ) from error
             layers = self._partition.bounds[self.layout.stage]
             sizes = [len(bound) for bound in self._partition.bounds]
             raise ValueError(
@@ -554,10 +596,10 @@ class GPipeStrategy(ParallelStrategy):
         # stage posts those receives while it still runs forwards, so no gradient waits for its receive to be posted.
         order = list(reversed(range(len(self._microbatches)))) if hook == "training_step" else None
         self._stage.begin_step([mb.size for mb in self._microbatches], fingerprint, gradient_order=order)
-        recorder = LogRecorder(self.lightning_module)  # type: ignore[arg-type]
+        recorder = LogRecorder(self.lightning_module, step_values=hook == "training_step")  # type: ignore[arg-type]
         outputs = []
-        for mb in self._microbatches:
-            with recorder.capture(mb.weight):
+        for position, mb in enumerate(self._microbatches):
+            with recorder.capture(position):
                 outputs.append(self._run_user_step(hook, mb, rest, kwargs))
         return outputs, recorder
 
@@ -590,15 +632,29 @@ class GPipeStrategy(ParallelStrategy):
             dist.broadcast_object_list(box, src=source, group=self._object_group)
         return payload if self.global_rank == source else to_device(box[0], self.root_device)
 
-    def _mirror_logs(self, recorder: LogRecorder, extra: Any = None) -> Any:
+    def _mirror_logs(
+        self, recorder: LogRecorder, scalars: Mapping[str, Tensor] | None = None, other: Any = None
+    ) -> tuple[dict[str, Tensor], Any]:
+        """Log the last stage's step logs on every stage, and share ``scalars``, ``other`` and ``trainer.should_stop``.
+
+        The last stage alone runs the user's code after the sequence's call, so a decision it takes there (e.g.
+        ``self.trainer.should_stop = True`` in ``training_step``) reaches the other stages here, or they would wait
+        for a batch that never comes. Returns ``(scalars, other)`` as the last stage gave them.
+        """
         stage = self._stage
         assert stage is not None
-        shared = self._share_from_last_stage((recorder.portable(), extra) if stage.is_last else None)
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if stage.is_last:
             recorder.replay_own()
-        else:
-            LogRecorder.replay(self.lightning_module, shared[0])  # type: ignore[arg-type]
-        return shared[1]
+            if self.layout.pipe_size == 1:
+                return dict(scalars or {}), other
+            records, host = recorder.portable(scalars)
+            self._share_from_last_stage((records, host, trainer.should_stop, other))
+            return dict(scalars or {}), other
+        records, host, should_stop, other = self._share_from_last_stage(None)
+        LogRecorder.replay(self.lightning_module, records)  # type: ignore[arg-type]
+        trainer.should_stop = trainer.should_stop or should_stop
+        return host, other
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -607,19 +663,25 @@ class GPipeStrategy(ParallelStrategy):
         with self.precision_plugin.train_step_context():
             outputs, recorder = self._forward_phase("training_step", args, kwargs)
         self._losses = {}
-        if self._stage.is_last:
-            for mb, output in zip(self._microbatches, outputs, strict=True):
-                loss = output["loss"] if isinstance(output, Mapping) else output
-                if not isinstance(loss, Tensor):
-                    raise TypeError(
-                        f"training_step returned {type(output).__name__}; under GPipeStrategy it must return the loss "
-                        "tensor or a dict with a 'loss' tensor for every batch"
-                    )
-                if self._detect_anomalies:
-                    check_finite(self._stage.index, mb.index, "the loss", loss)
-                self._losses[mb.index] = loss * mb.weight
-        total = torch.stack(list(self._losses.values())).sum().detach() if self._stage.is_last else None
-        total = self._mirror_logs(recorder, total)
+        if not self._stage.is_last:
+            return self._mirror_logs(recorder)[0]["loss"].to(self.root_device, torch.float32)
+        losses = []
+        for mb, output in zip(self._microbatches, outputs, strict=True):
+            loss = output["loss"] if isinstance(output, Mapping) else output
+            if not isinstance(loss, Tensor):
+                raise TypeError(
+                    f"training_step returned {type(output).__name__}; under GPipeStrategy it must return the loss "
+                    "tensor or a dict with a 'loss' tensor for every batch"
+                )
+            if self._detect_anomalies:
+                check_finite(self._stage.index, mb.index, "the loss", loss)
+            losses.append(loss)
+        weights = loss_weights(outputs, self._microbatches, losses[0].device)
+        recorder.combine(weights)
+        for mb, loss, weight in zip(self._microbatches, losses, weights, strict=True):
+            self._losses[mb.index] = loss * weight.to(loss.dtype)
+        total = torch.stack(list(self._losses.values())).sum().detach()
+        self._mirror_logs(recorder, {"loss": total})
         return total.to(self.root_device)
 
     @override
@@ -670,8 +732,12 @@ class GPipeStrategy(ParallelStrategy):
         with context():
             outputs, recorder = self._forward_phase(hook, args, kwargs)
         self._stage.end_step()
-        gathered = gather(outputs) if self._stage.is_last and outputs[0] is not None else None
-        shared = self._mirror_logs(recorder, gathered if hook == "predict_step" else None)
+        gathered = None
+        if self._stage.is_last:
+            device = self.root_device
+            recorder.combine(loss_weights(outputs, self._microbatches, device))
+            gathered = gather(outputs) if outputs[0] is not None else None
+        shared = self._mirror_logs(recorder, other=gathered if hook == "predict_step" else None)[1]
         return shared if hook == "predict_step" else gathered
 
     @override
@@ -736,10 +802,31 @@ class GPipeStrategy(ParallelStrategy):
         parts = self._gather_to_global_zero(self.timeline.to_records())
         return Timeline.merge(parts) if parts is not None and self.is_global_zero else None
 
+    def _check_every_rank_saves(self) -> None:
+        """Fail at once, with the fix, when ``trainer.save_checkpoint`` runs on some ranks only.
+
+        Under DDP ``if trainer.is_global_zero: trainer.save_checkpoint(...)`` works, since rank 0 holds the whole
+        model; here each stage holds its own part, so saving is a collective. The ranks meet in a barrier that gives
+        up after a short wait and names the ranks that did not come, instead of a hang until ``timeout``.
+        """
+        if self.layout.pipe_size == 1 or self._control_group is None:
+            return
+        wait = min(self._timeout, _SAVE_ARRIVAL_TIMEOUT)
+        try:
+            dist.monitored_barrier(self._control_group, timeout=wait, wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"trainer.save_checkpoint was called on global rank {self.global_rank}, but not on every rank within "
+                f"{wait.total_seconds():.0f} s ({error}). Under GPipeStrategy every rank must call "
+                "trainer.save_checkpoint, since the stages hold different parts of the model and optimizer: remove "
+                "an `if trainer.is_global_zero:` guard around it (only global rank 0 writes the file)."
+            ) from error
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
+        self._check_every_rank_saves()
         local = {key: value.cpu() for key, value in module.state_dict().items()}
         parts = self._gather_to_global_zero(local)
         if parts is None:

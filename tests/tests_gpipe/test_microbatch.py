@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_gpipe.microbatch import batch_size, gather, scatter
+from lightning_gpipe.microbatch import batch_size, gather, loss_weights, scatter
 
 Batch = namedtuple("Batch", ["x", "y"])
 
@@ -49,7 +49,7 @@ def test_nested_batch_round_trip(chunks: int) -> None:
     joined = gather([mb.value for mb in microbatches])
     assert torch.equal(joined["pair"].x, batch["pair"].x)
     assert torch.equal(joined["record"].tokens, batch["record"].tokens)
-    assert joined["record"].language == ["de"] * len(microbatches)
+    assert joined["record"].language == "de"  # equal in every micro-batch: kept once
 
 
 @pytest.mark.parametrize(("total", "chunks"), [(8, 4), (10, 4), (7, 3), (5, 8)])
@@ -109,3 +109,34 @@ def test_userdict_batches_split_into_the_same_type(kind: type) -> None:
     joined = gather([mb.value for mb in microbatches])
     assert type(joined) is kind
     assert torch.equal(joined["input_ids"], batch["input_ids"])
+
+
+def test_gather_keeps_values_that_are_not_per_sample_as_the_step_returned_them() -> None:
+    # Issue 17.9: predict_step's ints, strings and 0-d tensors came back as one copy per micro-batch.
+    outputs = [{"i": 3, "tag": "v1", "scale": torch.tensor(2.0), "out": torch.ones(2, 1), "mb": m} for m in range(3)]
+    joined = gather(outputs)
+    assert joined["i"] == 3
+    assert joined["tag"] == "v1"
+    assert torch.equal(joined["scale"], torch.tensor(2.0))
+    assert joined["out"].shape == (6, 1)
+    assert joined["mb"] == [0, 1, 2]  # differing values: one per micro-batch, in order
+    assert torch.equal(gather([torch.tensor(1.0), torch.tensor(2.0)]), torch.tensor([1.0, 2.0]))
+
+
+def test_loss_weight_makes_a_token_mean_over_micro_batches_the_batch_token_mean() -> None:
+    # Issue 17.5: micro-batches were weighted by samples, so a token-mean loss over ragged padding trained differently.
+    generator = torch.Generator().manual_seed(0)
+    losses = torch.rand(8, 5, generator=generator)  # per-token losses
+    mask = torch.arange(5)[None] < torch.tensor([5, 1, 1, 1, 2, 4, 5, 3])[:, None]
+    microbatches = scatter((losses, mask), 4)
+    outputs = [{"loss": t[m].mean(), "loss_weight": m.sum()} for t, m in (mb.value for mb in microbatches)]
+    weights = loss_weights(outputs, microbatches, torch.device("cpu"))
+    combined = sum(w * out["loss"] for w, out in zip(weights, outputs, strict=True))
+    assert combined.item() == pytest.approx(losses[mask].mean().item())
+    assert loss_weights([torch.ones(())] * 4, microbatches, torch.device("cpu")).tolist() == [0.25] * 4
+    with pytest.raises(ValueError, match="returned 'loss_weight' for 3 of 4 micro-batches; return it for every"):
+        loss_weights([*outputs[:3], {"loss": torch.ones(())}], microbatches, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"one real number per batch .* shape \(2,\)"):
+        loss_weights(
+            [{"loss": o["loss"], "loss_weight": torch.ones(2)} for o in outputs], microbatches, torch.device("cpu")
+        )

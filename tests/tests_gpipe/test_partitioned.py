@@ -168,6 +168,7 @@ def test_a_stateless_layer_also_used_outside_the_sequence_is_not_an_alias() -> N
     part = partition_module(module, "layers", module.layers, [4, 4], stage=0)
     assert part.stage == 0
 
+
 def test_materializing_leaves_the_cuda_generators_alone() -> None:
     # R9: materialize seeded with torch.manual_seed under a CPU-only fork, which reseeds every CUDA generator for good
     # (on a machine where CUDA has not started, torch queues that reseed for when it does), so the CUDA stream the
@@ -194,3 +195,24 @@ def test_materializing_on_cuda_leaves_its_generator_alone() -> None:
     assert torch.equal(torch.cuda.get_rng_state(), before)
     materialize([(2, b[2])], torch.device("cuda"), seed=5)
     assert torch.equal(a[2].weight, b[2].weight)
+
+
+def test_the_pipelined_sequence_is_indexed_and_sliced_as_the_users_sequence() -> None:
+    # Issue 17.11: `self.layers[-1]` in configure_optimizers failed: PipelinedSequential was not subscriptable.
+    module = Holder(layers=mlp())
+    last = module.layers[-1]
+    partition_module(module, "layers", module.layers, [4, 4], stage=1)
+    assert len(module.layers) == 8
+    assert module.layers[-1] is last
+    assert module.layers[7] is last
+    assert list(module.layers[0].parameters()) == []  # held by stage 0: nothing to optimize here
+    body = list(module.layers[:-1].parameters())
+    assert len(body) == 4  # layers 4 and 6, weights and biases
+    assert {id(p) for p in body}.isdisjoint(id(p) for p in last.parameters())
+    assert list(module.layers[2:4].parameters()) == []
+    with pytest.raises(IndexError, match="index 8 is out of range for a sequence of 8 layers"):
+        module.layers[8]
+    with pytest.raises(TypeError, match="indexed by int or slice, like nn.Sequential, not str"):
+        module.layers["0"]  # type: ignore[index]
+    with pytest.raises(RuntimeError, match=r"spread over the pipeline's stages.*call the whole sequence"):
+        module.layers[3:6](torch.randn(2, 6))

@@ -183,3 +183,40 @@ def test_after_fit_the_whole_model_has_every_buffer_and_evaluates(tmp_path: Path
     x = torch.stack([x for x, _ in samples()])
     assert torch.equal(after["output"], plain.layers(x).detach())
     assert torch.equal(after["whole_head"], after["state"]["layers.4.weight"])  # the kept model shares the layers
+
+
+@pytest.mark.slow  # six 2-rank fits and a 20 s wait for a rank that never saves: over a minute on two cores
+@pytest.mark.timeout(900)
+@RunIf(multiprocess=True)
+def test_a_users_own_module_behaves_as_under_plain_lightning(tmp_path: Path) -> None:
+    """Issue 17 (items 4, 5, 6, 9, 10, 11, 13), all in one 2-rank job; the references are plain fits in this process.
+
+    The unit tests of the pieces (log_mirror, microbatch, partitioned) run by default; this checks them end to end.
+    """
+    from helpers import user_model_job as job
+
+    results = run_job("helpers.user_model_job", [str(tmp_path)], 2, timeout=800)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    seen = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    # 13: rank 0 prints the whole pipeline with default logging: every stage's layers and parameters.
+    assert "GPipe: 1 pipeline of 2 stages" in results[0].stdout
+    assert "stage 1 (rank 0): layers " in results[0].stdout
+    # 5: a token mean over ragged padding, reported with `loss_weight`, trains as the full batch's token mean.
+    assert_same_parameters(torch.load(tmp_path / "token-mean.pt", weights_only=True), job.fit_token_mean(1))
+    # 6: a Metric logged on_step is the whole batch's value (macro accuracy: not a mean of micro-batch values);
+    # 11: `self.layers[-1].parameters()` in a parameter group works on every stage, and trains as plain.
+    reference, _ = job.fit_classifier(1)
+    assert seen[0]["metric_and_groups"] == {"step_accuracy": pytest.approx(reference.step_accuracy, abs=1e-6)}
+    assert seen[1]["metric_and_groups"] == seen[0]["metric_and_groups"]
+    assert_same_parameters(torch.load(tmp_path / "groups.pt", weights_only=True), reference.state_dict())
+    # 9: values that are not per-sample come back as the step returned them; per-sample tensors are concatenated.
+    assert seen[0]["predict"] == {"batch_idx": 0, "scale": 2.0, "tag": "v1", "out": [16, 3]}
+    # 11: two optimizers are refused with advice that works under GPipe (one optimizer, parameter groups).
+    for rank in range(2):
+        assert "one optimizer with parameter groups" in seen[rank]["two_optimizers"]["error"]
+    # 4: `self.trainer.should_stop = True` in training_step stops every stage after that step.
+    assert seen[0]["should_stop"] == seen[1]["should_stop"] == 2
+    # 10: `if trainer.is_global_zero: trainer.save_checkpoint(...)` fails at once on rank 0 saying what to do.
+    assert "every rank must call trainer.save_checkpoint" in seen[0]["save_on_rank_zero"]["error"]
+    assert isinstance(seen[1]["save_on_rank_zero"], float)
