@@ -3,7 +3,8 @@
 Each stage owns a disjoint slice of the parameters, so the norm of the whole model's gradient is the square root of the
 sum over stages of each stage's squared norm. Clipping by a stage's local norm would scale the stages differently
 and change the training (off by 1e-3 after a few steps in our measurements); clipping here matches
-``torch.nn.utils.clip_grad_norm_`` on the unpartitioned model.
+``torch.nn.utils.clip_grad_norm_`` on the unpartitioned model. A tied parameter, whose copies on several stages hold
+the same summed gradient (:mod:`lightning_gpipe.tied`), counts once: its other copies are scaled, not counted.
 """
 
 from __future__ import annotations
@@ -34,14 +35,23 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter], group: dist.Proc
 
 
 def clip_grad_norm(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    group: dist.ProcessGroup | None,
+    duplicates: Iterable[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
-    """Scale gradients so that the norm over every stage in ``group`` is at most ``max_norm``; returns that norm."""
+    """Scale gradients so that the norm over every stage in ``group`` is at most ``max_norm``; returns that norm.
+
+    ``duplicates`` are copies of parameters whose gradient another stage counts (tied weights): scaled, not counted.
+    """
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
+    skipped = {id(p) for p in duplicates}
     device = grads[0].device if grads else torch.device("cpu")
     squared = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        squared += grad.detach().float().pow(2).sum()
+    for parameter in parameters:
+        if parameter.grad is not None and id(parameter) not in skipped:
+            squared += parameter.grad.detach().float().pow(2).sum()
     if group is not None:
         dist.all_reduce(squared, group=group)
     total = squared.sqrt()

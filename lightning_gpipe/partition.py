@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from lightning_gpipe.tied import find_ties
+
 __all__ = ["balance_by_cost", "cell_bounds", "split", "validate_balance"]
 
 
@@ -260,12 +262,18 @@ def cell_bounds(balance: Sequence[int]) -> list[range]:
     return bounds
 
 
-def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+def split(module: nn.Sequential, balance: Sequence[int], *, allow_shared: bool = False) -> list[nn.Sequential]:
     """Split ``module`` into one ``nn.Sequential`` cell per stage of ``balance``.
 
     The cells hold the original layer objects (no copies, so parameters stay shared with ``module``) under their
     original child names: a cell's ``state_dict()`` keys are the unpartitioned ones (``"3.weight"``), which is what
     lets a checkpoint written with one balance load with another.
+
+    A parameter or buffer used by layers of two cells (tied weights) is refused unless ``allow_shared``: cells trained
+    in separate processes would each update a copy of their own. In one process
+    (:func:`~lightning_gpipe.run_in_threads`) the cells use the very tensor and its gradient accumulates from both;
+    across processes,
+    :class:`~lightning_gpipe.tied.TiedCopies` keeps the copies equal.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
@@ -275,6 +283,18 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
     # would silently shift every later layer into the wrong cell.
     children = list(module._modules.items())
     entries = validate_balance(balance, len(children))
+    shared = [tie for tie in find_ties(module, entries) if len(tie.stages) > 1]
+    if shared and not allow_shared:
+        tie = shared[0]
+        second = next(i for i, stage in enumerate(tie.name_stages) if stage != tie.owner)
+        raise ValueError(
+            f"layer {tie.names[0]} (cell {tie.owner}) and layer {tie.names[second]} (cell {tie.name_stages[second]}) "
+            f"share one {'parameter' if tie.is_parameter else 'buffer'}: cells trained in separate processes would "
+            "each update their own copy of it. Run the cells in one process (run_in_threads, where they share the "
+            "tensor and its gradient sums) and pass split(..., allow_shared=True); across processes pass "
+            "allow_shared=True and keep the copies equal with lightning_gpipe.tied.TiedCopies (GPipeStrategy does it "
+            "for you)."
+        )
     return [
         nn.Sequential(OrderedDict((name, layer) for name, layer in children[bounds.start : bounds.stop]))
         for bounds in cell_bounds(entries)

@@ -4,7 +4,7 @@ The module keeps its shape: its ``nn.Sequential`` attribute is replaced by a :cl
 only this stage's layers, registered under their original indices. Parameter names, ``state_dict`` keys and therefore
 checkpoints stay those of the unpartitioned model, and ``configure_optimizers`` sees only this stage's parameters.
 The other stages' layers are kept aside on the ``meta`` device, which holds their structure but no memory, so that the
-whole model can be reassembled when training ends.
+whole model can be reassembled when training ends; a tensor they share with this stage's layers (tied weights) stays.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_gpipe.partition import cell_bounds
+from lightning_gpipe.tied import Tie, find_ties, set_aside
 
 __all__ = ["Partition", "PipelinedSequential", "find_sequence", "materialize", "partition_module"]
 
@@ -103,13 +104,14 @@ class PipelinedSequential(nn.Module):
 
 @dataclass
 class Partition:
-    """How the module was cut: where the sequence lives, the original, and this stage's stand-in."""
+    """How the module was cut: where the sequence lives, the original, this stage's stand-in, and its tied tensors."""
 
     module: nn.Module
     path: str
     original: nn.Sequential
     stand_in: PipelinedSequential
     bounds: list[range]
+    ties: list[Tie] = field(default_factory=list)
 
     @property
     def stage(self) -> int:
@@ -133,29 +135,14 @@ class Partition:
         _assign(self.module, self.path, self.original)
 
 
-def _check_shared(cells: Sequence[Sequence[tuple[str, nn.Module]]]) -> None:
-    owners: dict[int, tuple[int, str]] = {}
-    for stage, layers in enumerate(cells):
-        for index, layer in layers:
-            for kind, items in (("module", [("", layer)]), ("parameter", list(layer.named_parameters()))):
-                for name, item in items:
-                    label = f"{index}.{name}".rstrip(".")
-                    seen = owners.setdefault(id(item), (stage, label))
-                    if seen[0] != stage:
-                        raise ValueError(
-                            f"layer {seen[1]} (stage {seen[0]}) and layer {label} (stage {stage}) share one "
-                            f"{kind}; a pipeline stage cannot update another stage's weights. Tie weights within "
-                            "one stage (choose a balance that keeps both layers together) or untie them."
-                        )
-
-
 def partition_module(
     module: nn.Module, path: str, sequence: nn.Sequential, balance: Sequence[int], stage: int
 ) -> Partition:
     """Replace ``sequence`` (the attribute ``path`` of ``module``) by this stage's stand-in.
 
-    Refuses what a pipeline cannot train: trainable parameters outside the sequence (they would be updated by one
-    stage only) and modules or parameters shared by layers of different stages.
+    Refuses trainable parameters outside the sequence, which one stage alone would update. A tensor (or module) that
+    layers of several stages share stays on every stage that uses it; :mod:`lightning_gpipe.tied` keeps its copies
+    equal.
     """
     outside = [name for name, p in module.named_parameters() if p.requires_grad and not name.startswith(f"{path}.")]
     if outside:
@@ -167,14 +154,13 @@ def partition_module(
         )
     bounds = cell_bounds(balance)
     layers = list(sequence._modules.items())  # not named_children(), which drops a module used twice
-    _check_shared([[layers[i] for i in bound] for bound in bounds])
+    ties = find_ties(sequence, balance)
     own = OrderedDict(layers[i] for i in bounds[stage])
-    for index, (_name, layer) in enumerate(layers):
-        if index not in bounds[stage]:
-            layer.to("meta")  # keeps the structure for reassembly, frees the memory
+    # The other stages' layers keep their structure for reassembly, on meta: no memory.
+    set_aside([layer for index, (_, layer) in enumerate(layers) if index not in bounds[stage]], list(own.values()))
     stand_in = PipelinedSequential(own, len(layers), stage, len(bounds))
     _assign(module, path, stand_in)
-    return Partition(module, path, sequence, stand_in, bounds)
+    return Partition(module, path, sequence, stand_in, bounds, ties)
 
 
 @contextlib.contextmanager

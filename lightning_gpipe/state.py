@@ -4,6 +4,10 @@ Each stage holds the state of its own layers under the unpartitioned model's nam
 state is re-keyed from the optimizer's positional indices to parameter names, with each group's parameters listed in
 the whole model's order. That one format loads into any number of stages (each takes the names it holds) and, because
 ``torch.optim.Optimizer.load_state_dict`` matches parameters by position, also into the plain model's optimizer.
+
+A tied parameter has several names (the plain module's ``named_parameters`` lists it once, under its first) and one
+copy on each stage that uses it. Its optimizer state is keyed by that first name: every copy's state maps to it, and
+every copy loads it (:func:`parameter_aliases`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["local_optimizer_state", "merge_optimizer_states", "merge_state_dicts", "optimizer_state_by_name"]
+__all__ = [
+    "local_optimizer_state",
+    "merge_optimizer_states",
+    "merge_state_dicts",
+    "optimizer_state_by_name",
+    "parameter_aliases",
+]
 
 
 def merge_state_dicts(parts: Sequence[Mapping[str, Any]], order: Sequence[str]) -> dict[str, Any]:
@@ -28,13 +38,26 @@ def merge_state_dicts(parts: Sequence[Mapping[str, Any]], order: Sequence[str]) 
     return {key: merged[key] for key in order}
 
 
-def _parameter_names(module: nn.Module) -> dict[int, str]:
-    return {id(parameter): name for name, parameter in module.named_parameters()}
+def parameter_aliases(module: nn.Module) -> dict[str, str]:
+    """Every further name of a parameter that ``module`` names several times (tied weights), mapped to its first."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(parameter), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
 
 
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameter names in place of positions."""
-    names = _parameter_names(module)
+def _parameter_names(module: nn.Module, aliases: Mapping[str, str]) -> dict[int, str]:
+    return {id(parameter): aliases.get(name, name) for name, parameter in module.named_parameters()}
+
+
+def optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, module: nn.Module, aliases: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter names in place of positions; ``aliases`` rename tied parameters."""
+    names = _parameter_names(module, aliases or {})
     state = optimizer.state_dict()
     positions = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     return {
@@ -46,7 +69,10 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: nn.Module)
 
 
 def merge_optimizer_states(parts: Sequence[Mapping[str, Any]], order: Sequence[str]) -> dict[str, Any]:
-    """One name-keyed optimizer state from the stages' parts; group ``g`` collects every stage's group ``g``."""
+    """One name-keyed optimizer state from the stages' parts; group ``g`` collects every stage's group ``g``.
+
+    A tied parameter's copies (on several stages, under one name) hold the same state: it is kept once.
+    """
     counts = {len(part["param_groups"]) for part in parts}
     if len(counts) != 1:
         raise RuntimeError(f"the stages' optimizers have different numbers of parameter groups: {sorted(counts)}")
@@ -54,7 +80,7 @@ def merge_optimizer_states(parts: Sequence[Mapping[str, Any]], order: Sequence[s
     groups = []
     for index in range(counts.pop()):
         group = dict(parts[0]["param_groups"][index])
-        names = [name for part in parts for name in part["param_groups"][index]["params"]]
+        names = {name for part in parts for name in part["param_groups"][index]["params"]}
         group["params"] = sorted(names, key=rank.__getitem__)
         groups.append(group)
     state: dict[str, Any] = {}
@@ -83,14 +109,19 @@ def _by_name(saved: Mapping[str, Any], order: Sequence[str]) -> Mapping[str, Any
 
 
 def local_optimizer_state(
-    saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module, order: Sequence[str]
+    saved: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    order: Sequence[str],
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The part of a saved optimizer state that belongs to this stage's ``optimizer``, ready for ``load_state_dict``.
 
-    ``order`` lists the whole model's parameter names (used to read positional, plain-PyTorch states).
+    ``order`` lists the whole model's parameter names (used to read positional, plain-PyTorch states); ``aliases``
+    rename tied parameters to the name their state is saved under (:func:`parameter_aliases` of the whole model).
     """
     saved = _by_name(saved, order)
-    names = _parameter_names(module)
+    names = _parameter_names(module, aliases or {})
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(
             f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this one has "

@@ -63,7 +63,9 @@ from lightning_gpipe.state import (
     merge_optimizer_states,
     merge_state_dicts,
     optimizer_state_by_name,
+    parameter_aliases,
 )
+from lightning_gpipe.tied import TiedCopies, retie
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.transport import ProcessGroupTransport
 
@@ -177,6 +179,8 @@ class GPipeStrategy(ParallelStrategy):
         self._full_keys: list[str] = []
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._parameter_order: list[str] = []
+        self._parameter_aliases: dict[str, str] = {}
+        self._ties: TiedCopies | None = None
         self._losses: dict[int, Tensor] = {}
         self._failed = False
         self._example_input: Any = None
@@ -358,6 +362,7 @@ class GPipeStrategy(ParallelStrategy):
         self._full_keys = list(full_state.keys())
         self._full_shapes = {key: tuple(value.shape) for key, value in full_state.items() if isinstance(value, Tensor)}
         self._parameter_order = [name for name, _ in module.named_parameters()]
+        self._parameter_aliases = parameter_aliases(module)
         balance = self._find_balance(module, sequence)
         self._partition = partition_module(module, path, sequence, balance, layout.stage)
         # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
@@ -365,10 +370,21 @@ class GPipeStrategy(ParallelStrategy):
         self._example_input, module.example_input_array = module.example_input_array, None
         own = [(i, sequence[i]) for i in self._partition.bounds[layout.stage]]
         materialize(own, self.root_device, seed=torch.initial_seed() % 2**62)
+        retie(sequence, self._partition.ties)  # materializing gave each name of a tied parameter its own tensor
         if self._deferred_batch_norm:
             DeferredBatchNorm.convert(self._partition.stand_in)
         cell = self._partition.stand_in.cell()
         self._broadcast_replica_weights(module)
+        with self._collective("creating the groups of stages that share tied weights and broadcasting them"):
+            self._ties = TiedCopies(
+                self._partition.ties,
+                self._partition.stand_in,
+                layout.stage,
+                [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)],
+                layout.replica,
+                self._timeout,
+            )
+            self._ties.broadcast(self.root_device)
         for metric in module.modules():
             if isinstance(metric, Metric):
                 # Metric state lives on the last stage of each pipeline; torchmetrics must sync it among the
@@ -454,7 +470,7 @@ class GPipeStrategy(ParallelStrategy):
 
         def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
             parameters = [p for group_ in optimizer.param_groups for p in group_["params"]]
-            clip_grad_norm(parameters, clip_val, group)
+            clip_grad_norm(parameters, clip_val, group, self._ties.duplicates() if self._ties is not None else ())
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -612,6 +628,9 @@ class GPipeStrategy(ParallelStrategy):
         def closure_then_average() -> Any:
             result = closure()
             parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            if self._ties is not None:
+                with self._collective("summing the gradients of tied weights over the stages that share them"):
+                    self._ties.sum_gradients()
             with self._collective(f"averaging gradients with the replicas of this stage {self.layout.replica_ranks()}"):
                 average_gradients(parameters, self._replica_group, replicas)  # type: ignore[arg-type]
             return result
@@ -709,7 +728,7 @@ class GPipeStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        local = optimizer_state_by_name(optimizer, module)
+        local = optimizer_state_by_name(optimizer, module, self._parameter_aliases)
         local = _to_cpu(local)
         parts = self._gather_to_global_zero(local)
         if parts is None:
@@ -776,7 +795,9 @@ class GPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            optimizer.load_state_dict(local_optimizer_state(saved, optimizer, module, self._parameter_order))
+            optimizer.load_state_dict(
+                local_optimizer_state(saved, optimizer, module, self._parameter_order, self._parameter_aliases)
+            )
             _optimizers_to_device([optimizer], self.root_device)
 
     # ------------------------------------------------------------------ teardown
@@ -805,11 +826,15 @@ class GPipeStrategy(ParallelStrategy):
             merged: dict[str, Any] = {}
             for part in parts:
                 merged.update(part)
+            tied = self._ties.values() if self._ties is not None else {}
             self._partition.restore(merged, torch.device("cpu"))
+            # Reassembly gives each name of a tied tensor its own tensor; non-persistent tied buffers lost their value.
+            retie(self._partition.original, self._partition.ties, tied)
             DeferredBatchNorm.revert(self._partition.original)
             module.example_input_array = self._example_input
             self._partition = None
             self._stage = None
+            self._ties = None
         super().teardown()
 
     @classmethod

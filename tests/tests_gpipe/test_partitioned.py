@@ -47,13 +47,6 @@ def test_trainable_parameters_outside_the_sequence_are_refused() -> None:
         partition_module(module, "layers", module.layers, [4, 4], stage=0)
 
 
-def test_parameters_shared_across_stages_are_refused() -> None:
-    shared = nn.Linear(4, 4)
-    module = Holder(layers=nn.Sequential(shared, nn.Tanh(), nn.Tanh(), shared))
-    with pytest.raises(ValueError, match=r"share one module.*choose a balance that keeps both layers together"):
-        partition_module(module, "layers", module.layers, [2, 2], stage=0)
-
-
 def test_meta_layers_get_the_same_weights_whatever_their_stage() -> None:
     with torch.device("meta"):
         a, b = mlp(), mlp()

@@ -34,7 +34,6 @@ from torch import nn
 
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.fingerprint import batch_fingerprint, same_fingerprint
-from lightning_gpipe.partitioned import partition_module
 from lightning_gpipe.pipeline import run_in_threads
 
 # ---------------------------------------------------------------------------------------------- the bad-input catalogue
@@ -80,28 +79,6 @@ def test_valid_arguments_are_accepted() -> None:
         process_group_backend="gloo", detect_anomalies=True, verify_batches=False,
     )  # fmt: skip
     assert (strategy.pipe_size, strategy.chunks) == (2, 8)
-
-
-class Holder(nn.Module):
-    def __init__(self, layers: nn.Sequential) -> None:
-        super().__init__()
-        self.layers = layers
-
-
-def test_one_module_in_two_stages_is_refused() -> None:
-    shared = nn.Linear(4, 4)
-    layers = nn.Sequential(shared, nn.Tanh(), shared)
-    with pytest.raises(ValueError, match=r"layer 0 \(stage 0\) and layer 2 \(stage 1\) share one module; a pipeline"):
-        partition_module(Holder(layers), "layers", layers, [2, 1], stage=0)
-
-
-def test_a_parameter_shared_by_two_stages_is_refused() -> None:
-    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
-    second.weight = first.weight  # tied weights, as an embedding and its output projection
-    layers = nn.Sequential(first, nn.Tanh(), second)
-    with pytest.raises(ValueError, match=r"layer 0\.weight \(stage 0\) and layer 2\.weight \(stage 1\) share one "):
-        partition_module(Holder(layers), "layers", layers, [2, 1], stage=1)
-    partition_module(Holder(layers), "layers", layers, [3], stage=0)  # tied within one stage: allowed
 
 
 class Labelled(nn.Module):
