@@ -143,3 +143,42 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
 def test_classification_arguments_are_refused(saved: Path) -> None:
     with pytest.raises(ValueError, match=r"num_classes=10 does not apply to the Hugging Face translation model"):
         zoo.load_pretrained(saved, num_classes=10)
+
+
+def test_two_stage_gpipe_step_equals_the_plain_step(saved: Path) -> None:
+    # The shared embedding lives on both stages (source embedding on stage 0; decoder embedding and output projection
+    # on stage 1): GPipe with K = 2 and 2 micro-batches must give the plain model's gradients and step.
+    from lightning_gpipe import run_in_threads
+    from lightning_gpipe.partition import split
+
+    model = zoo.load_pretrained(saved)
+    plain = zoo.load_pretrained(saved)
+    library = transformers.AutoModelForSeq2SeqLM.from_pretrained(saved)
+    source, _, target, _ = batch(saved, library)
+    data = ((source, target[:, :-1]), target[:, 1:])
+
+    def loss(logits: torch.Tensor, microbatch: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return plain._loss(logits, microbatch[1])
+
+    plain.zero_grad()
+    # GPipe's loss is the mean of the micro-batches' losses (each a mean over its own tokens).
+    for half in (slice(0, 1), slice(1, 2)):
+        part = ((source[half], target[half, :-1]), target[half, 1:])
+        (loss(plain.layers(part[0]), part) / 2).backward()
+    cells = split(
+        model.layers, [plain.num_encoder_entries, len(model.layers) - plain.num_encoder_entries], allow_shared=True
+    )
+    run_in_threads(cells, data, loss, chunks=2)
+    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters(), strict=True):
+        if not ours.requires_grad:  # Marian's fixed sinusoidal table
+            assert (ours.grad, theirs.grad) == (None, None), name
+            continue
+        assert ours.grad is not None, name
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
+    optimizations = [module.configure_optimizers() for module in (model, plain)]  # the model's Adam and warmup
+    for optimization in optimizations:
+        optimization["optimizer"].step()
+    for (name, ours), theirs in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5, msg=name)
+    assert model.layers[-1].lm_head.weight is model.layers[0].tokens.weight
+    assert not torch.equal(model.layers[0].tokens.weight, zoo.load_pretrained(saved).layers[0].tokens.weight)
