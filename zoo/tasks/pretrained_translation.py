@@ -1,7 +1,8 @@
 """A pretrained Hugging Face translation model (M2M-100, NLLB, Marian) as a zoo LightningModule.
 
-It is not in the registry of ``zoo.create_model`` (a model needs a ``source`` to exist, and the registry's models are
-the paper's); its checkpoints carry ``zoo_model: "hf_translation"``, which ``zoo.load_pretrained`` recognizes.
+It is not in the registry of ``zoo.create_model`` (a model needs a ``name_or_path`` to exist, and the registry's
+models are the paper's); its checkpoints carry ``zoo_model: "hf_translation"``, which ``zoo.load_pretrained``
+recognizes.
 Importing this module imports ``transformers``, so ``import zoo`` leaves it out until it is used.
 """
 
@@ -24,8 +25,8 @@ __all__ = ["PretrainedTranslator"]
 class PretrainedTranslator(ZooModule):
     """A ``transformers`` encoder-decoder translation model whose modules form one flat ``nn.Sequential``.
 
-    ``source`` is a hub id (``"facebook/m2m100_418M"``, ``"Helsinki-NLP/opus-mt-en-de"``) or a ``save_pretrained``
-    directory; ``zoo.load_pretrained(source)`` is the usual way in. The layers wrap the library's own modules
+    ``name_or_path`` is a hub id (``"facebook/m2m100_418M"``, ``"Helsinki-NLP/opus-mt-en-de"``) or a ``save_pretrained``
+    directory; ``zoo.load_pretrained(name_or_path)`` is the usual way in. The layers wrap the library's own modules
     (:mod:`zoo.hf.layers`), so the forward is the library's and the output projection is the shared embedding's
     ``nn.Parameter`` itself. :meth:`export_pretrained` writes a directory that ``transformers`` loads back.
 
@@ -37,10 +38,11 @@ class PretrainedTranslator(ZooModule):
     tokens; validation logs ``val_loss`` and ``val_acc`` as the zoo's :class:`~zoo.Transformer` does.
 
     Args:
-        source: where the tokenizer (and, with ``pretrained``, the weights) come from.
-        config: the library config as a dict; filled in from ``source`` and saved with the hyper-parameters, so a
-            checkpoint rebuilds the architecture without reading ``source``.
-        pretrained: load ``source``'s weights (True), or start from random ones (``zoo.load_pretrained`` passes
+        name_or_path: where the tokenizer (and, with ``pretrained``, the weights) come from.
+        config: the library config as a dict; filled in from ``name_or_path`` and saved with the
+            hyper-parameters, so a checkpoint rebuilds the architecture without reading ``name_or_path`` (not named
+            ``source``: the data modules' hyper-parameter of that name is their corpus, and Lightning merges both).
+        pretrained: load ``name_or_path``'s weights (True), or start from random ones (``zoo.load_pretrained`` passes
             None when a zoo checkpoint provides the weights).
         label_smoothing, lr, warmup_steps, optimizer: the objective and the optimizer (Adam with an
             inverse-square-root warmup by default, :mod:`zoo.transformer.optimization`).
@@ -50,7 +52,7 @@ class PretrainedTranslator(ZooModule):
 
     def __init__(
         self,
-        source: str,
+        name_or_path: str,
         config: dict[str, Any] | None = None,
         pretrained: bool | None = True,
         label_smoothing: float = 0.1,
@@ -61,7 +63,7 @@ class PretrainedTranslator(ZooModule):
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1), e.g. 0.1 (0 turns smoothing off)")
-        library = build_library_model(str(source), config, pretrained=bool(pretrained))
+        library = build_library_model(str(name_or_path), config, pretrained=bool(pretrained))
         library_config: PretrainedConfig = library.config
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = library_config.to_dict()
@@ -77,7 +79,7 @@ class PretrainedTranslator(ZooModule):
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The model's own tokenizer, ``AutoTokenizer.from_pretrained(source)``, read on first use."""
         if self._tokenizer is None:
-            self._tokenizer = AutoTokenizer.from_pretrained(self.hparams["source"])
+            self._tokenizer = AutoTokenizer.from_pretrained(self.hparams["name_or_path"])
         return self._tokenizer
 
     @property
@@ -113,7 +115,7 @@ class PretrainedTranslator(ZooModule):
     def export_pretrained(self, directory: str | Path) -> Path:
         """Write the model and its tokenizer as a ``transformers`` directory (``save_pretrained``), which
         ``AutoModelForSeq2SeqLM.from_pretrained(directory)`` loads with this model's weights."""
-        library = build_library_model(self.hparams["source"], self.hparams["config"], pretrained=False)
+        library = build_library_model(self.hparams["name_or_path"], self.hparams["config"], pretrained=False)
         export_state_dict(self.state_dict(), self.library_keys, library)
         out = Path(directory)
         library.save_pretrained(out)
