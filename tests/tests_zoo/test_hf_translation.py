@@ -182,3 +182,9 @@ def test_two_stage_gpipe_step_equals_the_plain_step(saved: Path) -> None:
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5, msg=name)
     assert model.layers[-1].lm_head.weight is model.layers[0].tokens.weight
     assert not torch.equal(model.layers[0].tokens.weight, zoo.load_pretrained(saved).layers[0].tokens.weight)
+
+
+def test_a_loaded_model_starts_in_training_mode(saved: Path) -> None:
+    # from_pretrained returns eval-mode modules, and Lightning keeps modes: fine-tuning would run without dropout.
+    model = zoo.load_pretrained(saved)
+    assert all(module.training for module in model.modules())

@@ -74,6 +74,9 @@ class PretrainedTranslator(ZooModule):
         self.decoder_start_id = int(library_config.decoder_start_token_id)
         self.eos_id = int(library_config.eos_token_id)
         self._tokenizer: PreTrainedTokenizerBase | None = None
+        # from_pretrained returns the library model in eval mode, and Lightning keeps each module's mode: without
+        # this, fine-tuning would run with every dropout off.
+        self.train()
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
