@@ -206,7 +206,7 @@ class Partition:
 
 def _non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The buffers of ``module`` that its state dict leaves out, with their dotted names."""
-    for prefix, submodule in module.named_modules():
+    for prefix, submodule in module.named_modules(remove_duplicate=False):  # a shared module under each name
         for name in submodule._non_persistent_buffers_set:
             buffer = submodule._buffers.get(name)
             if buffer is not None:

@@ -10,7 +10,10 @@ memory::
     model = zoo.create_model("amoebanet_d", num_layers=18, num_filters=208, num_classes=1000)
     model = zoo.load_pretrained("pretrain.ckpt", num_classes=10)  # backbone loaded, new random heads
     model = zoo.load_pretrained("timm/resnet50", num_classes=10)  # timm's ImageNet weights, a new classifier
+    model = zoo.load_pretrained("facebook/m2m100_418M")  # Hugging Face translation model: a zoo.PretrainedTranslator
 """
+
+from typing import Any
 
 from zoo._registry import create_model, list_models, register_model
 from zoo.finetune import LoadReport, load_pretrained
@@ -25,6 +28,7 @@ __all__ = [
     "AmoebaNetD",
     "ImageClassifier",
     "LoadReport",
+    "PretrainedTranslator",
     "Transformer",
     "TimmClassifier",
     "TransformerLM",
@@ -34,3 +38,12 @@ __all__ = [
     "load_pretrained",
     "register_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # PretrainedTranslator imports transformers (seconds of start-up): only when it is asked for.
+    if name == "PretrainedTranslator":
+        from zoo.tasks.pretrained_translation import PretrainedTranslator
+
+        return PretrainedTranslator
+    raise AttributeError(f"module 'zoo' has no attribute {name!r}")

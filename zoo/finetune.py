@@ -131,9 +131,12 @@ def load_pretrained(
     """Rebuild the zoo model saved at ``path`` for a new task: backbone weights loaded, heads new.
 
     Args:
-        path: a checkpoint written by ``Trainer.save_checkpoint`` from a zoo model, with any number of stages; or
+        path: a checkpoint written by ``Trainer.save_checkpoint`` from a zoo model, with any number of stages;
             ``"timm/<model name>"`` for a timm ResNet, ConvNeXt or ViT with timm's pretrained weights (a local file
-            with ``weights=PATH``; see :func:`zoo.timm_models.load_timm`).
+            with ``weights=PATH``; see :func:`zoo.timm_models.load_timm`); or a Hugging Face translation model
+            (M2M-100, NLLB, Marian): a hub id such as ``"facebook/m2m100_418M"`` or a ``save_pretrained`` directory,
+            converted into a :class:`~zoo.tasks.pretrained_translation.PretrainedTranslator` with every weight loaded
+            (``overrides`` are its training arguments, e.g. ``lr``; it has no ``num_classes``).
         num_classes: classes of the new task; the classifier and the aux classifier are re-created for it and
             freshly initialized. ``None`` keeps the checkpoint's number of classes (the heads are still new).
         freeze_backbone: train the heads only; every other parameter has ``requires_grad=False``.
@@ -148,6 +151,8 @@ def load_pretrained(
         from zoo.timm_models import load_timm  # imports this module
 
         return load_timm(path.removeprefix(TIMM_SOURCE), num_classes, freeze_backbone, **overrides)
+    if _is_hf_source(path):
+        return _load_hf_translation(path, num_classes, freeze_backbone, architecture, overrides)
     checkpoint = read_checkpoint(path)
     name = checkpoint["zoo_model"]
     if architecture is not None and name != architecture:
@@ -155,7 +160,7 @@ def load_pretrained(
             f"{str(path)!r} holds a {name!r} model, not the expected {architecture!r}: pass a checkpoint of "
             f"{architecture!r}, or architecture={name!r}"
         )
-    cls = model_class(name)
+    cls = _hf_translation_class() if name == _HF_TRANSLATION else model_class(name)
     accepted = inspect.signature(cls).parameters
     # LightningCLI adds its own entries ("_class_path", "_instantiator") to the saved hyper-parameters.
     arguments = {key: value for key, value in checkpoint.get("hyper_parameters", {}).items() if not key.startswith("_")}
@@ -172,3 +177,37 @@ def load_pretrained(
     assert isinstance(model, ZooModule)
     model.load_report = load_backbone(model, checkpoint)
     return model
+
+
+_HF_TRANSLATION = "hf_translation"  # PretrainedTranslator.zoo_name, outside the registry
+
+
+def _hf_translation_class() -> type[ZooModule]:
+    from zoo.tasks.pretrained_translation import PretrainedTranslator
+
+    return PretrainedTranslator
+
+
+def _is_hf_source(path: str | Path) -> bool:
+    from zoo.hf.conversion import is_hf_source  # transformers is imported only for Hugging Face sources
+
+    return is_hf_source(path)
+
+
+def _load_hf_translation(
+    source: str | Path, num_classes: int | None, freeze_backbone: bool, architecture: str | None, overrides: Any
+) -> ZooModule:
+    from zoo.tasks.pretrained_translation import PretrainedTranslator
+
+    for key, value in (("num_classes", num_classes), ("freeze_backbone", freeze_backbone or None)):
+        if value is not None:
+            raise ValueError(
+                f"{key}={value!r} does not apply to the Hugging Face translation model {str(source)!r}: a translation "
+                "model keeps its vocabulary and trains every weight (its output projection is the shared embedding)"
+            )
+    if architecture is not None and architecture != PretrainedTranslator.zoo_name:
+        raise ValueError(
+            f"{str(source)!r} is a Hugging Face model, which loads as {PretrainedTranslator.zoo_name!r}, not the "
+            f"expected {architecture!r}"
+        )
+    return PretrainedTranslator(str(source), pretrained=True, **overrides)

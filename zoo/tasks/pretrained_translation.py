@@ -1,0 +1,159 @@
+"""A pretrained Hugging Face translation model (M2M-100, NLLB, Marian) as a zoo LightningModule.
+
+It is not in the registry of ``zoo.create_model`` (a model needs a ``name_or_path`` to exist, and the registry's
+models are the paper's); its checkpoints carry ``zoo_model: "hf_translation"``, which ``zoo.load_pretrained``
+recognizes.
+Importing this module imports ``transformers``, so ``import zoo`` leaves it out until it is used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from zoo.hf.conversion import build_library_model, export_state_dict, key_map, layers_from_library_model
+from zoo.tasks.base import ZooModule
+from zoo.transformer.objective import sequence_cross_entropy
+from zoo.transformer.optimization import transformer_optimization
+
+__all__ = ["PretrainedTranslator"]
+
+
+class PretrainedTranslator(ZooModule):
+    """A ``transformers`` encoder-decoder translation model whose modules form one flat ``nn.Sequential``.
+
+    ``name_or_path`` is a hub id (``"facebook/m2m100_418M"``, ``"Helsinki-NLP/opus-mt-en-de"``) or a ``save_pretrained``
+    directory; ``zoo.load_pretrained(name_or_path)`` is the usual way in. The layers wrap the library's own modules
+    (:mod:`zoo.hf.layers`), so the forward is the library's and the output projection is the shared embedding's
+    ``nn.Parameter`` itself. :meth:`export_pretrained` writes a directory that ``transformers`` loads back.
+
+    A batch is ``(source, target)``, LongTensors [B, S] and [B, T] right-padded with the model's pad id, as the
+    model's tokenizer makes them: ``source`` the tokenizer's ``input_ids`` (M2M-100: ``__en__ ... </s>``), ``target``
+    the ``decoder_start_token_id`` followed by the tokenizer's labels (M2M-100: ``</s> __de__ ... </s>``; Marian:
+    ``<pad> ... </s>``). :class:`zoo.hf.data.PretrainedTranslationDataModule` makes such batches. The model reads
+    ``(source, target[:, :-1])`` and learns ``target[:, 1:]`` with label-smoothed cross-entropy over non-padding
+    tokens; validation logs ``val_loss`` and ``val_acc`` as the zoo's :class:`~zoo.Transformer` does.
+
+    Args:
+        name_or_path: where the tokenizer (and, with ``pretrained``, the weights) come from.
+        config: the library config as a dict; filled in from ``name_or_path`` and saved with the
+            hyper-parameters, so a checkpoint rebuilds the architecture without reading ``name_or_path`` (not named
+            ``source``: the data modules' hyper-parameter of that name is their corpus, and Lightning merges both).
+        pretrained: load ``name_or_path``'s weights (True), or start from random ones (``zoo.load_pretrained`` passes
+            None when a zoo checkpoint provides the weights).
+        label_smoothing, lr, warmup_steps, optimizer: the objective and the optimizer (Adam with an
+            inverse-square-root warmup by default, :mod:`zoo.transformer.optimization`).
+    """
+
+    zoo_name: ClassVar[str] = "hf_translation"
+
+    def __init__(
+        self,
+        name_or_path: str,
+        config: dict[str, Any] | None = None,
+        pretrained: bool | None = True,
+        label_smoothing: float = 0.1,
+        optimizer: str = "adam",
+        lr: float = 1e-4,
+        warmup_steps: int = 100,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1), e.g. 0.1 (0 turns smoothing off)")
+        library = build_library_model(str(name_or_path), config, pretrained=bool(pretrained))
+        library_config: PretrainedConfig = library.config
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = library_config.to_dict()
+        self.layers = layers_from_library_model(library)
+        # Zoo state-dict key -> library state-dict key, for export; the library model itself is not kept.
+        self.library_keys = {f"layers.{key}": value for key, value in key_map(self.layers, library).items()}
+        self.pad_id = int(library_config.pad_token_id)
+        self.decoder_start_id = int(library_config.decoder_start_token_id)
+        self.eos_id = int(library_config.eos_token_id)
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        # from_pretrained returns the library model in eval mode, and Lightning keeps each module's mode: without
+        # this, fine-tuning would run with every dropout off.
+        self.train()
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's own tokenizer, ``AutoTokenizer.from_pretrained(source)``, read on first use."""
+        if self._tokenizer is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(self.hparams["name_or_path"])
+        return self._tokenizer
+
+    @property
+    def num_encoder_entries(self) -> int:
+        """How many entries of ``layers`` turn ``(source, target_in)`` into the encoder stream (embedding, layers,
+        norm): ``layers[:n]`` is the encoder, ``layers[n:]`` the decoder."""
+        config = self.hparams["config"]
+        has_norm = config.get("model_type") != "marian"
+        return 1 + int(config["encoder_layers"]) + int(has_norm)
+
+    def forward(self, source: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] for the next token at every position of ``target_in`` [B, T], given ``source`` [B, S]."""
+        return self.layers((source, target_in))
+
+    def encode(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the encoder once: ``source`` [B, S] -> (memory [B, S, D], source_mask [B, S] bool)."""
+        memory, source_mask, _ = self.layers[: self.num_encoder_entries]((source, source[:, :0]))
+        return memory, source_mask
+
+    def decode(self, memory: torch.Tensor, source_mask: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] for ``target_in`` [B, T] attending to an :meth:`encode` result."""
+        return self.layers[self.num_encoder_entries :]((memory, source_mask, target_in))
+
+    def head_prefixes(self) -> tuple[str, ...]:
+        # The output projection is the shared embedding: fine-tuning keeps every pretrained weight.
+        return ()
+
+    def library_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under the ``transformers`` model's own state-dict names (tied names share one tensor)."""
+        state = self.state_dict()
+        return {library: state[zoo] for zoo, library in self.library_keys.items()}
+
+    def export_pretrained(self, directory: str | Path) -> Path:
+        """Write the model and its tokenizer as a ``transformers`` directory (``save_pretrained``), which
+        ``AutoModelForSeq2SeqLM.from_pretrained(directory)`` loads with this model's weights."""
+        library = build_library_model(self.hparams["name_or_path"], self.hparams["config"], pretrained=False)
+        export_state_dict(self.state_dict(), self.library_keys, library)
+        out = Path(directory)
+        library.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        return out
+
+    def _loss(self, logits: torch.Tensor, target_out: torch.Tensor) -> torch.Tensor:
+        return sequence_cross_entropy(
+            logits, target_out, pad_id=self.pad_id, label_smoothing=self.hparams["label_smoothing"]
+        )
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        source, target = batch
+        logits = self.layers((source, target[:, :-1]))
+        # Under GPipeStrategy only the last stage runs past this line.
+        loss = self._loss(logits, target[:, 1:])
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        source, target = batch
+        logits = self.layers((source, target[:, :-1]))
+        target_out = target[:, 1:]
+        tokens = target_out != self.pad_id
+        count = max(int(tokens.sum()), 1)
+        correct = ((logits.argmax(dim=-1) == target_out) & tokens).sum()
+        self.log("val_loss", self._loss(logits, target_out), prog_bar=True, sync_dist=True, batch_size=count)
+        self.log("val_acc", correct / count, sync_dist=True, batch_size=count)
+
+    def configure_optimizers(self) -> Any:
+        return transformer_optimization(
+            [p for p in self.parameters() if p.requires_grad],
+            self.hparams["optimizer"],
+            self.hparams["lr"],
+            self.hparams["warmup_steps"],
+        )
