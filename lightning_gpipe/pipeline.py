@@ -218,6 +218,7 @@ def run_in_threads(
     seeds: Sequence[int] | None = None,
     timeout: float = DEFAULT_TIMEOUT.total_seconds(),
     detect_anomalies: bool = False,
+    concurrent: bool = False,
 ) -> torch.Tensor:
     """One training step of the pipeline made of ``cells``, every stage a thread of this process.
 
@@ -229,12 +230,22 @@ def run_in_threads(
     CUDA streams, as it would in a process of its own, so dropout is replayed exactly under re-materialization. With
     ``seeds`` (one per stage) stage ``j``'s streams are seeded ``seeds[j]``, which equals a run with one process per
     stage in which process ``j`` called ``torch.manual_seed(seeds[j])``. Without, every stage starts from the
-    caller's generator state (processes seeded alike), and the caller's generators end where stage 0's did.
+    caller's generator state (processes seeded alike), and the caller's generators end where stage 0's did. For that,
+    the stages take turns: one computes at a time, as torch has one global generator per device.
+
+    ``concurrent=True`` lets the stages compute at the same time instead, so that a timeline shows the schedule's
+    overlap as separate devices would run it. The threads then share torch's global generators, so it is for cells,
+    ``input_fn`` and ``loss_fn`` that draw no random numbers (no dropout); it cannot be combined with ``seeds``.
 
     The first stage error is re-raised here; the other stages are stopped, never left hanging.
     """
     if seeds is not None and len(seeds) != len(cells):
         raise ValueError(f"seeds has {len(seeds)} entries for {len(cells)} stages; give one seed per stage")
+    if concurrent and seeds is not None:
+        raise ValueError(
+            "concurrent=True shares torch's global random generators between the stages, so seeds cannot give each "
+            "stage its own stream: drop seeds, or drop concurrent=True to have the stages take turns"
+        )
     devices = [_cell_device(cell) for cell in cells]
     transports = ThreadTransport.create(len(cells), devices, timeout=datetime.timedelta(seconds=timeout))
     randomness = _StageRandomness(devices, seeds)
@@ -250,7 +261,7 @@ def run_in_threads(
             checkpoint=checkpoint,
             schedule=schedule,
             timeline=timeline,
-            compute_guard=lambda: randomness.scope(stage),
+            compute_guard=None if concurrent else lambda: randomness.scope(stage),
             detect_anomalies=detect_anomalies,
         )
         try:
@@ -271,6 +282,6 @@ def run_in_threads(
         # The stage that failed first aborted the others, whose errors only say so: report the original.
         original = [(stage, error) for stage, error in errors if "the pipeline was aborted" not in str(error)]
         raise (original or errors)[0][1]
-    if seeds is None:
+    if seeds is None and not concurrent:
         randomness.hand_back(0)
     return results[len(cells) - 1]

@@ -645,11 +645,12 @@ class GPipeStrategy(ParallelStrategy):
         assert stage is not None
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if stage.is_last:
+            # Share first: a `sync_dist=True` log runs world collectives, which the other stages join only once they
+            # have the records to replay (logging first deadlocks, on gloo as on NCCL).
+            if self.layout.pipe_size > 1:
+                records, host = recorder.portable(scalars)
+                self._share_from_last_stage((records, host, trainer.should_stop, other))
             recorder.replay_own()
-            if self.layout.pipe_size == 1:
-                return dict(scalars or {}), other
-            records, host = recorder.portable(scalars)
-            self._share_from_last_stage((records, host, trainer.should_stop, other))
             return dict(scalars or {}), other
         records, host, should_stop, other = self._share_from_last_stage(None)
         LogRecorder.replay(self.lightning_module, records)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,3 +137,57 @@ def test_cuda_stages_replay_dropout_exactly() -> None:
         grads[mode] = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
     for name in grads["never"]:
         assert torch.equal(grads["always"][name], grads["never"][name]), name
+
+
+class _Waiter(nn.Module):
+    """Stage 0's cell: from its second micro-batch on, it waits (a while) for stage 1 to have computed."""
+
+    def __init__(self, other_ran: Any, wait: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.other_ran, self.wait, self.calls, self.overlapped = other_ran, wait, 0, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            self.overlapped = self.other_ran.wait(self.wait)
+        return self.linear(x)
+
+
+class _Signal(nn.Module):
+    def __init__(self, event: Any) -> None:
+        super().__init__()
+        self.linear, self.event = nn.Linear(2, 2), event
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.event.set()
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_stages_take_turns_unless_concurrent(concurrent: bool) -> None:
+    # Taking turns keeps each stage's random stream its own (C2) but hides the schedule's overlap, which notebook 04
+    # measures: there the stages draw no random numbers and run concurrently, as devices would.
+    event = threading.Event()
+    first = _Waiter(event, wait=10.0 if concurrent else 0.5)
+    run_in_threads(
+        [first, _Signal(event)],
+        (torch.ones(4, 2), torch.ones(4, 2)),
+        loss_fn,
+        chunks=4,
+        checkpoint="never",
+        concurrent=concurrent,
+    )
+    assert first.overlapped is concurrent
+
+
+def test_concurrent_stages_cannot_have_seeds_of_their_own() -> None:
+    with pytest.raises(ValueError, match="concurrent=True shares torch's global random generators.*drop seeds"):
+        run_in_threads(
+            [nn.Linear(2, 2)] * 2,
+            (torch.ones(4, 2), torch.ones(4, 2)),
+            loss_fn,
+            chunks=2,
+            seeds=[0, 1],
+            concurrent=True,
+        )
