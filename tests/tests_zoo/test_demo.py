@@ -1,4 +1,4 @@
-"""`make demo` end to end, on its quick settings: pretrain with K = 2, fine-tune with new heads, report accuracy."""
+"""`make demo` end to end, on its quick settings: pretrain with K = 2, fine-tune with new heads, plot accuracy."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def test_the_demo_pretrains_fine_tunes_and_reports_accuracy_before_and_after(tmp
     assert before, result.stdout[-3000:]
     assert after, result.stdout[-3000:]
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    assert (tmp_path / "accuracy.png").stat().st_size > 10_000
     pretrained = torch.load(tmp_path / "pretrain" / "last.ckpt", weights_only=True)
     assert pretrained["zoo_model"] == "amoebanet_d"
     assert "new heads: layers." in result.stdout
