@@ -28,7 +28,8 @@ pytest: env
 	$(RUN) pytest $(PYTEST_ARGS)
 
 test: lint types docs  ## lint, types, docs build and examples, and the rest of the test suite
-	$(RUN) pytest $(addprefix --ignore=,$(DOC_TESTS)) $(PYTEST_ARGS)
+	# One thread per process, as every spawned rank has: the same float reduction order in and out of the pipeline.
+	OMP_NUM_THREADS=1 $(RUN) pytest $(addprefix --ignore=,$(DOC_TESTS)) $(PYTEST_ARGS)
 
 bench: env  ## every benchmark, full (about 2 hours on 2 CPU cores); results and plots in docs/benchmarks/
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers.distributed import run_processes
@@ -65,6 +66,7 @@ def _broadcast_from_rank_1(rank: int, world_size: int) -> list[torch.Tensor]:
 
 
 @RunIf(multiprocess=True)
+@pytest.mark.slow  # by default the replica broadcast of test_two_stages_times_two_replicas_equals_ddp covers it
 def test_broadcast_tensors_copies_the_source_rank_everywhere() -> None:
     for tensors in run_processes(_broadcast_from_rank_1, 2, timeout=300, pg_timeout=120):
         assert [torch.as_tensor(t).tolist() for t in tensors] == [[1.0] * 3, [[11.0, 11.0]] * 2, [1.0] * 5]

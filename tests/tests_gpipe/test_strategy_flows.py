@@ -73,7 +73,12 @@ def test_a_rank_that_raises_ends_the_whole_job(tmp_path: Path) -> None:
 
 
 @RunIf(multiprocess=True)
-@pytest.mark.parametrize("links_on_world", [False, True], ids=["link-groups", "one-world-group"])
+@pytest.mark.parametrize(
+    "links_on_world",
+    # The old wiring's stall is evidence for R1 (slow); the default run keeps the variant that fails if it returns.
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["link-groups", "one-world-group"],
+)
 def test_logging_with_sync_dist_in_training_step_under_nccl_stream_order(tmp_path: Path, links_on_world: bool) -> None:
     # R1 (examples/spiral.py's pattern): `self.log(..., sync_dist=True)` in training_step runs a barrier and an
     # all-reduce on the world group between the forwards and the backwards. Under NCCL's rule (every group's operations

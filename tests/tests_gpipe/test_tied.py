@@ -202,6 +202,7 @@ def _pipeline_with_tied_copies(rank: int, world_size: int) -> dict[str, torch.Te
 
 
 @RunIf(multiprocess=True)
+@pytest.mark.slow  # the strategy's tied test runs the same copies in processes by default
 def test_pipeline_processes_keep_tied_copies_equal_with_tied_copies() -> None:
     stages = run_processes(_pipeline_with_tied_copies, 2, timeout=240)
     torch.manual_seed(0)

@@ -61,6 +61,7 @@ def test_every_config_parses_with_its_class_paths_and_arguments(
 
 
 @RunIf(multiprocess=True)
+@pytest.mark.slow  # about 95 s; the same pretrain-then-fine-tune flow as `make demo`, whose test is slow too
 @pytest.mark.timeout(900)
 def test_pretrain_then_finetune_from_the_command_line_with_two_stages(tmp_path: Path) -> None:
     pretrain = zoo_cli("fit", "--config", str(REPO / "configs/amoebanet/pretrain_embedded.yaml"), *TINY, cwd=tmp_path)
