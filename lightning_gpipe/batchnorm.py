@@ -57,7 +57,9 @@ class DeferredBatchNorm(_BatchNorm):
         *,
         bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        # torch added the ``bias`` keyword in 2.13; pass it only when it matters so older torch keeps working.
+        without_bias = {} if bias else {"bias": False}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **without_bias)
         # Non-persistent: they follow ``.to()`` but never reach a state dict, which stays that of plain BatchNorm.
         # The sample count is derived from shapes, so it lives on the host and a commit never waits on the device.
         self.register_buffer("_gathered_mean", torch.zeros(num_features, device=device, dtype=dtype), persistent=False)

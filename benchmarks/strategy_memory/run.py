@@ -1,7 +1,8 @@
 """Peak memory of GPipeStrategy with and without re-materialization for M = 1, 4, 8, against the paper's formula.
 
-Usage: ``python -m benchmarks.strategy_memory.run`` (about 2 minutes on a quiet 2-core machine); writes this folder's
-``RESULTS.md``. The measurements come from ``tests/helpers/memory_job.py``, the worker that ``test_memory.py`` asserts
+Usage: ``python -m benchmarks.strategy_memory.run [--accelerator cuda]`` (about 2 minutes on a quiet 2-core machine);
+writes this folder's ``RESULTS.md`` (``RESULTS_cuda.md`` on CUDA, read the CUDA allocator column).
+The measurements come from ``tests/helpers/memory_job.py``, the worker that ``test_memory.py`` asserts
 on, run here as one subprocess that forks a fresh process per configuration.
 """
 
@@ -32,10 +33,14 @@ CHUNKS = (1, 4, 8)
 TIMEOUT = 900.0
 
 
-def run_worker(runs: list[str], timeout: float = TIMEOUT) -> dict:
+def run_worker(runs: list[str], timeout: float = TIMEOUT, accelerator: str = "cpu") -> dict:
     """Run ``helpers.memory_job`` on ``runs`` (``mode:chunks``); its whole process group is killed on any failure."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]))
+    env.update(
+        MEMORY_JOB_ACCELERATOR=accelerator,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]),
+    )
     process = subprocess.Popen(
         [sys.executable, "-m", "helpers.memory_job", *runs],
         cwd=REPO,
@@ -61,9 +66,11 @@ def _mib(value: float) -> str:
     return f"{value / MIB:,.1f}"
 
 
-def markdown(result: dict, command: str, started: datetime.datetime, load: str) -> str:
+def markdown(result: dict, command: str, started: datetime.datetime, load: str, accelerator: str = "cpu") -> str:
     """The results page: setup, one row per (M, mode), one row per M for the saving."""
     model = result["model"]
+    cuda = accelerator == "cuda"
+    device = f"{torch.cuda.get_device_name()} (CUDA)" if cuda else "CPU"
     runs = {(run["mode"], run["chunks"]): run for run in result["runs"]}
     lines = [
         "# GPipeStrategy memory: re-materialization against the GPipe formula",
@@ -71,8 +78,8 @@ def markdown(result: dict, command: str, started: datetime.datetime, load: str) 
         f"Stack: {model['blocks']} x (Linear({model['width']}, {model['width']}) + GELU) + Linear({model['width']}, "
         f"{model['out']}), {model['layers']} layers, {model['parameter_bytes'] / MIB:.1f} MiB of parameters; one batch "
         f"of N = {model['samples']:,} samples; `GPipeStrategy(pipe_size=1, chunks=M, checkpoint=...)` on "
-        f'`Trainer(accelerator="cpu", devices=1)`, SGD, {model["steps"]} steps, one thread, each run in a fresh '
-        "process.",
+        f'`Trainer(accelerator="{accelerator}", devices=1)` on {device}, SGD, {model["steps"]} steps, one thread, '
+        "each run in a fresh process.",
         "",
         f"Saved activations of the whole batch (analytic: 2 tensors of N x {model['width']} float32 per block): "
         f"{_mib(result['hidden_activation_bytes'])} MiB; `lightning_gpipe.cost.memory_cost` counts "
@@ -84,30 +91,40 @@ def markdown(result: dict, command: str, started: datetime.datetime, load: str) 
         "*tensors* = peak bytes of live tensor storage allocated during training (exact, allocator-independent); "
         "*RSS* = peak RSS (VmHWM, reset before the first step) minus RSS before the first step, with glibc's mmap "
         "threshold pinned at 128 KiB so that freed activations leave RSS (its offset over *tensors* is allocator and "
-        "interpreter overhead).",
+        "interpreter overhead)."
+        + (
+            " On CUDA, *CUDA allocator* = `torch.cuda.max_memory_allocated` (reset before the first step) minus what "
+            "the allocator held there; RSS does not see GPU memory."
+            if cuda
+            else ""
+        ),
         "",
-        "| M | checkpoint | predicted growth (MiB) | tensors (MiB) | RSS growth (MiB) | step (s) |",
+        "| M | checkpoint | predicted growth (MiB) | tensors (MiB) | "
+        + ("CUDA allocator" if cuda else "RSS growth")
+        + " (MiB) | step (s) |",
         "|---|---|---|---|---|---|",
     ]
+    measured = "cuda_growth" if cuda else "rss_growth"
     for chunks in CHUNKS:
         for mode in ("never", "always"):
             run = runs[(mode, chunks)]
             lines.append(
                 f"| {chunks} | {mode} | {_mib(run['predicted'])} | {_mib(run['tensor_peak'])} | "
-                f"{_mib(run['rss_growth'])} | {run['first_step_seconds']:.2f} |"
+                f"{_mib(run[measured])} | {run['first_step_seconds']:.2f} |"
             )
     lines += [
         "",
-        "| M | predicted saving (MiB) | saving, tensors (MiB) | saving, RSS (MiB) | RSS / predicted |",
+        f"| M | predicted saving (MiB) | saving, tensors (MiB) | saving, {'CUDA' if cuda else 'RSS'} (MiB) | "
+        f"{'CUDA' if cuda else 'RSS'} / predicted |",
         "|---|---|---|---|---|",
     ]
     for chunks in CHUNKS:
         never, always = runs[("never", chunks)], runs[("always", chunks)]
         predicted = never["predicted"] - always["predicted"]
         tensors = never["tensor_peak"] - always["tensor_peak"]
-        rss = never["rss_growth"] - always["rss_growth"]
-        ratio = f"{rss / predicted:.2f}" if predicted > 0 else "n/a (nothing predicted)"
-        lines.append(f"| {chunks} | {_mib(predicted)} | {_mib(tensors)} | {_mib(rss)} | {ratio} |")
+        saving = never[measured] - always[measured]
+        ratio = f"{saving / predicted:.2f}" if predicted > 0 else "n/a (nothing predicted)"
+        lines.append(f"| {chunks} | {_mib(predicted)} | {_mib(tensors)} | {_mib(saving)} | {ratio} |")
     lines += [
         "",
         "At M = 1 re-materialization rebuilds the whole batch's activations during backward, so it saves nothing. "
@@ -125,14 +142,18 @@ def markdown(result: dict, command: str, started: datetime.datetime, load: str) 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=pathlib.Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--output", type=pathlib.Path, default=None, help="default: RESULTS.md (RESULTS_cuda.md)")
     args = parser.parse_args(argv)
+    output = args.output or HERE / ("RESULTS_cuda.md" if args.accelerator == "cuda" else "RESULTS.md")
     started = datetime.datetime.now(datetime.timezone.utc)
     with open("/proc/loadavg") as loadavg:
         load = " ".join(loadavg.read().split()[:3])
-    result = run_worker([f"{mode}:{chunks}" for chunks in CHUNKS for mode in ("never", "always")])
-    page = markdown(result, "python -m benchmarks.strategy_memory.run", started, load)
-    args.output.write_text(page)
+    runs = [f"{mode}:{chunks}" for chunks in CHUNKS for mode in ("never", "always")]
+    result = run_worker(runs, accelerator=args.accelerator)
+    command = "python -m benchmarks.strategy_memory.run" + (" --accelerator cuda" if args.accelerator == "cuda" else "")
+    page = markdown(result, command, started, load, args.accelerator)
+    output.write_text(page)
     print(page)
 
 

@@ -1,4 +1,4 @@
-"""Peak memory of GPipeStrategy training runs on one CPU device, each run in a fresh process.
+"""Peak memory of GPipeStrategy training runs on one device (CPU, or CUDA), each run in a fresh process.
 
 ``python -m helpers.memory_job never:8 always:8`` imports torch and Lightning once, then forks one fresh process per
 ``mode:chunks`` run (two at a time; importing Lightning costs about 15 s of CPU on the 2-core machines, a run about
@@ -12,6 +12,9 @@ memory is all activations, and measures the growth from just before the first st
 - ``tensors``: the peak of the bytes held by tensor storages allocated during training, counted exactly by a
   ``TorchDispatchMode`` that sees every operator (forward, backward and recomputation) and frees each storage's
   bytes when the storage dies. It does not depend on the allocator, its caching or the machine's load.
+- ``cuda``: with ``MEMORY_JOB_ACCELERATOR=cuda``, the CUDA caching allocator's own peak
+  (``torch.cuda.max_memory_allocated``, reset before the first step) minus what it held there. RSS cannot see GPU
+  memory, so on CUDA this is the figure to read.
 
 The last output line is ``MEMORY_JOB_RESULT <json>``: the model's shape, the GPipe paper's prediction counted in
 bytes for these layer types, ``lightning_gpipe.cost.memory_cost``'s count as a cross-check, and every run's numbers.
@@ -180,6 +183,8 @@ class PeakMemory(Callback):
         self.tensors = LiveTensorBytes()
         self.rss_before = 0
         self.rss_growth = 0
+        self.cuda_before: int | None = None
+        self.cuda_growth: int | None = None
         self.step_starts: list[float] = []
         self._tracking = False
 
@@ -192,6 +197,10 @@ class PeakMemory(Callback):
         # Writing 5 resets the peak RSS (VmHWM, ru_maxrss) to the current RSS: the peak measured is training's own.
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
+        if module.device.type == "cuda":
+            torch.cuda.synchronize(module.device)
+            torch.cuda.reset_peak_memory_stats(module.device)
+            self.cuda_before = torch.cuda.memory_allocated(module.device)
         self.tensors.__enter__()
         self._tracking = True
 
@@ -203,6 +212,8 @@ class PeakMemory(Callback):
             self.tensors.__exit__(None, None, None)
             self._tracking = False
             self.rss_growth = _rss_bytes("VmHWM") - self.rss_before
+            if self.cuda_before is not None:
+                self.cuda_growth = torch.cuda.max_memory_allocated() - self.cuda_before
 
 
 class StackModule(L.LightningModule):
@@ -232,7 +243,9 @@ def measure(mode: str, chunks: int, root: str) -> dict[str, Any]:
     # (which it would probe on every interface) and starts no other rank.
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    accelerator = os.environ.get("MEMORY_JOB_ACCELERATOR", "cpu")
+    backend = "nccl" if accelerator == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         generator = torch.Generator().manual_seed(1)
         batch = (torch.randn(SAMPLES, WIDTH, generator=generator), torch.randn(SAMPLES, OUT, generator=generator))
@@ -240,7 +253,7 @@ def measure(mode: str, chunks: int, root: str) -> dict[str, Any]:
         loader: DataLoader[tuple[Tensor, Tensor]] = DataLoader([batch] * STEPS, batch_size=None)  # type: ignore[arg-type]
         probe = PeakMemory()
         trainer = L.Trainer(
-            accelerator="cpu",
+            accelerator=accelerator,
             devices=1,
             strategy=GPipeStrategy(pipe_size=1, chunks=chunks, checkpoint=mode),  # type: ignore[arg-type]
             max_steps=STEPS,
@@ -265,6 +278,7 @@ def measure(mode: str, chunks: int, root: str) -> dict[str, Any]:
         "chunks": chunks,
         "rss_growth": probe.rss_growth,
         "tensor_peak": probe.tensors.peak,
+        "cuda_growth": probe.cuda_growth,
         "rss_before": probe.rss_before,
         "first_step_seconds": step_seconds[0] if step_seconds else None,
     }

@@ -237,6 +237,24 @@ def test_convert_preserves_parameters_buffers_and_settings() -> None:
     assert list(model.parameters()) == parameters
 
 
+def test_convert_works_with_a_batchnorm_that_predates_the_bias_keyword(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found on a GPU machine with torch 2.11: BatchNorm's ``bias`` keyword arrived in torch 2.13, and passing it always
+    # made every conversion fail there. Give _BatchNorm the older signature and convert an ordinary BatchNorm.
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    newer_init = _BatchNorm.__init__
+
+    def older_init(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, device=None,
+                   dtype=None):  # type: ignore[no-untyped-def]  # fmt: skip
+        newer_init(self, num_features, eps, momentum, affine, track_running_stats, device, dtype)
+
+    plain = nn.BatchNorm2d(C)
+    monkeypatch.setattr(_BatchNorm, "__init__", older_init)
+    deferred = DeferredBatchNorm.convert(copy.deepcopy(plain))
+    assert type(deferred) is DeferredBatchNorm
+    torch.testing.assert_close(deferred.state_dict(), plain.state_dict(), rtol=0, atol=0)
+
+
 def test_convert_leaves_subclasses_and_sync_batchnorm_alone() -> None:
     class BatchNormAct(nn.BatchNorm2d):
         def forward(self, input: Tensor) -> Tensor:

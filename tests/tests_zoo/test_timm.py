@@ -88,6 +88,27 @@ def test_load_pretrained_from_a_timm_weights_file_keeps_the_backbone_and_makes_a
     assert len(report.loaded) == len(original.state_dict()) - len(report.skipped)
 
 
+def test_a_vit_weights_file_loads_where_timm_would_read_it_as_a_jax_release(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found on a GPU machine with timm 1.0.29: a local file given for a ViT went to ViT's custom loader for Google's
+    # .npz releases, because timm kept the registry's custom_load=True; timm 1.0.31 resets it when a file is given.
+    # Emptying the source keys that trigger that reset gives the older timm's behaviour.
+    import timm.models._builder
+
+    monkeypatch.setattr(timm.models._builder, "_PRETRAINED_SOURCE_KEYS", (), raising=False)  # absent before 1.0.31
+    original = tiny_timm("vit")
+    weights = tmp_path / "model.safetensors"
+    save_file({key: value.contiguous() for key, value in original.state_dict().items()}, weights)
+    name, kwargs = TINY["vit"]
+    model = zoo.load_pretrained(
+        f"timm/{name}", num_classes=3, weights=str(weights), model_kwargs={**kwargs, "num_classes": 7}
+    )
+    x = images()
+    model.eval()
+    torch.testing.assert_close(model.layers[:-1](x), original.forward_head(original.forward_features(x), True))
+
+
 @pytest.mark.parametrize("case", ["resnet", "vit"])
 def test_load_pretrained_takes_timms_hub_weights_as_a_user_online_does(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

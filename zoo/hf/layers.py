@@ -110,14 +110,13 @@ class DecoderLayer(_Dropped):
         if self.dropped():
             return stream
         B, T = y.shape[:2]
-        # The library's decoder, given no decoder attention mask, builds the causal mask from an all-ones one.
-        causal = create_causal_mask(
-            config=self.config, inputs_embeds=y, attention_mask=torch.ones(B, T, device=y.device), cache=None
-        )
+        # The library's decoder, given no decoder attention mask, builds the causal mask from an all-ones one. The
+        # fourth argument (no key/value cache) goes by position: transformers renamed it past_key_values -> cache.
+        causal = create_causal_mask(self.config, y, torch.ones(B, T, device=y.device), None)
         cross = create_bidirectional_mask(
             config=self.config, inputs_embeds=y, attention_mask=source_mask, encoder_hidden_states=memory
         )
-        y = self.layer(y, causal, memory, encoder_attention_mask=cross, cache=None, use_cache=False)
+        y = self.layer(y, causal, memory, encoder_attention_mask=cross, use_cache=False)
         return memory, source_mask, y
 
 

@@ -111,7 +111,9 @@ def create_timm_model(model_name: str, pretrained: bool | str | None, kwargs: di
                 f"pretrained={pretrained!r}: no such file; pass a timm weights file (.safetensors or .pth, the state "
                 "dict of timm.create_model(model_name)), or pretrained=True to download timm's weights"
             )
-        options["pretrained_cfg_overlay"] = {"file": str(Path(pretrained).expanduser())}
+        # A local file holds timm's own state dict: never the original release format that some configs load with a
+        # custom loader (ViT's JAX .npz), which timm before 1.0.31 applied to any file it was given.
+        options["pretrained_cfg_overlay"] = {"file": str(Path(pretrained).expanduser()), "custom_load": False}
     model = timm.create_model(model_name, pretrained=bool(pretrained), **options, **kwargs)
     if meta:
         uninitialized = _without_initializer(model)
