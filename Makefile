@@ -2,6 +2,9 @@
 UV ?= $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 RUN := $(UV) run --frozen
 PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist), one per core: most tests run in one process and one thread, so a serial run leaves
+# a core idle. Whole files go to one worker, so a module-scoped fixture (a launched job several tests read) runs once.
+XDIST ?= -n 2 --dist loadfile
 DOC_TESTS := tests/test_docs.py tests/test_api_reference.py  # run by `make docs`
 
 .PHONY: env demo test lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory gpu-check clean
@@ -29,7 +32,7 @@ pytest: env
 
 test: lint types docs  ## lint, types, docs build and examples, and the rest of the test suite
 	# One thread per process, as every spawned rank has: the same float reduction order in and out of the pipeline.
-	OMP_NUM_THREADS=1 $(RUN) pytest $(addprefix --ignore=,$(DOC_TESTS)) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(RUN) pytest $(XDIST) $(addprefix --ignore=,$(DOC_TESTS)) $(PYTEST_ARGS)
 
 bench: env  ## every benchmark, full (about 2 hours on 2 CPU cores); results and plots in docs/benchmarks/
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks
