@@ -54,10 +54,11 @@ from lightning_gpipe.fingerprint import batch_fingerprint
 from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
-from lightning_gpipe.microbatch import Microbatch, gather, loss_weights, scatter, validate_chunks
+from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights, validate_chunks
 from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
 from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
-from lightning_gpipe.schedule import validate_schedule
+from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.schedule import Phase, validate_schedule
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.state import (
     local_optimizer_state,
@@ -66,6 +67,7 @@ from lightning_gpipe.state import (
     optimizer_state_by_name,
     parameter_aliases,
 )
+from lightning_gpipe.step import HeldGradients, StepRun
 from lightning_gpipe.tied import TiedCopies, retie
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.transport import ProcessGroupTransport
@@ -152,14 +154,7 @@ class GPipeStrategy(ParallelStrategy):
         self._chunks = validate_chunks(chunks) if chunks is not None else None
         self._balance = self._check_balance(balance, pipe_size)
         self._checkpoint = validate_mode(checkpoint)
-        validate_schedule(schedule)
-        if schedule != "gpipe":
-            raise ValueError(
-                f"schedule={schedule!r} is not available in GPipeStrategy yet, which runs all forwards in Lightning's "
-                "training_step and all backwards in its backward; use schedule='gpipe' (the engine itself also has "
-                "'1f1b', see lightning_gpipe.pipeline.Pipeline)"
-            )
-        self._schedule = schedule
+        self._schedule = validate_schedule(schedule)
         self._module_name = _check_module_name(module_name)
         self._deferred_batch_norm = _check_flag("deferred_batch_norm", deferred_batch_norm)
         self._detect_anomalies = _check_flag("detect_anomalies", detect_anomalies)
@@ -182,15 +177,17 @@ class GPipeStrategy(ParallelStrategy):
         self._control_group: dist.ProcessGroup | None = None
         self._partition: Partition | None = None
         self._stage: Stage | None = None
+        self._pipeline: Pipeline | None = None
+        self._run: StepRun | None = None  # the step in progress
+        self._held: HeldGradients | None = None  # what backward passes inside training_step computed
         self._full_keys: list[str] = []
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._parameter_order: list[str] = []
         self._parameter_aliases: dict[str, str] = {}
         self._ties: TiedCopies | None = None
-        self._losses: dict[int, Tensor] = {}
+        self._losses: dict[int, Tensor] = {}  # the last stage's weighted losses whose backward has not run yet
         self._failed = False
         self._example_input: Any = None
-        self._microbatches: list[Microbatch] = []
         self.timeline = Timeline(enabled=False)
 
     @staticmethod
@@ -423,13 +420,16 @@ class GPipeStrategy(ParallelStrategy):
                 metric.process_group = self._replica_group
         links = None if self._links_on_world else self._links
         transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout, links=links)
-        self._stage = Stage(
+        self._pipeline = Pipeline(
             cell,
             transport,
+            chunks=self.chunks,
             checkpoint=self._checkpoint,
+            schedule=self._schedule,
             timeline=self.timeline,
             detect_anomalies=self._detect_anomalies,
         )
+        self._stage = self._pipeline.stage
         self._describe_pipeline(path, len(sequence), [i for i, _ in own], sum(p.numel() for p in cell.parameters()))
 
     def _describe_pipeline(self, path: str, num_layers: int, layers: list[int], parameters: int) -> None:
@@ -544,7 +544,8 @@ class GPipeStrategy(ParallelStrategy):
         """Route the user's call of the sequence for this micro-batch into the stage."""
         assert self._partition is not None
         assert self._stage is not None
-        stage, stand_in = self._stage, self._partition.stand_in
+        assert self._run is not None
+        stage, step, stand_in = self._stage, self._run, self._partition.stand_in
         call: dict[str, Any] = {"count": 0}
 
         def run(value: Any) -> Any:
@@ -554,7 +555,7 @@ class GPipeStrategy(ParallelStrategy):
                     "the step called the pipelined sequence twice for one batch; under GPipeStrategy each step "
                     "passes its input through the sequence exactly once"
                 )
-            output = stage.forward(microbatch.index, value if stage.is_first else None)
+            output = step.forward(microbatch.index, value if stage.is_first else None)
             if not stage.is_last:
                 raise _StageDone
             return output
@@ -580,28 +581,83 @@ class GPipeStrategy(ParallelStrategy):
             )
         return output
 
-    def _forward_phase(self, hook: str, args: tuple, kwargs: dict) -> tuple[list[Any], LogRecorder]:
-        assert self._stage is not None
+    def _forward_phase(
+        self,
+        hook: str,
+        args: tuple,
+        kwargs: dict,
+        context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> tuple[list[Any], LogRecorder]:
+        """Begin the step and run the schedule's actions up to its last forward, each forward a call of ``hook``.
+
+        Returns the user's step outputs in micro-batch order (``None`` on a stage that is not the last) and the
+        recorded logs. The backward passes the schedule runs before its last forward (``"1f1b"``) run here, their
+        gradients held past Lightning's ``zero_grad`` (:class:`HeldGradients`); the rest run in :meth:`backward`.
+        """
+        assert self._pipeline is not None
+        module = self.lightning_module
+        assert module is not None
         batch, rest = args[0], args[1:]
-        self._microbatches = scatter(batch, self.chunks)
-        samples = sum(mb.size for mb in self._microbatches)
-        if samples < self.layout.pipe_size and self.lightning_module.training:  # type: ignore[union-attr]
+        samples = batch_size(batch)
+        if samples < self.layout.pipe_size and module.training:
             raise ValueError(
                 f"a batch of {samples} samples cannot fill {self.layout.pipe_size} pipeline stages; "
                 "use a batch size of at least pipe_size (and drop_last=True if the last batch is smaller)"
             )
         # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
         fingerprint = batch_fingerprint(batch) if self._verify_batches and self.layout.pipe_size > 1 else None
-        # In training the next stage sends gradients back in the order of `backward` below (reversed): knowing it, this
-        # stage posts those receives while it still runs forwards, so no gradient waits for its receive to be posted.
-        order = list(reversed(range(len(self._microbatches)))) if hook == "training_step" else None
-        self._stage.begin_step([mb.size for mb in self._microbatches], fingerprint, gradient_order=order)
-        recorder = LogRecorder(self.lightning_module, step_values=hook == "training_step")  # type: ignore[arg-type]
-        outputs = []
-        for position, mb in enumerate(self._microbatches):
-            with recorder.capture(position):
-                outputs.append(self._run_user_step(hook, mb, rest, kwargs))
+        training = hook == "training_step"
+        self._run = run = self._pipeline.begin(batch, training=training, fingerprint=fingerprint)
+        recorder = LogRecorder(module, step_values=training)
+        outputs: list[Any] = []
+        self._losses = {}
+        try:
+            early = run.backward_before_last_forward
+            self._held = HeldGradients(module.parameters()) if early else None
+            for action in run.actions[: run.forward_span]:
+                mb = run.microbatches[action.microbatch]
+                if action.phase is Phase.BACKWARD:
+                    run.backward(mb.index, self._backward_loss(mb.index))
+                    continue
+                with context(), recorder.capture(mb.index):
+                    outputs.append(self._run_user_step(hook, mb, rest, kwargs))
+                if training and self._stage.is_last:  # type: ignore[union-attr]
+                    self._losses[mb.index] = self._step_loss(mb, outputs[-1], early)
+            if self._held is not None:
+                self._held.hold()
+        except BaseException as error:
+            run.abort(repr(error))
+            raise
         return outputs, recorder
+
+    def _step_loss(self, mb: Microbatch, output: Any, early: bool) -> Tensor:
+        """The loss the user's step returned for ``mb``; weighted by its share of samples when ``early``."""
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"training_step returned {type(output).__name__}; under GPipeStrategy it must return the loss "
+                "tensor or a dict with a 'loss' tensor for every batch"
+            )
+        if self._detect_anomalies:
+            check_finite(self.layout.stage, mb.index, "the loss", loss)
+        if not early:
+            return loss
+        if isinstance(output, Mapping) and "loss_weight" in output:
+            raise ValueError(
+                f"training_step returned 'loss_weight' under schedule={self._schedule!r}, which runs the backward of "
+                "micro-batch 0 before the forward of the last one, before the weights of all micro-batches are known. "
+                "Use schedule='gpipe' for a loss averaged over something other than samples."
+            )
+        return loss * mb.weight
+
+    def _backward_loss(self, index: int) -> Tensor | None:
+        """What the backward of micro-batch ``index`` starts from: its weighted loss on the last stage, scaled."""
+        if not self._stage.is_last:  # type: ignore[union-attr]
+            return None
+        # Divided as Lightning divides the closure loss under accumulation; scaled as the closure loss would be.
+        loss = self._losses.pop(index) / self.lightning_module.trainer.accumulate_grad_batches  # type: ignore[union-attr]
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
 
     @contextlib.contextmanager
     def _collective(self, what: str) -> Iterator[None]:
@@ -661,27 +717,18 @@ class GPipeStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._stage is not None
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        with self.precision_plugin.train_step_context():
-            outputs, recorder = self._forward_phase("training_step", args, kwargs)
-        self._losses = {}
+        outputs, recorder = self._forward_phase("training_step", args, kwargs, self.precision_plugin.train_step_context)
         if not self._stage.is_last:
             return self._mirror_logs(recorder)[0]["loss"].to(self.root_device, torch.float32)
-        losses = []
-        for mb, output in zip(self._microbatches, outputs, strict=True):
-            loss = output["loss"] if isinstance(output, Mapping) else output
-            if not isinstance(loss, Tensor):
-                raise TypeError(
-                    f"training_step returned {type(output).__name__}; under GPipeStrategy it must return the loss "
-                    "tensor or a dict with a 'loss' tensor for every batch"
-                )
-            if self._detect_anomalies:
-                check_finite(self._stage.index, mb.index, "the loss", loss)
-            losses.append(loss)
-        weights = loss_weights(outputs, self._microbatches, losses[0].device)
+        run = self._run
+        assert run is not None
+        losses = [output["loss"] if isinstance(output, Mapping) else output for output in outputs]
+        weights = loss_weights(outputs, run.microbatches, losses[0].device)
         recorder.combine(weights)
-        for mb, loss, weight in zip(self._microbatches, losses, weights, strict=True):
-            self._losses[mb.index] = loss * weight.to(loss.dtype)
-        total = torch.stack(list(self._losses.values())).sum().detach()
+        weighted = [loss * weight.to(loss.dtype) for loss, weight in zip(losses, weights, strict=True)]
+        pending = {action.microbatch for action in run.remaining()}
+        self._losses = {i: loss for i, loss in enumerate(weighted) if i in pending}
+        total = torch.stack([loss.detach() for loss in weighted]).sum()
         self._mirror_logs(recorder, {"loss": total})
         return total.to(self.root_device)
 
@@ -689,19 +736,20 @@ class GPipeStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         module = self.lightning_module
         assert module is not None
-        assert self._stage is not None
+        run = self._run
+        assert run is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        accumulation = self.lightning_module.trainer.accumulate_grad_batches  # type: ignore[union-attr]
-        for mb in reversed(self._microbatches):  # the GPipe schedule's backward order
-            loss = None
-            if self._stage.is_last:
-                loss = self._losses.pop(mb.index) / accumulation
-                if scaler is not None:
-                    loss = scaler.scale(loss)  # every micro-batch's loss is scaled, as the closure loss would be
-            self._stage.backward(mb.index, loss)
-        self._stage.end_step()
+        try:
+            if self._held is not None:
+                self._held.release()
+                self._held = None
+            for action in run.remaining():  # the schedule's actions after its last forward: backward passes only
+                run.backward(action.microbatch, self._backward_loss(action.microbatch))
+            run.end()
+        except BaseException as error:
+            run.abort(repr(error))
+            raise
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -732,11 +780,16 @@ class GPipeStrategy(ParallelStrategy):
         }[hook]
         with context():
             outputs, recorder = self._forward_phase(hook, args, kwargs)
-        self._stage.end_step()
+        assert self._run is not None
+        try:
+            self._run.end()
+        except BaseException as error:
+            self._run.abort(repr(error))
+            raise
         gathered = None
         if self._stage.is_last:
             device = self.root_device
-            recorder.combine(loss_weights(outputs, self._microbatches, device))
+            recorder.combine(loss_weights(outputs, self._run.microbatches, device))
             gathered = gather(outputs) if outputs[0] is not None else None
         shared = self._mirror_logs(recorder, other=gathered if hook == "predict_step" else None)[1]
         return shared if hook == "predict_step" else gathered
