@@ -18,7 +18,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,19 +46,20 @@ from typing_extensions import override
 
 from lightning_gpipe.anomaly import check_finite
 from lightning_gpipe.batchnorm import DeferredBatchNorm
-from lightning_gpipe.checkpoint import CheckpointMode, validate_mode
+from lightning_gpipe.checkpoint import CheckpointMode
 from lightning_gpipe.collectives import broadcast_tensors, portable, to_device
-from lightning_gpipe.cost import CostFn, layer_costs
+from lightning_gpipe.config import Balance, PipelineConfig, StartMethod
+from lightning_gpipe.cost import layer_costs
 from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.fingerprint import batch_fingerprint
 from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
-from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights, validate_chunks
+from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights
 from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
 from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.pipeline import Pipeline
-from lightning_gpipe.schedule import Phase, validate_schedule
+from lightning_gpipe.schedule import Phase
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.state import (
     local_optimizer_state,
@@ -76,10 +77,6 @@ __all__ = ["GPipeStrategy"]
 
 log = logging.getLogger(__name__)
 
-Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_BALANCE_NAMES = ("params", "flops", "time", "memory")
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _SAVE_ARRIVAL_TIMEOUT = datetime.timedelta(seconds=30)  # how long saving waits for every rank to arrive
 
 
@@ -146,28 +143,33 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if pipe_size is not None and (isinstance(pipe_size, bool) or not isinstance(pipe_size, int) or pipe_size < 1):
-            raise ValueError(
-                f"pipe_size={pipe_size!r} must be a positive int (stages per pipeline) or None (all ranks)"
-            )
-        self._pipe_size = pipe_size
-        self._chunks = validate_chunks(chunks) if chunks is not None else None
-        self._balance = self._check_balance(balance, pipe_size)
-        self._checkpoint = validate_mode(checkpoint)
-        self._schedule = validate_schedule(schedule)
-        self._module_name = _check_module_name(module_name)
-        self._deferred_batch_norm = _check_flag("deferred_batch_norm", deferred_batch_norm)
-        self._detect_anomalies = _check_flag("detect_anomalies", detect_anomalies)
-        self._verify_batches = _check_flag("verify_batches", verify_batches)
-        self._process_group_backend = _check_backend(process_group_backend)
-        self._timeout = _check_timeout(timeout)
-        if start_method not in _START_METHODS:
-            raise ValueError(
-                f"start_method={start_method!r} is not a way to start the processes; use one of "
-                f"{', '.join(map(repr, _START_METHODS))} ('popen' re-runs the script per rank, 'fork' works in "
-                "notebooks)"
-            )
-        self._start_method = start_method
+        self.config = PipelineConfig(
+            pipe_size=pipe_size,
+            chunks=chunks,
+            balance=balance,
+            checkpoint=checkpoint,
+            schedule=schedule,
+            module_name=module_name,
+            deferred_batch_norm=deferred_batch_norm,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            detect_anomalies=detect_anomalies,
+            verify_batches=verify_batches,
+        )
+        config = self.config
+        self._pipe_size = config.pipe_size
+        self._chunks = config.chunks
+        self._balance = config.balance
+        self._checkpoint = config.checkpoint
+        self._schedule = config.schedule
+        self._module_name = config.module_name
+        self._deferred_batch_norm = config.deferred_batch_norm
+        self._detect_anomalies = config.detect_anomalies
+        self._verify_batches = config.verify_batches
+        self._process_group_backend = config.process_group_backend  # resolved from the device in setup_environment
+        self._timeout = config.timeout
+        self._start_method = config.start_method
         self._num_nodes = 1
         self._layout: ProcessLayout | None = None
         self._pipeline_group: dist.ProcessGroup | None = None
@@ -189,31 +191,6 @@ class GPipeStrategy(ParallelStrategy):
         self._failed = False
         self._example_input: Any = None
         self.timeline = Timeline(enabled=False)
-
-    @staticmethod
-    def _check_balance(balance: Balance, pipe_size: int | None) -> Balance:
-        if balance is None or callable(balance):
-            return balance
-        if isinstance(balance, str):
-            if balance not in _BALANCE_NAMES:
-                raise ValueError(
-                    f"balance={balance!r} is not a way to balance stages; use a list of layers per stage, one of "
-                    f"{', '.join(map(repr, _BALANCE_NAMES))}, or a callable cost(layer) -> float"
-                )
-            return balance
-        if isinstance(balance, (list, tuple)):
-            entries = list(balance)
-            if pipe_size is not None and len(entries) != pipe_size:
-                raise ValueError(
-                    f"balance={entries} has {len(entries)} stages but pipe_size={pipe_size}; give one number of "
-                    "layers per stage"
-                )
-            validate_balance(entries, sum(e for e in entries if isinstance(e, int)))  # entries' own checks
-            return entries
-        raise TypeError(
-            f"balance={balance!r} must be a list of ints (layers per stage), a cost name or a callable, "
-            f"not {type(balance).__name__}"
-        )
 
     # ------------------------------------------------------------------ properties
 
@@ -1048,53 +1025,9 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _check_flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
-    return value
-
-
-def _check_module_name(module_name: object) -> str | None:
-    if module_name is None:
-        return None
-    if not isinstance(module_name, str):
-        raise TypeError(
-            f"module_name={module_name!r} must be a str, the dotted attribute path of the nn.Sequential to pipeline "
-            "(e.g. 'layers' or 'backbone.layers'), or None to find it"
-        )
-    if not module_name or not all(part.isidentifier() or part.isdigit() for part in module_name.split(".")):
-        raise ValueError(
-            f"module_name={module_name!r} is not an attribute path; give attribute names joined by dots, e.g. "
-            "'layers' or 'backbone.layers'"
-        )
-    return module_name
-
-
-def _check_backend(backend: object) -> str | None:
-    if backend is None:
-        return None
-    if not isinstance(backend, str) or not backend:
-        raise TypeError(
-            f"process_group_backend={backend!r} must be the name of a torch.distributed backend, e.g. 'gloo' or "
-            "'nccl', or None to choose by device"
-        )
-    return backend
-
-
 def _check_backend_for_device(backend: str, device: torch.device) -> None:
     if backend == "gloo" and device.type == "cuda":
         raise ValueError(
             f"process_group_backend='gloo' cannot move the pipeline's tensors on {device}: gloo's send and receive "
             "take CPU tensors only. Use process_group_backend='nccl' (or leave it None to choose by device)."
         )
-
-
-def _check_timeout(timeout: object) -> datetime.timedelta:
-    if not isinstance(timeout, datetime.timedelta):
-        raise TypeError(
-            f"timeout={timeout!r} must be a datetime.timedelta, e.g. timeout=datetime.timedelta(minutes=30): how "
-            "long a stage waits for a peer"
-        )
-    if timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout={timeout!r} must be positive: how long a stage waits for a peer before it gives up")
-    return timeout
