@@ -62,6 +62,7 @@ from lightning_gpipe.pipeline import Pipeline
 from lightning_gpipe.schedule import Phase
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.state import (
+    check_loadable,
     local_optimizer_state,
     merge_optimizer_states,
     merge_state_dicts,
@@ -903,30 +904,7 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         assert self._partition is not None
         saved = checkpoint["state_dict"]
-        # Every rank checks the whole checkpoint, not only its own stage's part, before loading anything: all ranks
-        # then fail together with the same message instead of one failing and the others waiting for it.
-        if strict:
-            unexpected = [key for key in saved if key not in self._full_keys]
-            missing = [key for key in self._full_keys if key not in saved]
-            if unexpected or missing:
-                raise RuntimeError(
-                    "the checkpoint does not match this model: "
-                    f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
-                    f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. It was written for "
-                    "another model, or by one stage alone (save with trainer.save_checkpoint, called on every rank). "
-                    "Nothing was loaded."
-                )
-        mismatched = [
-            f"{key}: {tuple(saved[key].shape)} in the checkpoint, {shape} in the model"
-            for key, shape in self._full_shapes.items()
-            if isinstance(saved.get(key), Tensor) and tuple(saved[key].shape) != shape
-        ]
-        if mismatched:
-            raise RuntimeError(
-                f"the checkpoint does not match this model: {len(mismatched)} tensor(s) have another shape "
-                f"({'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}). It was written for a model "
-                "of other sizes: build the model with the checkpoint's configuration. Nothing was loaded."
-            )
+        check_loadable(saved, self._full_keys, self._full_shapes, strict)
         local_keys = module.state_dict().keys()
         module.load_state_dict({key: saved[key] for key in local_keys if key in saved}, strict=strict)
 
@@ -965,14 +943,7 @@ class GPipeStrategy(ParallelStrategy):
                 dist.all_gather_object(parts, local, group=self._object_group)
             else:
                 parts = [local]
-            merged: dict[str, Any] = {}
-            for part in parts:
-                merged.update(part)
-            tied = self._ties.values() if self._ties is not None else {}
-            self._partition.restore(merged, torch.device("cpu"))
-            # Reassembly gives each name of a tied tensor its own tensor; non-persistent tied buffers lost their value.
-            retie(self._partition.original, self._partition.ties, tied)
-            DeferredBatchNorm.revert(self._partition.original)
+            self._partition.reassemble(parts, self._ties.values() if self._ties is not None else {})
             module.example_input_array = self._example_input
             self._partition = None
             self._stage = None
