@@ -16,7 +16,9 @@ from lightning_gpipe.transport import DEFAULT_TIMEOUT
 __all__ = ["BALANCE_NAMES", "START_METHODS", "Balance", "PipelineConfig", "StartMethod"]
 
 Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
+"""Layers per stage (a list of K ints), or how to find them: a cost name, a callable ``cost(layer)``, or ``None``."""
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+"""How the strategy starts one process per device (see :data:`START_METHODS`)."""
 BALANCE_NAMES: tuple[str, ...] = ("params", "flops", "time", "memory")
 """The ways to find a balance by measuring the layers (see :mod:`lightning_gpipe.cost`)."""
 START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
