@@ -1,10 +1,12 @@
 """GPipeStrategy: Lightning's lifecycle around the GPipe engine, one process per pipeline stage.
 
-Lightning's automatic optimization calls ``training_step``, then ``zero_grad``, then ``backward``. GPipe's fill-drain
-fits that order: all M forwards run in ``training_step`` and all M backwards in ``backward`` (never a backward inside
-``training_step``, which the following ``zero_grad`` would erase). The user's ``training_step`` runs once per
-micro-batch with the pipelined sequence standing in for ``self.<layers>``: on a stage that is not the last, the call
-ends as soon as the cell's output has been sent on; on the last stage the user's code computes the loss as usual.
+Lightning's automatic optimization calls ``training_step``, then ``zero_grad``, then ``backward``. The step's actions
+come from the engine's :class:`~lightning_gpipe.step.StepRun`: those up to the schedule's last forward run in
+``training_step``, the rest in ``backward``. Under fill-drain that is all M forwards, then all M backwards; under 1F1B
+the backward passes among the forwards hold their gradients past ``zero_grad``
+(:class:`~lightning_gpipe.step.HeldGradients`). The user's ``training_step`` runs once per micro-batch with the
+pipelined sequence standing in for ``self.<layers>``: on a stage that is not the last, the call ends as soon as the
+cell's output has been sent on; on the last stage the user's code computes the loss as usual.
 Data-parallel gradients are averaged once per optimizer step, inside the optimizer closure.
 """
 
@@ -99,7 +101,8 @@ class GPipeStrategy(ParallelStrategy):
             ``"memory"`` or a callable ``cost(layer) -> float``. Default: ``"flops"`` when the module has an
             ``example_input_array``, else ``"params"``; both are analytic, so every run partitions the same way.
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default) or ``"never"``.
-        schedule: ``"gpipe"`` (fill-drain).
+        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (one forward, one backward: the same gradients, and stage
+            ``j`` holds at most ``min(K - j, M)`` micro-batches' activations).
         module_name: attribute (dotted path) of the ``nn.Sequential`` to pipeline; default: found automatically.
         deferred_batch_norm: move BatchNorm running statistics once per mini-batch, from all of its samples.
         timeout: how long a stage waits for a peer before it gives up (default 30 minutes).
@@ -188,7 +191,7 @@ class GPipeStrategy(ParallelStrategy):
         self._parameter_order: list[str] = []
         self._parameter_aliases: dict[str, str] = {}
         self._ties: TiedCopies | None = None
-        self._losses: dict[int, Tensor] = {}  # the last stage's weighted losses whose backward has not run yet
+        self._losses: dict[int, Tensor] = {}  # the last stage's losses awaiting backward, weighted by then
         self._failed = False
         self._example_input: Any = None
         self.timeline = Timeline(enabled=False)
