@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 XDIST ?= -n 2 --dist loadfile
 DOC_TESTS := tests/test_docs.py tests/test_api_reference.py  # run by `make docs`
 
-.PHONY: env demo test lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory gpu-check clean
+.PHONY: env demo test lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-schedules gpu-check clean
 
 env:  ## create or sync .venv from uv.lock (installs uv when missing)
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
@@ -48,6 +48,9 @@ bench-overhead: env  ## GPipeStrategy with K=1, M=1 against strategy="auto"
 
 bench-memory: env  ## peak memory of re-materialization against the paper's formula
 	$(RUN) python -m benchmarks.strategy_memory.run
+
+bench-schedules: env  ## peak activation memory per stage of schedule="1f1b" against "gpipe" as M grows (seconds)
+	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.schedule_memory.run
 
 gpu-check: env  ## everything one CUDA GPU can verify, one line per check (under 10 minutes; skips without CUDA)
 	$(RUN) python -m benchmarks.gpu_check

@@ -88,6 +88,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("engine_speed", quick_deadline=0, full_deadline=1200, quick=False),
     Experiment("strategy_overhead", quick_deadline=0, full_deadline=1800, quick=False, writes_docs=False),
     Experiment("strategy_memory", quick_deadline=0, full_deadline=900, quick=False, writes_docs=False),
+    Experiment("schedule_memory", quick_deadline=300, full_deadline=600, writes_docs=False),
 )
 
 

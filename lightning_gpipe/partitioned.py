@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.partition import cell_bounds
-from lightning_gpipe.tied import Tie, find_ties, set_aside
+from lightning_gpipe.tied import Tie, find_ties, retie, set_aside
 
 __all__ = ["Partition", "PipelinedSequential", "RemoteLayers", "find_sequence", "materialize", "partition_module"]
 
@@ -182,6 +183,20 @@ class Partition:
         for key, buffer in _non_persistent_buffers(self.stand_in):
             state[key] = buffer.detach().cpu()
         return state
+
+    def reassemble(self, parts: Sequence[Mapping[str, torch.Tensor]], tied: Mapping[str, torch.Tensor]) -> None:
+        """Put the whole model back on the CPU from every stage's :meth:`stage_state` (in stage order).
+
+        ``tied`` holds the values of the tied tensors (:meth:`TiedCopies.values`): reassembly gives each name of a
+        tied tensor its own tensor, and non-persistent tied buffers would lose their value. Deferred BatchNorm layers
+        become plain BatchNorm again, with the running statistics they gathered.
+        """
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        self.restore(merged, torch.device("cpu"))
+        retie(self.original, self.ties, tied)
+        DeferredBatchNorm.revert(self.original)
 
     def restore(self, sequence_state: Mapping[str, torch.Tensor], device: torch.device) -> None:
         """Put the whole sequence back, its layers loaded from ``sequence_state`` (the stages' :meth:`stage_state`

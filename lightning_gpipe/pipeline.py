@@ -23,9 +23,11 @@ import torch
 from torch import nn
 
 from lightning_gpipe.checkpoint import CheckpointMode
+from lightning_gpipe.fingerprint import Fingerprint
 from lightning_gpipe.microbatch import gather, scatter, validate_chunks
-from lightning_gpipe.schedule import Phase, stage_actions, validate_schedule
+from lightning_gpipe.schedule import Phase, validate_schedule
 from lightning_gpipe.stage import Stage
+from lightning_gpipe.step import StepRun
 from lightning_gpipe.structure import map_tensors
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.transport import DEFAULT_TIMEOUT, ThreadTransport, Transport
@@ -79,50 +81,46 @@ class Pipeline:
             detect_anomalies=detect_anomalies,
         )
 
+    def begin(self, batch: Any, *, training: bool = True, fingerprint: Fingerprint | None = None) -> StepRun:
+        """Scatter ``batch`` and begin a step on this stage; drive it through the returned :class:`StepRun`."""
+        return StepRun(
+            self.stage, self.schedule, scatter(batch, self.chunks), training=training, fingerprint=fingerprint
+        )
+
     def train_step(self, batch: Any, loss_fn: LossFn, input_fn: InputFn = first_element) -> torch.Tensor | None:
         """Forward and backward of one mini-batch; returns its (detached) loss on the last stage, else ``None``."""
-        stage = self.stage
-        microbatches = scatter(batch, self.chunks)
-        K, M = stage.num_stages, len(microbatches)
-        # The next stage sends gradients in its backward order; knowing it, this stage posts their receives early.
-        gradient_order = None
-        if not stage.is_last:
-            later = stage_actions(self.schedule, stage.index + 1, K, M)
-            gradient_order = [action.microbatch for action in later if action.phase is Phase.BACKWARD]
-        stage.begin_step([mb.size for mb in microbatches], gradient_order=gradient_order)
+        run = self.begin(batch)
         losses: dict[int, torch.Tensor] = {}
         try:
-            for action in stage_actions(self.schedule, stage.index, K, M):
-                mb = microbatches[action.microbatch]
+            for action in run.actions:
+                mb = run.microbatches[action.microbatch]
                 if action.phase is Phase.FORWARD:
-                    output = stage.forward(mb.index, self._input(input_fn, mb.value))
-                    if stage.is_last:
+                    output = run.forward(mb.index, self._input(input_fn, mb.value))
+                    if self.stage.is_last:
                         # Under the guard: a random loss draws from this stage's stream, as in a process of its own.
                         with self._guard():
                             losses[mb.index] = loss_fn(output, mb.value) * mb.weight
                 else:
-                    stage.backward(mb.index, losses.get(mb.index))
-            stage.end_step()
+                    run.backward(mb.index, losses.get(mb.index))
+            run.end()
         except BaseException as error:
-            stage.abort(repr(error))
+            run.abort(repr(error))
             raise
-        if not stage.is_last:
+        if not self.stage.is_last:
             return None
         return torch.stack([losses[i].detach() for i in sorted(losses)]).sum()
 
     @torch.no_grad()
     def eval_step(self, batch: Any, input_fn: InputFn = first_element) -> Any:
         """Forward only, without gradients; returns the gathered last-stage outputs there, else ``None``."""
-        stage = self.stage
-        microbatches = scatter(batch, self.chunks)
-        stage.begin_step([mb.size for mb in microbatches])
+        run = self.begin(batch, training=False)
         try:
-            outputs = [stage.forward(mb.index, self._input(input_fn, mb.value)) for mb in microbatches]
-            stage.end_step()
+            outputs = [run.forward(mb.index, self._input(input_fn, mb.value)) for mb in run.microbatches]
+            run.end()
         except BaseException as error:
-            stage.abort(repr(error))
+            run.abort(repr(error))
             raise
-        return gather(outputs) if stage.is_last else None
+        return gather(outputs) if self.stage.is_last else None
 
     def _input(self, input_fn: InputFn, microbatch: Any) -> Any:
         """What stage 0 feeds its cell (random augmentation draws from its stream); ``None`` on later stages."""

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "check_loadable",
     "local_optimizer_state",
     "merge_optimizer_states",
     "merge_state_dicts",
@@ -139,3 +140,37 @@ def local_optimizer_state(
         groups.append({**saved_group, "params": local})
         state.update({name: saved["state"][name] for name in local if name in saved["state"]})
     return {"state": state, "param_groups": groups}
+
+
+def check_loadable(
+    saved: Mapping[str, Any], keys: Sequence[str], shapes: Mapping[str, tuple[int, ...]], strict: bool = True
+) -> None:
+    """Refuse a whole-model state dict that does not fit the model whose state-dict ``keys`` and tensor ``shapes``
+    are given, naming what is missing, unexpected or of another shape. With ``strict=False`` only shapes count.
+
+    Every stage checks the whole checkpoint, not only its own part, so that all stages fail together with the same
+    message instead of one failing while the others wait for it.
+    """
+    if strict:
+        known = set(keys)
+        unexpected = [key for key in saved if key not in known]
+        missing = [key for key in keys if key not in saved]
+        if unexpected or missing:
+            raise RuntimeError(
+                "the checkpoint does not match this model: "
+                f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. It was written for "
+                "another model, or by one stage alone (save with trainer.save_checkpoint, called on every rank). "
+                "Nothing was loaded."
+            )
+    mismatched = [
+        f"{key}: {tuple(saved[key].shape)} in the checkpoint, {shape} in the model"
+        for key, shape in shapes.items()
+        if isinstance(saved.get(key), torch.Tensor) and tuple(saved[key].shape) != shape
+    ]
+    if mismatched:
+        raise RuntimeError(
+            f"the checkpoint does not match this model: {len(mismatched)} tensor(s) have another shape "
+            f"({'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}). It was written for a model "
+            "of other sizes: build the model with the checkpoint's configuration. Nothing was loaded."
+        )

@@ -1,10 +1,12 @@
 """GPipeStrategy: Lightning's lifecycle around the GPipe engine, one process per pipeline stage.
 
-Lightning's automatic optimization calls ``training_step``, then ``zero_grad``, then ``backward``. GPipe's fill-drain
-fits that order: all M forwards run in ``training_step`` and all M backwards in ``backward`` (never a backward inside
-``training_step``, which the following ``zero_grad`` would erase). The user's ``training_step`` runs once per
-micro-batch with the pipelined sequence standing in for ``self.<layers>``: on a stage that is not the last, the call
-ends as soon as the cell's output has been sent on; on the last stage the user's code computes the loss as usual.
+Lightning's automatic optimization calls ``training_step``, then ``zero_grad``, then ``backward``. The step's actions
+come from the engine's :class:`~lightning_gpipe.step.StepRun`: those up to the schedule's last forward run in
+``training_step``, the rest in ``backward``. Under fill-drain that is all M forwards, then all M backwards; under 1F1B
+the backward passes among the forwards hold their gradients past ``zero_grad``
+(:class:`~lightning_gpipe.step.HeldGradients`). The user's ``training_step`` runs once per micro-batch with the
+pipelined sequence standing in for ``self.<layers>``: on a stage that is not the last, the call ends as soon as the
+cell's output has been sent on; on the last stage the user's code computes the loss as usual.
 Data-parallel gradients are averaged once per optimizer step, inside the optimizer closure.
 """
 
@@ -18,7 +20,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,26 +48,30 @@ from typing_extensions import override
 
 from lightning_gpipe.anomaly import check_finite
 from lightning_gpipe.batchnorm import DeferredBatchNorm
-from lightning_gpipe.checkpoint import CheckpointMode, validate_mode
+from lightning_gpipe.checkpoint import CheckpointMode
 from lightning_gpipe.collectives import broadcast_tensors, portable, to_device
-from lightning_gpipe.cost import CostFn, layer_costs
+from lightning_gpipe.config import Balance, PipelineConfig, StartMethod
+from lightning_gpipe.cost import layer_costs
 from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.fingerprint import batch_fingerprint
 from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
-from lightning_gpipe.microbatch import Microbatch, gather, loss_weights, scatter, validate_chunks
+from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights
 from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
 from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
-from lightning_gpipe.schedule import validate_schedule
+from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.schedule import Phase
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.state import (
+    check_loadable,
     local_optimizer_state,
     merge_optimizer_states,
     merge_state_dicts,
     optimizer_state_by_name,
     parameter_aliases,
 )
+from lightning_gpipe.step import HeldGradients, StepRun
 from lightning_gpipe.tied import TiedCopies, retie
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.transport import ProcessGroupTransport
@@ -74,10 +80,6 @@ __all__ = ["GPipeStrategy"]
 
 log = logging.getLogger(__name__)
 
-Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_BALANCE_NAMES = ("params", "flops", "time", "memory")
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _SAVE_ARRIVAL_TIMEOUT = datetime.timedelta(seconds=30)  # how long saving waits for every rank to arrive
 
 
@@ -99,7 +101,8 @@ class GPipeStrategy(ParallelStrategy):
             ``"memory"`` or a callable ``cost(layer) -> float``. Default: ``"flops"`` when the module has an
             ``example_input_array``, else ``"params"``; both are analytic, so every run partitions the same way.
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default) or ``"never"``.
-        schedule: ``"gpipe"`` (fill-drain).
+        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (one forward, one backward: the same gradients, and stage
+            ``j`` holds at most ``min(K - j, M)`` micro-batches' activations).
         module_name: attribute (dotted path) of the ``nn.Sequential`` to pipeline; default: found automatically.
         deferred_batch_norm: move BatchNorm running statistics once per mini-batch, from all of its samples.
         timeout: how long a stage waits for a peer before it gives up (default 30 minutes).
@@ -144,35 +147,33 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if pipe_size is not None and (isinstance(pipe_size, bool) or not isinstance(pipe_size, int) or pipe_size < 1):
-            raise ValueError(
-                f"pipe_size={pipe_size!r} must be a positive int (stages per pipeline) or None (all ranks)"
-            )
-        self._pipe_size = pipe_size
-        self._chunks = validate_chunks(chunks) if chunks is not None else None
-        self._balance = self._check_balance(balance, pipe_size)
-        self._checkpoint = validate_mode(checkpoint)
-        validate_schedule(schedule)
-        if schedule != "gpipe":
-            raise ValueError(
-                f"schedule={schedule!r} is not available in GPipeStrategy yet, which runs all forwards in Lightning's "
-                "training_step and all backwards in its backward; use schedule='gpipe' (the engine itself also has "
-                "'1f1b', see lightning_gpipe.pipeline.Pipeline)"
-            )
-        self._schedule = schedule
-        self._module_name = _check_module_name(module_name)
-        self._deferred_batch_norm = _check_flag("deferred_batch_norm", deferred_batch_norm)
-        self._detect_anomalies = _check_flag("detect_anomalies", detect_anomalies)
-        self._verify_batches = _check_flag("verify_batches", verify_batches)
-        self._process_group_backend = _check_backend(process_group_backend)
-        self._timeout = _check_timeout(timeout)
-        if start_method not in _START_METHODS:
-            raise ValueError(
-                f"start_method={start_method!r} is not a way to start the processes; use one of "
-                f"{', '.join(map(repr, _START_METHODS))} ('popen' re-runs the script per rank, 'fork' works in "
-                "notebooks)"
-            )
-        self._start_method = start_method
+        self.config = PipelineConfig(
+            pipe_size=pipe_size,
+            chunks=chunks,
+            balance=balance,
+            checkpoint=checkpoint,
+            schedule=schedule,
+            module_name=module_name,
+            deferred_batch_norm=deferred_batch_norm,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            detect_anomalies=detect_anomalies,
+            verify_batches=verify_batches,
+        )
+        config = self.config
+        self._pipe_size = config.pipe_size
+        self._chunks = config.chunks
+        self._balance = config.balance
+        self._checkpoint = config.checkpoint
+        self._schedule = config.schedule
+        self._module_name = config.module_name
+        self._deferred_batch_norm = config.deferred_batch_norm
+        self._detect_anomalies = config.detect_anomalies
+        self._verify_batches = config.verify_batches
+        self._process_group_backend = config.process_group_backend  # resolved from the device in setup_environment
+        self._timeout = config.timeout
+        self._start_method = config.start_method
         self._num_nodes = 1
         self._layout: ProcessLayout | None = None
         self._pipeline_group: dist.ProcessGroup | None = None
@@ -182,41 +183,18 @@ class GPipeStrategy(ParallelStrategy):
         self._control_group: dist.ProcessGroup | None = None
         self._partition: Partition | None = None
         self._stage: Stage | None = None
+        self._pipeline: Pipeline | None = None
+        self._run: StepRun | None = None  # the step in progress
+        self._held: HeldGradients | None = None  # what backward passes inside training_step computed
         self._full_keys: list[str] = []
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._parameter_order: list[str] = []
         self._parameter_aliases: dict[str, str] = {}
         self._ties: TiedCopies | None = None
-        self._losses: dict[int, Tensor] = {}
+        self._losses: dict[int, Tensor] = {}  # the last stage's losses awaiting backward, weighted by then
         self._failed = False
         self._example_input: Any = None
-        self._microbatches: list[Microbatch] = []
         self.timeline = Timeline(enabled=False)
-
-    @staticmethod
-    def _check_balance(balance: Balance, pipe_size: int | None) -> Balance:
-        if balance is None or callable(balance):
-            return balance
-        if isinstance(balance, str):
-            if balance not in _BALANCE_NAMES:
-                raise ValueError(
-                    f"balance={balance!r} is not a way to balance stages; use a list of layers per stage, one of "
-                    f"{', '.join(map(repr, _BALANCE_NAMES))}, or a callable cost(layer) -> float"
-                )
-            return balance
-        if isinstance(balance, (list, tuple)):
-            entries = list(balance)
-            if pipe_size is not None and len(entries) != pipe_size:
-                raise ValueError(
-                    f"balance={entries} has {len(entries)} stages but pipe_size={pipe_size}; give one number of "
-                    "layers per stage"
-                )
-            validate_balance(entries, sum(e for e in entries if isinstance(e, int)))  # entries' own checks
-            return entries
-        raise TypeError(
-            f"balance={balance!r} must be a list of ints (layers per stage), a cost name or a callable, "
-            f"not {type(balance).__name__}"
-        )
 
     # ------------------------------------------------------------------ properties
 
@@ -423,13 +401,16 @@ class GPipeStrategy(ParallelStrategy):
                 metric.process_group = self._replica_group
         links = None if self._links_on_world else self._links
         transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout, links=links)
-        self._stage = Stage(
+        self._pipeline = Pipeline(
             cell,
             transport,
+            chunks=self.chunks,
             checkpoint=self._checkpoint,
+            schedule=self._schedule,
             timeline=self.timeline,
             detect_anomalies=self._detect_anomalies,
         )
+        self._stage = self._pipeline.stage
         self._describe_pipeline(path, len(sequence), [i for i, _ in own], sum(p.numel() for p in cell.parameters()))
 
     def _describe_pipeline(self, path: str, num_layers: int, layers: list[int], parameters: int) -> None:
@@ -544,7 +525,8 @@ class GPipeStrategy(ParallelStrategy):
         """Route the user's call of the sequence for this micro-batch into the stage."""
         assert self._partition is not None
         assert self._stage is not None
-        stage, stand_in = self._stage, self._partition.stand_in
+        assert self._run is not None
+        stage, step, stand_in = self._stage, self._run, self._partition.stand_in
         call: dict[str, Any] = {"count": 0}
 
         def run(value: Any) -> Any:
@@ -554,7 +536,7 @@ class GPipeStrategy(ParallelStrategy):
                     "the step called the pipelined sequence twice for one batch; under GPipeStrategy each step "
                     "passes its input through the sequence exactly once"
                 )
-            output = stage.forward(microbatch.index, value if stage.is_first else None)
+            output = step.forward(microbatch.index, value if stage.is_first else None)
             if not stage.is_last:
                 raise _StageDone
             return output
@@ -580,28 +562,83 @@ class GPipeStrategy(ParallelStrategy):
             )
         return output
 
-    def _forward_phase(self, hook: str, args: tuple, kwargs: dict) -> tuple[list[Any], LogRecorder]:
-        assert self._stage is not None
+    def _forward_phase(
+        self,
+        hook: str,
+        args: tuple,
+        kwargs: dict,
+        context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> tuple[list[Any], LogRecorder]:
+        """Begin the step and run the schedule's actions up to its last forward, each forward a call of ``hook``.
+
+        Returns the user's step outputs in micro-batch order (``None`` on a stage that is not the last) and the
+        recorded logs. The backward passes the schedule runs before its last forward (``"1f1b"``) run here, their
+        gradients held past Lightning's ``zero_grad`` (:class:`HeldGradients`); the rest run in :meth:`backward`.
+        """
+        assert self._pipeline is not None
+        module = self.lightning_module
+        assert module is not None
         batch, rest = args[0], args[1:]
-        self._microbatches = scatter(batch, self.chunks)
-        samples = sum(mb.size for mb in self._microbatches)
-        if samples < self.layout.pipe_size and self.lightning_module.training:  # type: ignore[union-attr]
+        samples = batch_size(batch)
+        if samples < self.layout.pipe_size and module.training:
             raise ValueError(
                 f"a batch of {samples} samples cannot fill {self.layout.pipe_size} pipeline stages; "
                 "use a batch size of at least pipe_size (and drop_last=True if the last batch is smaller)"
             )
         # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
         fingerprint = batch_fingerprint(batch) if self._verify_batches and self.layout.pipe_size > 1 else None
-        # In training the next stage sends gradients back in the order of `backward` below (reversed): knowing it, this
-        # stage posts those receives while it still runs forwards, so no gradient waits for its receive to be posted.
-        order = list(reversed(range(len(self._microbatches)))) if hook == "training_step" else None
-        self._stage.begin_step([mb.size for mb in self._microbatches], fingerprint, gradient_order=order)
-        recorder = LogRecorder(self.lightning_module, step_values=hook == "training_step")  # type: ignore[arg-type]
-        outputs = []
-        for position, mb in enumerate(self._microbatches):
-            with recorder.capture(position):
-                outputs.append(self._run_user_step(hook, mb, rest, kwargs))
+        training = hook == "training_step"
+        self._run = run = self._pipeline.begin(batch, training=training, fingerprint=fingerprint)
+        recorder = LogRecorder(module, step_values=training)
+        outputs: list[Any] = []
+        self._losses = {}
+        try:
+            early = run.backward_before_last_forward
+            self._held = HeldGradients(module.parameters()) if early else None
+            for action in run.actions[: run.forward_span]:
+                mb = run.microbatches[action.microbatch]
+                if action.phase is Phase.BACKWARD:
+                    run.backward(mb.index, self._backward_loss(mb.index))
+                    continue
+                with context(), recorder.capture(mb.index):
+                    outputs.append(self._run_user_step(hook, mb, rest, kwargs))
+                if training and self._stage.is_last:  # type: ignore[union-attr]
+                    self._losses[mb.index] = self._step_loss(mb, outputs[-1], early)
+            if self._held is not None:
+                self._held.hold()
+        except BaseException as error:
+            run.abort(repr(error))
+            raise
         return outputs, recorder
+
+    def _step_loss(self, mb: Microbatch, output: Any, early: bool) -> Tensor:
+        """The loss the user's step returned for ``mb``; weighted by its share of samples when ``early``."""
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"training_step returned {type(output).__name__}; under GPipeStrategy it must return the loss "
+                "tensor or a dict with a 'loss' tensor for every batch"
+            )
+        if self._detect_anomalies:
+            check_finite(self.layout.stage, mb.index, "the loss", loss)
+        if not early:
+            return loss
+        if isinstance(output, Mapping) and "loss_weight" in output:
+            raise ValueError(
+                f"training_step returned 'loss_weight' under schedule={self._schedule!r}, which runs the backward of "
+                "micro-batch 0 before the forward of the last one, before the weights of all micro-batches are known. "
+                "Use schedule='gpipe' for a loss averaged over something other than samples."
+            )
+        return loss * mb.weight
+
+    def _backward_loss(self, index: int) -> Tensor | None:
+        """What the backward of micro-batch ``index`` starts from: its weighted loss on the last stage, scaled."""
+        if not self._stage.is_last:  # type: ignore[union-attr]
+            return None
+        # Divided as Lightning divides the closure loss under accumulation; scaled as the closure loss would be.
+        loss = self._losses.pop(index) / self.lightning_module.trainer.accumulate_grad_batches  # type: ignore[union-attr]
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
 
     @contextlib.contextmanager
     def _collective(self, what: str) -> Iterator[None]:
@@ -661,27 +698,18 @@ class GPipeStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._stage is not None
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        with self.precision_plugin.train_step_context():
-            outputs, recorder = self._forward_phase("training_step", args, kwargs)
-        self._losses = {}
+        outputs, recorder = self._forward_phase("training_step", args, kwargs, self.precision_plugin.train_step_context)
         if not self._stage.is_last:
             return self._mirror_logs(recorder)[0]["loss"].to(self.root_device, torch.float32)
-        losses = []
-        for mb, output in zip(self._microbatches, outputs, strict=True):
-            loss = output["loss"] if isinstance(output, Mapping) else output
-            if not isinstance(loss, Tensor):
-                raise TypeError(
-                    f"training_step returned {type(output).__name__}; under GPipeStrategy it must return the loss "
-                    "tensor or a dict with a 'loss' tensor for every batch"
-                )
-            if self._detect_anomalies:
-                check_finite(self._stage.index, mb.index, "the loss", loss)
-            losses.append(loss)
-        weights = loss_weights(outputs, self._microbatches, losses[0].device)
+        run = self._run
+        assert run is not None
+        losses = [output["loss"] if isinstance(output, Mapping) else output for output in outputs]
+        weights = loss_weights(outputs, run.microbatches, losses[0].device)
         recorder.combine(weights)
-        for mb, loss, weight in zip(self._microbatches, losses, weights, strict=True):
-            self._losses[mb.index] = loss * weight.to(loss.dtype)
-        total = torch.stack(list(self._losses.values())).sum().detach()
+        weighted = [loss * weight.to(loss.dtype) for loss, weight in zip(losses, weights, strict=True)]
+        pending = {action.microbatch for action in run.remaining()}
+        self._losses = {i: loss for i, loss in enumerate(weighted) if i in pending}
+        total = torch.stack([loss.detach() for loss in weighted]).sum()
         self._mirror_logs(recorder, {"loss": total})
         return total.to(self.root_device)
 
@@ -689,19 +717,20 @@ class GPipeStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         module = self.lightning_module
         assert module is not None
-        assert self._stage is not None
+        run = self._run
+        assert run is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        accumulation = self.lightning_module.trainer.accumulate_grad_batches  # type: ignore[union-attr]
-        for mb in reversed(self._microbatches):  # the GPipe schedule's backward order
-            loss = None
-            if self._stage.is_last:
-                loss = self._losses.pop(mb.index) / accumulation
-                if scaler is not None:
-                    loss = scaler.scale(loss)  # every micro-batch's loss is scaled, as the closure loss would be
-            self._stage.backward(mb.index, loss)
-        self._stage.end_step()
+        try:
+            if self._held is not None:
+                self._held.release()
+                self._held = None
+            for action in run.remaining():  # the schedule's actions after its last forward: backward passes only
+                run.backward(action.microbatch, self._backward_loss(action.microbatch))
+            run.end()
+        except BaseException as error:
+            run.abort(repr(error))
+            raise
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -732,11 +761,16 @@ class GPipeStrategy(ParallelStrategy):
         }[hook]
         with context():
             outputs, recorder = self._forward_phase(hook, args, kwargs)
-        self._stage.end_step()
+        assert self._run is not None
+        try:
+            self._run.end()
+        except BaseException as error:
+            self._run.abort(repr(error))
+            raise
         gathered = None
         if self._stage.is_last:
             device = self.root_device
-            recorder.combine(loss_weights(outputs, self._microbatches, device))
+            recorder.combine(loss_weights(outputs, self._run.microbatches, device))
             gathered = gather(outputs) if outputs[0] is not None else None
         shared = self._mirror_logs(recorder, other=gathered if hook == "predict_step" else None)[1]
         return shared if hook == "predict_step" else gathered
@@ -873,30 +907,7 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         assert self._partition is not None
         saved = checkpoint["state_dict"]
-        # Every rank checks the whole checkpoint, not only its own stage's part, before loading anything: all ranks
-        # then fail together with the same message instead of one failing and the others waiting for it.
-        if strict:
-            unexpected = [key for key in saved if key not in self._full_keys]
-            missing = [key for key in self._full_keys if key not in saved]
-            if unexpected or missing:
-                raise RuntimeError(
-                    "the checkpoint does not match this model: "
-                    f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
-                    f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. It was written for "
-                    "another model, or by one stage alone (save with trainer.save_checkpoint, called on every rank). "
-                    "Nothing was loaded."
-                )
-        mismatched = [
-            f"{key}: {tuple(saved[key].shape)} in the checkpoint, {shape} in the model"
-            for key, shape in self._full_shapes.items()
-            if isinstance(saved.get(key), Tensor) and tuple(saved[key].shape) != shape
-        ]
-        if mismatched:
-            raise RuntimeError(
-                f"the checkpoint does not match this model: {len(mismatched)} tensor(s) have another shape "
-                f"({'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}). It was written for a model "
-                "of other sizes: build the model with the checkpoint's configuration. Nothing was loaded."
-            )
+        check_loadable(saved, self._full_keys, self._full_shapes, strict)
         local_keys = module.state_dict().keys()
         module.load_state_dict({key: saved[key] for key in local_keys if key in saved}, strict=strict)
 
@@ -935,14 +946,7 @@ class GPipeStrategy(ParallelStrategy):
                 dist.all_gather_object(parts, local, group=self._object_group)
             else:
                 parts = [local]
-            merged: dict[str, Any] = {}
-            for part in parts:
-                merged.update(part)
-            tied = self._ties.values() if self._ties is not None else {}
-            self._partition.restore(merged, torch.device("cpu"))
-            # Reassembly gives each name of a tied tensor its own tensor; non-persistent tied buffers lost their value.
-            retie(self._partition.original, self._partition.ties, tied)
-            DeferredBatchNorm.revert(self._partition.original)
+            self._partition.reassemble(parts, self._ties.values() if self._ties is not None else {})
             module.example_input_array = self._example_input
             self._partition = None
             self._stage = None
@@ -995,53 +999,9 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _check_flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
-    return value
-
-
-def _check_module_name(module_name: object) -> str | None:
-    if module_name is None:
-        return None
-    if not isinstance(module_name, str):
-        raise TypeError(
-            f"module_name={module_name!r} must be a str, the dotted attribute path of the nn.Sequential to pipeline "
-            "(e.g. 'layers' or 'backbone.layers'), or None to find it"
-        )
-    if not module_name or not all(part.isidentifier() or part.isdigit() for part in module_name.split(".")):
-        raise ValueError(
-            f"module_name={module_name!r} is not an attribute path; give attribute names joined by dots, e.g. "
-            "'layers' or 'backbone.layers'"
-        )
-    return module_name
-
-
-def _check_backend(backend: object) -> str | None:
-    if backend is None:
-        return None
-    if not isinstance(backend, str) or not backend:
-        raise TypeError(
-            f"process_group_backend={backend!r} must be the name of a torch.distributed backend, e.g. 'gloo' or "
-            "'nccl', or None to choose by device"
-        )
-    return backend
-
-
 def _check_backend_for_device(backend: str, device: torch.device) -> None:
     if backend == "gloo" and device.type == "cuda":
         raise ValueError(
             f"process_group_backend='gloo' cannot move the pipeline's tensors on {device}: gloo's send and receive "
             "take CPU tensors only. Use process_group_backend='nccl' (or leave it None to choose by device)."
         )
-
-
-def _check_timeout(timeout: object) -> datetime.timedelta:
-    if not isinstance(timeout, datetime.timedelta):
-        raise TypeError(
-            f"timeout={timeout!r} must be a datetime.timedelta, e.g. timeout=datetime.timedelta(minutes=30): how "
-            "long a stage waits for a peer"
-        )
-    if timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout={timeout!r} must be positive: how long a stage waits for a peer before it gives up")
-    return timeout

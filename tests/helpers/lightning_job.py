@@ -140,6 +140,8 @@ def main(config_path: str) -> None:
         (root / f"local-parameters-{index}-rank{module.global_rank}.txt").write_text(str(module.local_parameters))
         if module.global_rank == 0:
             torch.save(module.state_dict(), root / f"result-{index}.pt")
+            logged = {key: value.detach().cpu() for key, value in module.trainer.callback_metrics.items()}
+            torch.save(logged, root / f"metrics-{index}.pt")
 
 
 if __name__ == "__main__":

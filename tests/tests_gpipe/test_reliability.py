@@ -51,7 +51,6 @@ BAD_ARGUMENTS = [
     ({"balance": [1, 1, 1], "pipe_size": 2}, ValueError, r"balance=\[1, 1, 1\] has 3 stages but pipe_size=2"),
     ({"checkpoint": "sometimes"}, ValueError, r"checkpoint='sometimes' is not a re-materialization mode"),
     ({"schedule": "interleaved"}, ValueError, r"Unknown pipeline schedule 'interleaved'\. HINT: use one of"),
-    ({"schedule": "1f1b"}, ValueError, r"schedule='1f1b' is not available in GPipeStrategy yet"),
     ({"module_name": 3}, TypeError, r"module_name=3 must be a str, the dotted attribute path of the nn.Sequential"),
     ({"module_name": "body..layers"}, ValueError, r"module_name='body..layers' is not an attribute path"),
     ({"deferred_batch_norm": "yes"}, TypeError, r"deferred_batch_norm='yes' must be True or False, not str"),

@@ -6,6 +6,7 @@ from helpers.models import cells, mlp
 from torch import nn
 
 from lightning_gpipe.state import (
+    check_loadable,
     local_optimizer_state,
     merge_optimizer_states,
     merge_state_dicts,
@@ -71,3 +72,14 @@ def test_merge_state_dicts_requires_every_key() -> None:
     assert list(merge_state_dicts([{"b": 1}, {"a": 2}], ["a", "b"])) == ["a", "b"]
     with pytest.raises(RuntimeError, match="no stage holds c"):
         merge_state_dicts([{"a": 1}], ["a", "c"])
+
+
+def test_check_loadable_names_what_is_missing_unexpected_or_of_another_shape() -> None:
+    keys, shapes = ["a.weight", "b.weight"], {"a.weight": (2, 3), "b.weight": (4,)}
+    good = {"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(4)}
+    check_loadable(good, keys, shapes)
+    with pytest.raises(RuntimeError, match=r"missing \['b.weight'\], unexpected \['c'\]\. .*Nothing was loaded"):
+        check_loadable({"a.weight": torch.zeros(2, 3), "c": torch.zeros(1)}, keys, shapes)
+    check_loadable({"a.weight": torch.zeros(2, 3)}, keys, shapes, strict=False)  # only shapes count then
+    with pytest.raises(RuntimeError, match=r"1 tensor\(s\) have another shape \(a.weight: \(3, 2\) in the checkpoint"):
+        check_loadable({**good, "a.weight": torch.zeros(3, 2)}, keys, shapes, strict=False)

@@ -1,0 +1,127 @@
+"""The phase API over one step: the schedule's order is the only one accepted, and the strategy's split of a step
+into Lightning's ``training_step`` and ``backward`` (with a ``zero_grad`` between) gives the whole-batch gradients.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss_fn, relative_error
+
+from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.schedule import SCHEDULES, Phase
+from lightning_gpipe.step import HeldGradients
+from lightning_gpipe.transport import ThreadTransport
+
+TOLERANCE = 1e-6
+
+
+def one_stage(schedule: str = "gpipe", chunks: int = 4) -> Pipeline:
+    torch.manual_seed(0)
+    (transport,) = ThreadTransport.create(1)
+    return Pipeline(torch.nn.Linear(4, 2), transport, chunks=chunks, schedule=schedule)
+
+
+def test_an_action_out_of_the_schedules_order_is_refused() -> None:
+    pipeline = one_stage("gpipe")
+    run = pipeline.begin((torch.randn(8, 4),))
+    with pytest.raises(RuntimeError, match=r"stage 0 was asked for F1 but its schedule runs F0 next \(its actions: F0"):
+        run.forward(1, run.microbatches[1].value[0])
+    run.forward(0, run.microbatches[0].value[0])
+    with pytest.raises(RuntimeError, match=r"asked for B0 but its schedule runs F1 next"):
+        run.backward(0, torch.zeros((), requires_grad=True))
+    run.abort("test")
+
+
+def test_a_step_cannot_end_with_actions_left() -> None:
+    pipeline = one_stage("1f1b", chunks=2)
+    run = pipeline.begin((torch.randn(8, 4),))
+    assert [str(a) for a in run.actions] == ["F0", "B0", "F1", "B1"]
+    assert run.forward_span == 3
+    assert run.backward_before_last_forward
+    output = run.forward(0, run.microbatches[0].value[0])
+    run.backward(0, output.sum())
+    with pytest.raises(RuntimeError, match=r"stage 0 ended its step with actions left: F1 B1"):
+        run.end()
+    run.abort("test")
+
+
+def test_held_gradients_survive_a_zero_grad_and_add_to_what_is_there() -> None:
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 10.0)  # accumulated by an earlier batch
+    held = HeldGradients([weight])
+    assert weight.grad is None  # the held passes start from nothing
+    (weight * 2).sum().backward()
+    held.hold()
+    assert torch.equal(weight.grad, torch.full((3,), 10.0))  # the earlier gradient is back
+    weight.grad = None  # Lightning's zero_grad at the start of an accumulation window
+    held.release()
+    assert torch.equal(weight.grad, torch.full((3,), 2.0))
+    (weight * 3).sum().backward()
+    assert torch.equal(weight.grad, torch.full((3,), 5.0))
+
+
+def strategy_split_step(stages: int, chunks: int, schedule: str) -> dict[str, torch.Tensor]:
+    """One step driven as GPipeStrategy drives it: the actions up to the last forward, ``zero_grad``, the rest."""
+    model = build("mlp")
+    model.zero_grad(set_to_none=True)
+    stage_cells = cells(model, BALANCES["mlp"][stages])
+    transports = ThreadTransport.create(stages)
+    phase_one_done = threading.Barrier(stages)
+    errors: list[BaseException] = []
+
+    def work(j: int) -> None:
+        pipeline = Pipeline(stage_cells[j], transports[j], chunks=chunks, schedule=schedule)
+        cell = stage_cells[j]
+        for p in cell.parameters():  # a gradient from an earlier step, which zero_grad must clear
+            p.grad = torch.full_like(p, 100.0)
+        run = pipeline.begin(batch())
+        losses: dict[int, torch.Tensor] = {}
+
+        def loss_for(i: int) -> torch.Tensor | None:
+            return losses.pop(i) if pipeline.stage.is_last else None
+
+        try:
+            held = HeldGradients(cell.parameters()) if run.backward_before_last_forward else None
+            for action in run.actions[: run.forward_span]:  # Lightning's training_step
+                mb = run.microbatches[action.microbatch]
+                if action.phase is Phase.FORWARD:
+                    output = run.forward(mb.index, mb.value[0] if pipeline.stage.is_first else None)
+                    if pipeline.stage.is_last:
+                        losses[mb.index] = loss_fn(output, mb.value) * mb.weight
+                else:
+                    run.backward(mb.index, loss_for(mb.index))
+            if held is not None:
+                held.hold()
+            phase_one_done.wait(timeout=60)
+            cell.zero_grad(set_to_none=True)  # Lightning's zero_grad, between training_step and backward
+            if held is not None:  # Lightning's backward
+                held.release()
+            for action in run.remaining():
+                run.backward(action.microbatch, loss_for(action.microbatch))
+            run.end()
+        except BaseException as error:
+            errors.append(error)
+            run.abort(repr(error))
+            phase_one_done.abort()
+
+    run_threads: list[threading.Thread] = [threading.Thread(target=work, args=(j,)) for j in range(stages)]
+    for thread in run_threads:
+        thread.start()
+    for thread in run_threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return {key: p.grad.clone() for key, p in model.named_parameters()}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("stages", "chunks"), [(1, 4), (2, 5), (4, 8)])
+def test_the_strategys_split_of_a_step_gives_the_whole_batch_gradients(stages: int, chunks: int, schedule: str) -> None:
+    reference = full_batch_grads(build("mlp"), batch())
+    grads = strategy_split_step(stages, chunks, schedule)
+    for name, expected in reference.items():
+        error = relative_error(grads[name], expected)
+        assert error <= TOLERANCE, f"{name}: relative error {error:.2e}"
