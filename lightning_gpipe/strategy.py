@@ -57,6 +57,7 @@ from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.microbatch import Microbatch, gather, loss_weights, scatter, validate_chunks
 from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
 from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
+from lightning_gpipe.relay import CallRelay
 from lightning_gpipe.schedule import validate_schedule
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.state import (
@@ -182,6 +183,8 @@ class GPipeStrategy(ParallelStrategy):
         self._control_group: dist.ProcessGroup | None = None
         self._partition: Partition | None = None
         self._stage: Stage | None = None
+        self._calls: CallRelay | None = None
+        self._relay: CallRelay | None = None  # set during evaluation steps, which may call the sequence again
         self._full_keys: list[str] = []
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._parameter_order: list[str] = []
@@ -430,6 +433,7 @@ class GPipeStrategy(ParallelStrategy):
             timeline=self.timeline,
             detect_anomalies=self._detect_anomalies,
         )
+        self._calls = CallRelay(self._stage)
         self._describe_pipeline(path, len(sequence), [i for i, _ in own], sum(p.numel() for p in cell.parameters()))
 
     def _describe_pipeline(self, path: str, num_layers: int, layers: list[int], parameters: int) -> None:
@@ -549,10 +553,13 @@ class GPipeStrategy(ParallelStrategy):
 
         def run(value: Any) -> Any:
             call["count"] += 1
+            if call["count"] > 1 and self._relay is not None:
+                return self._relay.call(microbatch.index, value)  # decoding: only the last stage gets here
             if call["count"] > 1:
                 raise RuntimeError(
                     "the step called the pipelined sequence twice for one batch; under GPipeStrategy each step "
-                    "passes its input through the sequence exactly once"
+                    "passes its input through the sequence exactly once (validation, test and predict steps may call "
+                    "it again, e.g. to decode)"
                 )
             output = stage.forward(microbatch.index, value if stage.is_first else None)
             if not stage.is_last:
@@ -731,7 +738,17 @@ class GPipeStrategy(ParallelStrategy):
             "predict_step": self.precision_plugin.predict_step_context,
         }[hook]
         with context():
-            outputs, recorder = self._forward_phase(hook, args, kwargs)
+            self._relay = self._calls
+            try:
+                outputs, recorder = self._forward_phase(hook, args, kwargs)
+            finally:
+                self._relay = None
+            # The last stage's steps may have called the sequence again (decoding): the others serve those calls.
+            assert self._calls is not None
+            if self._stage.is_last:
+                self._calls.finish()
+            else:
+                self._calls.serve()
         self._stage.end_step()
         gathered = None
         if self._stage.is_last:
@@ -946,6 +963,7 @@ class GPipeStrategy(ParallelStrategy):
             module.example_input_array = self._example_input
             self._partition = None
             self._stage = None
+            self._calls = None
             self._ties = None
         super().teardown()
 
