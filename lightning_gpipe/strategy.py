@@ -54,7 +54,7 @@ from lightning_gpipe.fingerprint import batch_fingerprint
 from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
-from lightning_gpipe.microbatch import Microbatch, gather, loss_weights, scatter, validate_chunks
+from lightning_gpipe.microbatch import Microbatch, gather, loss_weights, scatter, step_extras, validate_chunks
 from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
 from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.relay import CallRelay
@@ -672,7 +672,8 @@ class GPipeStrategy(ParallelStrategy):
             outputs, recorder = self._forward_phase("training_step", args, kwargs)
         self._losses = {}
         if not self._stage.is_last:
-            return self._mirror_logs(recorder)[0]["loss"].to(self.root_device, torch.float32)
+            scalars, extras = self._mirror_logs(recorder)
+            return _with_extras(scalars["loss"].to(self.root_device, torch.float32), extras)
         losses = []
         for mb, output in zip(self._microbatches, outputs, strict=True):
             loss = output["loss"] if isinstance(output, Mapping) else output
@@ -689,8 +690,10 @@ class GPipeStrategy(ParallelStrategy):
         for mb, loss, weight in zip(self._microbatches, losses, weights, strict=True):
             self._losses[mb.index] = loss * weight.to(loss.dtype)
         total = torch.stack(list(self._losses.values())).sum().detach()
-        self._mirror_logs(recorder, {"loss": total})
-        return total.to(self.root_device)
+        # The step's other keys go to on_train_batch_end on every stage, as Lightning passes them on.
+        extras = step_extras(outputs)
+        self._mirror_logs(recorder, {"loss": total}, other=extras)
+        return _with_extras(total.to(self.root_device), extras)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -997,6 +1000,10 @@ def _measured_costs(sequence: torch.nn.Sequential, how: Any, sample: Any, device
         del on_device
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the copy's memory goes back before the stages allocate their own
+
+
+def _with_extras(loss: Tensor, extras: dict[str, Any] | None) -> Tensor | dict[str, Any]:
+    return loss if extras is None else {"loss": loss, **extras}
 
 
 def _is_meta(module: torch.nn.Module) -> bool:
