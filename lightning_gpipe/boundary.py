@@ -274,6 +274,18 @@ class ActivationLink:
             leaves.append(None if position in missing else buffer.requires_grad_(entry.requires_grad))
         return unflatten(leaves, spec)
 
+    def post_rest(self, after: int) -> None:
+        """Post the receives of the step's micro-batches after ``after`` that are not posted yet.
+
+        For a receiver about to take other messages from the same peer (the further calls of a decoding step, which
+        the peer sends after this step's): without, those receives would be matched with this step's messages.
+        """
+        if self._layout is None:
+            return
+        for index in range(after + 1, len(self._sizes)):
+            if index not in self._posted:
+                self._posted[index] = self._post(index)
+
     def _post_from(self, first: int) -> None:
         # The sender sends the step's micro-batches in forward order, starting with this one.
         for index in range(first, len(self._sizes)):

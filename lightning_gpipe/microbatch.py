@@ -21,7 +21,7 @@ import torch
 
 from lightning_gpipe.structure import flatten, leaf_paths, unflatten
 
-__all__ = ["Microbatch", "batch_size", "gather", "loss_weights", "scatter", "validate_chunks"]
+__all__ = ["Microbatch", "batch_size", "gather", "loss_weights", "scatter", "step_extras", "validate_chunks"]
 
 
 @dataclass(frozen=True)
@@ -156,3 +156,23 @@ def loss_weights(outputs: Sequence[Any], microbatches: Sequence[Microbatch], dev
         )
     weights = torch.stack([count.reshape(()) for count in counts]).to(torch.float64)
     return weights / weights.sum()
+
+
+def step_extras(outputs: Sequence[Any]) -> dict[str, Any] | None:
+    """The keys other than ``"loss"`` of the dicts a ``training_step`` returned per micro-batch, gathered, detached.
+
+    What Lightning hands ``on_train_batch_end`` next to the loss, joined as :func:`gather` joins values: per-sample
+    tensors concatenated (the batch's, as a plain step would return them), a value equal in every micro-batch once,
+    others one per micro-batch. ``None`` when the step returned no other key.
+    """
+    extras = [{k: v for k, v in output.items() if k != "loss"} for output in outputs if isinstance(output, Mapping)]
+    if len(extras) != len(outputs) or not any(extras):
+        return None
+    keys = [sorted(extra) for extra in extras]
+    if any(other != keys[0] for other in keys[1:]):
+        raise ValueError(
+            f"training_step returned dicts with different keys for the micro-batches of one batch ({keys[0]} and "
+            f"{next(other for other in keys if other != keys[0])}); return the same keys for every batch"
+        )
+    joined = gather(extras)
+    return {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in joined.items()}

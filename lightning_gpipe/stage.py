@@ -205,6 +205,12 @@ class Stage:
                 self._post_gradients()
         return output
 
+    def post_activations(self, after: int) -> None:
+        """Post the activation receives of this step's micro-batches after ``after`` now, wherever receives are
+        otherwise posted when needed: other messages from the previous stage are about to be received."""
+        if self._inbox is not None:
+            self._inbox.post_rest(after)
+
     def _post_gradients(self, through: int | None = None) -> None:
         """Post gradient receives in the next stage's sending order: up to :data:`GRADIENTS_AHEAD` micro-batches, or
         every one up to and including micro-batch ``through``, whose backward needs its gradient now."""

@@ -57,10 +57,11 @@ from lightning_gpipe.fingerprint import batch_fingerprint
 from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
-from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights
+from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights, step_extras
 from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
 from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.relay import CallRelay
 from lightning_gpipe.schedule import Phase
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.state import (
@@ -186,6 +187,8 @@ class GPipeStrategy(ParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._run: StepRun | None = None  # the step in progress
         self._held: HeldGradients | None = None  # what backward passes inside training_step computed
+        self._calls: CallRelay | None = None
+        self._relay: CallRelay | None = None  # set during evaluation steps, which may call the sequence again
         self._full_keys: list[str] = []
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._parameter_order: list[str] = []
@@ -411,6 +414,7 @@ class GPipeStrategy(ParallelStrategy):
             detect_anomalies=self._detect_anomalies,
         )
         self._stage = self._pipeline.stage
+        self._calls = CallRelay(self._stage)
         self._describe_pipeline(path, len(sequence), [i for i, _ in own], sum(p.numel() for p in cell.parameters()))
 
     def _describe_pipeline(self, path: str, num_layers: int, layers: list[int], parameters: int) -> None:
@@ -531,10 +535,13 @@ class GPipeStrategy(ParallelStrategy):
 
         def run(value: Any) -> Any:
             call["count"] += 1
+            if call["count"] > 1 and self._relay is not None:
+                return self._relay.call(microbatch.index, value)  # decoding: only the last stage gets here
             if call["count"] > 1:
                 raise RuntimeError(
                     "the step called the pipelined sequence twice for one batch; under GPipeStrategy each step "
-                    "passes its input through the sequence exactly once"
+                    "passes its input through the sequence exactly once (validation, test and predict steps may call "
+                    "it again, e.g. to decode)"
                 )
             output = step.forward(microbatch.index, value if stage.is_first else None)
             if not stage.is_last:
@@ -700,7 +707,8 @@ class GPipeStrategy(ParallelStrategy):
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         outputs, recorder = self._forward_phase("training_step", args, kwargs, self.precision_plugin.train_step_context)
         if not self._stage.is_last:
-            return self._mirror_logs(recorder)[0]["loss"].to(self.root_device, torch.float32)
+            scalars, extras = self._mirror_logs(recorder)
+            return _with_extras(scalars["loss"].to(self.root_device, torch.float32), extras)
         run = self._run
         assert run is not None
         losses = [output["loss"] if isinstance(output, Mapping) else output for output in outputs]
@@ -710,8 +718,10 @@ class GPipeStrategy(ParallelStrategy):
         pending = {action.microbatch for action in run.remaining()}
         self._losses = {i: loss for i, loss in enumerate(weighted) if i in pending}
         total = torch.stack([loss.detach() for loss in weighted]).sum()
-        self._mirror_logs(recorder, {"loss": total})
-        return total.to(self.root_device)
+        # The step's other keys go to on_train_batch_end on every stage, as Lightning passes them on.
+        extras = step_extras(outputs)
+        self._mirror_logs(recorder, {"loss": total}, other=extras)
+        return _with_extras(total.to(self.root_device), extras)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -760,12 +770,23 @@ class GPipeStrategy(ParallelStrategy):
             "predict_step": self.precision_plugin.predict_step_context,
         }[hook]
         with context():
-            outputs, recorder = self._forward_phase(hook, args, kwargs)
+            self._relay = self._calls
+            try:
+                outputs, recorder = self._forward_phase(hook, args, kwargs)
+            finally:
+                self._relay = None
         assert self._run is not None
+        assert self._calls is not None
         try:
+            # The last stage's steps may have called the sequence again (decoding): the others serve those calls.
+            if self._stage.is_last:
+                self._calls.finish()
+            else:
+                self._calls.serve()
             self._run.end()
         except BaseException as error:
             self._run.abort(repr(error))
+            self._calls.abort(repr(error))
             raise
         gathered = None
         if self._stage.is_last:
@@ -950,6 +971,7 @@ class GPipeStrategy(ParallelStrategy):
             module.example_input_array = self._example_input
             self._partition = None
             self._stage = None
+            self._calls = None
             self._ties = None
         super().teardown()
 
@@ -983,6 +1005,10 @@ def _measured_costs(sequence: torch.nn.Sequential, how: Any, sample: Any, device
         del on_device
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the copy's memory goes back before the stages allocate their own
+
+
+def _with_extras(loss: Tensor, extras: dict[str, Any] | None) -> Tensor | dict[str, Any]:
+    return loss if extras is None else {"loss": loss, **extras}
 
 
 def _is_meta(module: torch.nn.Module) -> bool:

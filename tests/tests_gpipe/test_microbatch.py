@@ -140,3 +140,24 @@ def test_loss_weight_makes_a_token_mean_over_micro_batches_the_batch_token_mean(
         loss_weights(
             [{"loss": o["loss"], "loss_weight": torch.ones(2)} for o in outputs], microbatches, torch.device("cpu")
         )
+
+
+def test_step_extras_join_the_other_keys_of_the_micro_batches_outputs() -> None:
+    from lightning_gpipe.microbatch import step_extras
+
+    preds = torch.arange(5.0, requires_grad=True)
+    outputs = [
+        {"loss": torch.tensor(1.0), "preds": preds[:3] * 2, "tag": "a", "acc": torch.tensor(0.5)},
+        {"loss": torch.tensor(2.0), "preds": preds[3:] * 2, "tag": "a", "acc": torch.tensor(1.0)},
+    ]
+    extras = step_extras(outputs)
+    assert extras is not None
+    assert extras.keys() == {"preds", "tag", "acc"}
+    assert torch.equal(extras["preds"], torch.arange(5.0) * 2)  # per-sample: the batch's, as a plain step gives
+    assert not extras["preds"].requires_grad
+    assert extras["tag"] == "a"  # equal in every micro-batch: once
+    assert torch.equal(extras["acc"], torch.tensor([0.5, 1.0]))  # a per-batch value: one per micro-batch
+    assert step_extras([torch.tensor(1.0), torch.tensor(2.0)]) is None
+    assert step_extras([{"loss": torch.tensor(1.0)}]) is None
+    with pytest.raises(ValueError, match=r"different keys for the micro-batches of one batch \(\['a'\] and \['b'\]\)"):
+        step_extras([{"loss": torch.tensor(1.0), "a": 1}, {"loss": torch.tensor(1.0), "b": 1}])

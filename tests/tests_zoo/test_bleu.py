@@ -103,3 +103,22 @@ def test_errors_name_the_problem() -> None:
         corpus_bleu("a b", ["a b"])
     with pytest.raises(ValueError, match=r"hypotheses has pairs \['en-xa'\] but references has \['en-xb'\]"):
         bleu_by_pair({"en-xa": ["a"]}, {"en-xb": ["a"]})
+
+
+def test_token_bleu_equals_sacrebleu_on_the_ids_and_adds_up_over_batches() -> None:
+    import torch
+    from sacrebleu.metrics import BLEU
+
+    from zoo.bleu import TokenBLEU
+
+    hypotheses = torch.tensor([[5, 6, 7, 8, 9, 2, 0], [5, 5, 6, 2, 0, 0, 0], [7, 7, 7, 7, 7, 7, 7]])
+    references = torch.tensor([[1, 5, 6, 7, 3, 9, 2], [1, 5, 6, 6, 2, 0, 0], [1, 7, 8, 2, 0, 0, 0]])
+    metric = TokenBLEU()
+    metric.update(hypotheses[:1], references[:1])
+    metric.update(hypotheses[1:], references[1:])
+    expected = BLEU(tokenize="none", smooth_method="exp").corpus_score(
+        ["5 6 7 8 9", "5 5 6", "7 7 7 7 7 7 7"], [["5 6 7 3 9", "5 6 6", "7 8"]]
+    )
+    assert float(metric.compute()) == pytest.approx(expected.score, abs=1e-4)
+    with pytest.raises(ValueError, match=r"2 hypotheses for 3 references"):
+        metric.update(hypotheses[:2], references)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import zoo
+from lightning_gpipe.partitioned import PipelinedSequential
 from zoo.tasks.translation import Transformer
 from zoo.transformer.decoding import (
     BOS_ID,
@@ -135,3 +136,19 @@ def test_bad_inputs_are_refused_with_the_fix() -> None:
     model.layers = nn.ModuleList(model.layers)  # type: ignore[assignment]  # like a partitioned stand-in
     with pytest.raises(TypeError, match=r"decoding needs the whole model, but model.layers is a ModuleList"):
         greedy_decode(model, source, max_len=4)
+
+
+def test_decoding_through_the_pipelined_sequence_equals_the_whole_model() -> None:
+    # Inside a GPipeStrategy step the layers are the stand-in, and each token is one call of the whole sequence.
+    model, source = translator(3), sources(3)
+    greedy, beam = greedy_decode(model, source, 7), beam_search(model, source, 3, 7)
+    sequence = model.layers
+    stand_in = PipelinedSequential(dict(sequence.named_children()), len(sequence), 0, 1)
+    calls: list[object] = []
+    stand_in.runner = lambda value: calls.append(value) or sequence(value)
+    model.layers = stand_in  # type: ignore[assignment]
+    assert torch.equal(greedy_decode(model, source, 7), greedy)
+    assert len(calls) == greedy.shape[1]
+    pipelined = beam_search(model, source, 3, 7)
+    assert torch.equal(pipelined.tokens, beam.tokens)
+    torch.testing.assert_close(pipelined.scores, beam.scores)

@@ -188,3 +188,20 @@ def test_a_loaded_model_starts_in_training_mode(saved: Path) -> None:
     # from_pretrained returns eval-mode modules, and Lightning keeps modes: fine-tuning would run without dropout.
     model = zoo.load_pretrained(saved)
     assert all(module.training for module in model.modules())
+
+
+def test_greedy_generation_through_the_pipelined_sequence_equals_the_whole_model(saved: Path) -> None:
+    from lightning_gpipe.partitioned import PipelinedSequential
+    from zoo.hf.generation import greedy_generate
+
+    model = zoo.load_pretrained(saved)
+    source, _, _, prefix = batch(saved, transformers.AutoModelForSeq2SeqLM.from_pretrained(saved).eval())
+    whole = greedy_generate(model, source, prefix, max_new_tokens=6)
+    sequence = model.layers
+    # Inside a GPipeStrategy step the layers are the stand-in, and each token is one call of the whole sequence.
+    stand_in = PipelinedSequential(dict(sequence.named_children()), len(sequence), 0, 1)
+    calls = []
+    stand_in.runner = lambda value: calls.append(value) or sequence(value)
+    model.layers = stand_in  # type: ignore[assignment]
+    assert greedy_generate(model, source, prefix, max_new_tokens=6).tolist() == whole.tolist()
+    assert len(calls) == whole.shape[1] - 1 - len(prefix)

@@ -2,9 +2,11 @@
 
 Shape legend: B batch, S source length, T decoded length.
 
-Decoding runs on the whole model after ``fit``. The encoder runs once; the decoder re-reads the growing prefix at
-every step (no key/value cache), which is exact and fine at sentence lengths. It reproduces ``transformers``'
-``generate(num_beams=1, do_sample=False, bad_words_ids=[[pad]])``: the decoder starts from
+Decoding runs on the whole model after ``fit``, or inside a ``validation_step`` / ``predict_step`` under
+``GPipeStrategy``, where every token calls the whole pipelined sequence
+(:class:`~zoo.transformer.decoding.PrefixScorer`). On the whole model the encoder runs once; the decoder re-reads the
+growing prefix at every step (no key/value cache), which is exact and fine at sentence lengths. It reproduces
+``transformers``' ``generate(num_beams=1, do_sample=False, bad_words_ids=[[pad]])``: the decoder starts from
 ``decoder_start_token_id`` and the target-language ``prefix`` (M2M-100's forced ``__de__`` token), never emits
 padding, forces the config's ``forced_eos_token_id`` (Marian's ``</s>``) at the last step, and each row stops at
 ``</s>``; finished rows are padded.
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zoo.bleu import bleu_by_pair
+from zoo.transformer.decoding import PrefixScorer
 
 if TYPE_CHECKING:  # zoo.tasks.pretrained_translation imports zoo.hf, whose package imports this module
     from zoo.tasks.pretrained_translation import PretrainedTranslator
@@ -36,13 +39,13 @@ def greedy_generate(
     model.train(False)
     try:
         with torch.no_grad():
-            memory, mask = model.encode(source)
+            scorer = PrefixScorer(model, source)
             start = [model.decoder_start_id, *prefix]
             tokens = torch.tensor(start, device=source.device).repeat(source.shape[0], 1)  # [B, t]
             done = torch.zeros(source.shape[0], dtype=torch.bool, device=source.device)
             forced_eos = model.hparams["config"].get("forced_eos_token_id")
             for index in range(max_new_tokens):
-                logits = model.decode(memory, mask, tokens)[:, -1].float()  # [B, V]
+                logits = scorer.logits(tokens)  # [B, V]
                 logits[:, model.pad_id] = float("-inf")
                 step = logits.argmax(dim=-1)
                 if forced_eos is not None and index == max_new_tokens - 1:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from zoo._registry import register_model
+from zoo.bleu import TokenBLEU
 from zoo.tasks.base import ZooModule
+from zoo.transformer.decoding import beam_search, greedy_decode
 from zoo.transformer.network import decoder_slice, encoder_slice, transformer_layers
 from zoo.transformer.objective import sequence_cross_entropy
 from zoo.transformer.optimization import OPTIMIZERS, transformer_optimization
@@ -32,8 +35,11 @@ class Transformer(ZooModule):
     (``optimizer="adafactor"``, what lingvo used for the large runs); see :mod:`zoo.transformer.optimization`.
 
     Parameter counts and how they compare with the paper are in :mod:`zoo.transformer.network`. Decoding (greedy,
-    beam search) runs on the whole model after training: :mod:`zoo.transformer.decoding`; BLEU per pair:
-    :mod:`zoo.evaluation`.
+    beam search, :mod:`zoo.transformer.decoding`) runs on the whole model after training, and inside the steps under
+    ``GPipeStrategy`` too: ``predict_step`` returns the decoded tokens [B, ``max_decode_len``] (beam search when
+    ``beam_size`` > 1, greedy otherwise, padded), and ``val_bleu=True`` makes validation decode every batch the same
+    way and log ``val_bleu``, the corpus BLEU on token ids of each validation loader (:class:`~zoo.bleu.TokenBLEU`).
+    BLEU per pair on detokenized text: :mod:`zoo.evaluation`.
 
     Fine-tuning: ``zoo.load_pretrained(path)`` rebuilds the model with every weight loaded except the softmax (the
     head, :meth:`head_prefixes`), which starts afresh; ``freeze_backbone=True`` then trains the softmax only (every
@@ -57,13 +63,24 @@ class Transformer(ZooModule):
         lr: float = 5e-4,
         warmup_steps: int = 4000,
         freeze_backbone: bool = False,
+        val_bleu: bool = False,
+        beam_size: int = 1,
+        max_decode_len: int = 64,
+        length_penalty: float = 0.6,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(map(repr, OPTIMIZERS))}")
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1), e.g. 0.1 (0 turns smoothing off)")
+        if beam_size < 1 or max_decode_len < 1:
+            raise ValueError(
+                f"beam_size={beam_size} and max_decode_len={max_decode_len} must be at least 1 (beam_size 1 decodes "
+                "greedily; max_decode_len counts the generated tokens, </s> included)"
+            )
         self.save_hyperparameters()
+        # One BLEU per validation loader (one per directed pair); `setup` adds one per pair of the data module.
+        self.val_bleu = nn.ModuleList([TokenBLEU(pad_id=pad_id)]) if val_bleu else None
         self.layers = transformer_layers(
             num_layers,
             ff_dim,
@@ -95,6 +112,24 @@ class Transformer(ZooModule):
     def head_prefixes(self) -> tuple[str, ...]:
         return (f"layers.{len(self.layers) - 1}",)
 
+    def setup(self, stage: str) -> None:
+        pairs = getattr(getattr(self._trainer, "datamodule", None), "directed_pairs", None) or []
+        while self.val_bleu is not None and len(self.val_bleu) < len(pairs):
+            self.val_bleu.append(TokenBLEU(pad_id=self.hparams["pad_id"]))
+
+    def translate(self, source: torch.Tensor) -> torch.Tensor:
+        """Decoded tokens [B, ``max_decode_len``] for ``source`` [B, S], padded: beam search if ``beam_size`` > 1.
+
+        Works on the whole model and inside a step under ``GPipeStrategy``, where it calls the pipelined sequence once
+        per token.
+        """
+        max_len, beam = self.hparams["max_decode_len"], self.hparams["beam_size"]
+        if beam > 1:
+            tokens = beam_search(self, source, beam, max_len, self.hparams["length_penalty"]).tokens
+        else:
+            tokens = greedy_decode(self, source, max_len)
+        return nn.functional.pad(tokens, (0, max_len - tokens.shape[1]), value=self.hparams["pad_id"])
+
     def _loss(self, logits: torch.Tensor, target_out: torch.Tensor) -> torch.Tensor:
         return sequence_cross_entropy(
             logits, target_out, pad_id=self.hparams["pad_id"], label_smoothing=self.hparams["label_smoothing"]
@@ -121,6 +156,21 @@ class Transformer(ZooModule):
         # its loader's index; weighting batches by their tokens makes the epoch values per-pair token means.
         self.log("val_loss", self._loss(logits, target_out), prog_bar=True, sync_dist=True, batch_size=count)
         self.log("val_acc", correct / count, sync_dist=True, batch_size=count)
+        if self.val_bleu is not None:
+            if dataloader_idx >= len(self.val_bleu):
+                raise ValueError(
+                    f"validation loader {dataloader_idx} has no BLEU metric: val_bleu=True keeps one per directed pair "
+                    f"of the data module ({len(self.val_bleu)}); give a TranslationDataModule, or one validation loader"
+                )
+            bleu = self.val_bleu[dataloader_idx]
+            assert isinstance(bleu, TokenBLEU)
+            bleu.update(self.translate(source), target)
+            self.log("val_bleu", bleu, on_epoch=True, batch_size=source.shape[0])
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """The decoded tokens [B, ``max_decode_len``] of a batch ``(source, ...)`` or ``source`` (:meth:`translate`)."""
+        source = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self.translate(source)
 
     def configure_optimizers(self) -> Any:
         return transformer_optimization(

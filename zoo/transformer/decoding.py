@@ -2,11 +2,14 @@
 
 Shape legend: B batch, K beam size, S source length, T decoded length (at most ``max_len``), V vocabulary.
 
-Decoding calls the model once per output token, so it runs on the whole model after ``fit`` (under ``GPipeStrategy``
-the layers are partitioned only during ``fit``). The encoder runs once per source; the decoder re-reads the whole
-growing prefix at every step (no incremental key/value cache): O(T²) decoder work, simple and exact, and fine for the
-sentence lengths of translation. Padding and ``<s>`` are never generated (their logits are masked before the
-softmax), the same in every function here, so the scores they report are comparable.
+Decoding calls the model once per output token. On the whole model (after ``fit``) the encoder runs once per source
+and the decoder re-reads the whole growing prefix at every step (no incremental key/value cache): O(T²) decoder work,
+simple and exact, and fine for the sentence lengths of translation. Inside a step under ``GPipeStrategy`` (a
+``validation_step`` or ``predict_step`` that decodes), where ``model.layers`` is the pipelined sequence, every step
+calls the whole sequence on ``(source, prefix)`` instead, the encoder included: the strategy runs each such call
+through the stages (see :mod:`lightning_gpipe.relay`), and the tokens equal the whole model's. Padding and ``<s>``
+are never generated (their logits are masked before the softmax), the same in every function here, so the scores
+they report are comparable.
 
 Outputs are the generated tokens without the leading ``<s>``: each row ends with ``</s>`` followed by padding, or
 holds ``max_len`` tokens when no ``</s>`` came in time.
@@ -16,10 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
+
+from lightning_gpipe.partitioned import PipelinedSequential
 
 if TYPE_CHECKING:
     from zoo.tasks.translation import Transformer
@@ -29,6 +34,7 @@ __all__ = [
     "EOS_ID",
     "PAD_ID",
     "BeamSearchResult",
+    "PrefixScorer",
     "beam_search",
     "gnmt_length_penalty",
     "greedy_decode",
@@ -53,10 +59,10 @@ def gnmt_length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tenso
 @contextmanager
 def _inference(model: Transformer) -> Iterator[None]:
     """Eval mode without autograd for the duration, then the model's mode as it was."""
-    if not isinstance(model.layers, nn.Sequential):
+    if not isinstance(model.layers, (nn.Sequential, PipelinedSequential)):
         raise TypeError(
             f"decoding needs the whole model, but model.layers is a {type(model.layers).__name__}: decode after "
-            "trainer.fit returns (GPipeStrategy puts the whole nn.Sequential back), not inside a training step"
+            "trainer.fit returns, or inside a validation, test or predict step under GPipeStrategy"
         )
     if model.hparams.get("pad_id", PAD_ID) != PAD_ID:
         raise ValueError(
@@ -72,9 +78,34 @@ def _inference(model: Transformer) -> Iterator[None]:
         model.train(was_training)
 
 
-def _next_log_probs(model: Transformer, memory: torch.Tensor, mask: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+class PrefixScorer:
+    """Logits [N, V] of the token after a prefix [N, t], for sources [B, S] each repeated ``repeats`` times (N = B·R).
+
+    On the whole model the encoder runs here, once, and every :meth:`logits` runs the decoder. When ``model.layers``
+    is the pipelined sequence of a ``GPipeStrategy`` step, every :meth:`logits` calls the whole sequence on
+    ``(source, prefix)``: the strategy runs each call through the stages. Works for every zoo model with ``layers``,
+    ``encode`` and ``decode`` (:class:`~zoo.tasks.translation.Transformer`, the Hugging Face translators).
+    """
+
+    def __init__(self, model: Any, source: torch.Tensor, repeats: int = 1) -> None:
+        self.model = model
+        self.pipelined = isinstance(model.layers, PipelinedSequential)
+        if self.pipelined:
+            self.source = source.repeat_interleave(repeats, dim=0)  # [N, S]
+        else:
+            memory, mask = model.encode(source)
+            self.memory, self.mask = memory.repeat_interleave(repeats, dim=0), mask.repeat_interleave(repeats, dim=0)
+
+    def logits(self, prefix: torch.Tensor) -> torch.Tensor:
+        """Float logits [N, V] of the next token after ``prefix`` [N, t]."""
+        if self.pipelined:
+            return self.model.layers((self.source, prefix))[:, -1].float()
+        return self.model.decode(self.memory, self.mask, prefix)[:, -1].float()
+
+
+def _next_log_probs(scorer: PrefixScorer, prefix: torch.Tensor) -> torch.Tensor:
     """Log-probabilities [N, V] of the token after ``prefix`` [N, t], with padding and ``<s>`` excluded."""
-    logits = model.decode(memory, mask, prefix)[:, -1].float()
+    logits = scorer.logits(prefix)
     logits[:, [PAD_ID, BOS_ID]] = float("-inf")
     return logits.log_softmax(dim=-1)
 
@@ -90,11 +121,11 @@ def greedy_decode(model: Transformer, source: torch.Tensor, max_len: int) -> tor
     """The most likely next token at every step, for a batch of ``source`` [B, S]: LongTensor [B, T]."""
     _check(source, max_len)
     with _inference(model):
-        memory, mask = model.encode(source)
+        scorer = PrefixScorer(model, source)
         tokens = torch.full((source.shape[0], 1), BOS_ID, dtype=torch.long, device=source.device)
         finished = torch.zeros(source.shape[0], dtype=torch.bool, device=source.device)
         for _ in range(max_len):
-            word = _next_log_probs(model, memory, mask, tokens).argmax(dim=-1)
+            word = _next_log_probs(scorer, tokens).argmax(dim=-1)
             word = word.masked_fill(finished, PAD_ID)
             tokens = torch.cat([tokens, word[:, None]], dim=1)
             finished |= word == EOS_ID
@@ -138,8 +169,7 @@ def beam_search(
     B, K, device = source.shape[0], beam_size, source.device
     rows = torch.arange(B, device=device)
     with _inference(model):
-        memory, mask = model.encode(source)
-        memory, mask = memory.repeat_interleave(K, dim=0), mask.repeat_interleave(K, dim=0)  # [B·K, S, ...]
+        scorer = PrefixScorer(model, source, repeats=K)  # [B·K, S, ...]
         alive = torch.full((B, K, 1), BOS_ID, dtype=torch.long, device=device)  # [B, K, t + 1] with <s>
         alive_log_p = torch.full((B, K), float("-inf"), device=device)
         alive_log_p[:, 0] = 0.0  # K copies of <s> would fill the beam with duplicates: start from one
@@ -148,7 +178,7 @@ def beam_search(
         done = torch.zeros(B, dtype=torch.bool, device=device)
         final_penalty = gnmt_length_penalty(max_len, length_penalty).item()
         for step in range(max_len):
-            log_p = _next_log_probs(model, memory, mask, alive.view(B * K, -1)).view(B, K, -1)  # [B, K, V]
+            log_p = _next_log_probs(scorer, alive.view(B * K, -1)).view(B, K, -1)  # [B, K, V]
             V = log_p.shape[-1]
             candidates = (alive_log_p[:, :, None] + log_p).view(B, K * V)
             values, flat = candidates.topk(min(2 * K, K * V), dim=1)  # [B, 2K], best first

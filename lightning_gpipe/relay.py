@@ -1,0 +1,158 @@
+"""Repeated calls of the pipelined sequence in one evaluation step, driven by the last stage (autoregressive decoding).
+
+A decoder calls the sequence once per generated token, and what it feeds each call (the prefix so far) depends on what
+the previous call produced. Every stage runs the user's step up to its first call of the sequence, as in any step, and
+only the last stage runs the code after it. So the last stage drives: when its step calls the sequence again, it sends
+the call's input back along the pipeline to stage 0 as a control message (relayed stage by stage, against the
+direction of the activations, over the same links), and every stage runs its cell for the call as for a micro-batch.
+When the last stage's steps are over it sends ``done``, and the other stages, which serve calls from the end of their
+own steps on, go on. The stages thus agree on the number of calls by construction, and stage 0 gets exactly the
+tokens the last stage chose, without the last stage's outputs (logits of the whole vocabulary) ever being copied.
+
+Each further call is a step of one micro-batch on links of its own (a header per call, so the prefix may grow), sent
+after the first calls of the step: the other stages run ahead through those as usual, so an evaluation step that
+never calls twice costs one ``done`` message per link more than before. The calls of a micro-batch run one after
+another through the stages (the next call's input needs the last stage's output), so while a micro-batch decodes,
+one stage computes at a time.
+
+Control wire format: a ``CONTROL_BYTES`` uint8 buffer holding the payload length (8 bytes, little endian) and the
+pickled payload when it fits, else the payload follows as a second message (as the step headers of
+:mod:`lightning_gpipe.boundary`). The payload is ``("call", value)`` with the value's tensors on the CPU, or
+``("done", None)``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from lightning_gpipe.collectives import portable, to_device
+from lightning_gpipe.errors import PipelineError
+from lightning_gpipe.stage import Stage
+
+__all__ = ["CONTROL_BYTES", "CallRelay"]
+
+CONTROL_BYTES = 1024
+"""Size in bytes of a control message: payload length, then the pickled payload when it fits."""
+_LENGTH_BYTES = 8
+
+
+class CallRelay:
+    """The further calls of one stage: the last stage asks for them (:meth:`call`), the others :meth:`serve` them.
+
+    Args:
+        stage: the stage whose first calls the step runs; its cell, transport, timeline and anomaly checks are shared.
+        compute_guard: entered around the cell's computation (the in-process runner's random-stream scope).
+    """
+
+    def __init__(self, stage: Stage, compute_guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+        self.stage = stage
+        # A stage of its own for the further calls: its links keep a step's state (header, posted receives) apart
+        # from the first calls' links, whose receives may still be posted for micro-batches not yet run.
+        self._calls = Stage(
+            stage.cell,
+            stage.transport,
+            checkpoint="never",
+            timeline=stage.timeline,
+            compute_guard=compute_guard,
+            detect_anomalies=stage.detect_anomalies,
+        )
+        self.count = 0  # further calls in the current step
+
+    # --- last stage
+
+    def call(self, index: int, value: Any) -> Any:
+        """Run one further call of the sequence on ``value`` through every stage; the last stage's output.
+
+        On the last stage only, in the step of micro-batch ``index``, after that micro-batch's first call.
+        """
+        stage = self.stage
+        if not stage.is_last:
+            raise PipelineError(stage.index, "only the last stage drives further calls of the sequence")
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "the step called the pipelined sequence a second time with gradients enabled; under GPipeStrategy a "
+                "step may call the sequence several times (decoding) only in validation, test and predict steps, "
+                "without gradients. A training step passes its input through the sequence exactly once."
+            )
+        self.count += 1
+        if stage.num_stages == 1:
+            return self._run(value)
+        if self.count == 1:
+            # The previous stage sent the first calls of the whole step before this one; where receives are posted
+            # only when needed (device streams), this call's would take one of theirs: post theirs first.
+            stage.post_activations(after=index)
+        self._send_control(("call", portable(value)))
+        return self._run(None)
+
+    def finish(self) -> None:
+        """Tell the other stages that this step asks for no further calls (last stage, once per step)."""
+        if self.stage.num_stages > 1:
+            self._send_control(("done", None))
+            self.stage.transport.wait_sends()
+        self.count = 0
+
+    # --- other stages
+
+    def serve(self) -> int:
+        """Run the further calls the last stage asks for until it says ``done``; how many there were."""
+        stage = self.stage
+        if stage.is_last:
+            raise PipelineError(stage.index, "the last stage drives further calls; it does not serve them")
+        served = 0
+        while True:
+            kind, value = self._receive_control()
+            if kind == "done":
+                self.stage.transport.wait_sends()
+                return served
+            served += 1
+            self._run(to_device(value, stage.transport.device) if stage.is_first else None)
+
+    # --- both
+
+    def abort(self, reason: str) -> None:
+        """Drop the further calls' state after a failed step."""
+        self.count = 0
+        self._calls.abort(reason)
+
+    def _run(self, value: Any) -> Any:
+        # One micro-batch per call: its size only names the header's batch dimension, which nothing predicts from.
+        self._calls.begin_step([1])
+        return self._calls.forward(0, value)
+
+    def _send_control(self, payload: tuple[str, Any]) -> None:
+        """Send ``payload`` to the previous stage (this stage's own or relayed from the next)."""
+        transport = self.stage.transport
+        data = pickle.dumps(payload)
+        message = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
+        message[:_LENGTH_BYTES] = torch.tensor(list(len(data).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
+        fits = len(data) <= CONTROL_BYTES - _LENGTH_BYTES
+        if fits:
+            message[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        peer = self.stage.index - 1
+        transport.send(message.to(transport.device), peer)
+        if not fits:
+            transport.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(transport.device), peer)
+
+    def _receive_control(self) -> tuple[str, Any]:
+        """The next control message from the next stage, relayed on to the previous one."""
+        transport, peer = self.stage.transport, self.stage.index + 1
+        what = "the last stage's next call of the sequence (or its end of the step)"
+        header = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=transport.device)
+        transport.recv(header, peer, what)
+        raw = header.cpu()
+        length = int.from_bytes(bytes(raw[:_LENGTH_BYTES].tolist()), "little")
+        if length <= CONTROL_BYTES - _LENGTH_BYTES:
+            data = bytes(raw[_LENGTH_BYTES : _LENGTH_BYTES + length].tolist())
+        else:
+            payload = torch.empty(length, dtype=torch.uint8, device=transport.device)
+            transport.recv(payload, peer, what)
+            data = bytes(payload.cpu().tolist())
+        kind, value = pickle.loads(data)
+        if not self.stage.is_first:
+            self._send_control((kind, value))
+        return kind, value
