@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpipe.checkpoint import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
 from lightning_gpipe.partition import balance_by_cost, cell_bounds
@@ -180,11 +181,10 @@ class InfeasiblePlanError(ValueError):
         """The least memory per device that fits on the asked device count."""
 
 
-def _microbatch_counts(batch: int, chunks: Sequence[int] | None) -> list[int]:
-    if chunks is not None:
-        return sorted({m for m in chunks if 1 <= m <= batch})
-    counts = [1 << p for p in range(0, 16) if (1 << p) <= batch]
-    return sorted(set(counts))
+def _microbatch_counts(batch: int, chunks: Sequence[int] | None, smallest: int = 1) -> list[int]:
+    """The M values to weigh: ``chunks``, or the powers of two, keeping micro-batches of at least ``smallest``."""
+    counts = chunks if chunks is not None else [1 << p for p in range(16)]
+    return sorted({m for m in counts if 1 <= m <= batch and math.ceil(batch / m) >= smallest} or {1})
 
 
 def evaluate(
@@ -266,13 +266,14 @@ def _search(
     chunks: Sequence[int] | None,
     checkpoints: Sequence[CheckpointMode],
     schedules: Sequence[str],
+    smallest: int = 1,
     **options: Any,
 ) -> list[Candidate]:
     found: list[Candidate] = []
     for K in pipe_sizes:
         replicas = devices // K
         per_replica = math.ceil(batch_size / replicas)
-        for M in _microbatch_counts(per_replica, chunks):
+        for M in _microbatch_counts(per_replica, chunks, smallest):
             for mode in checkpoints:
                 for schedule in schedules:
                     by_time = evaluate(
@@ -315,9 +316,11 @@ def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, op
     )
 
 
-def _key(candidate: Candidate) -> tuple[float, float]:
-    # The fastest; among equally fast ones (within 1%), the one with the most memory to spare.
-    return (round(math.log(max(candidate.step_time, 1e-12)) / math.log(1.01)), candidate.peak)
+def _key(candidate: Candidate) -> tuple[float, float, int]:
+    # The fastest; among equally fast ones (within 1%), the one with the most memory to spare, then the one that
+    # recomputes least (at M = 1 "except_last" is "never" under another name).
+    recompute = ("never", "except_last", "always").index(candidate.checkpoint)
+    return (round(math.log(max(candidate.step_time, 1e-12)) / math.log(1.01)), candidate.peak, recompute)
 
 
 def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], budget: float) -> list[str]:
@@ -362,6 +365,12 @@ def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], 
         f"{best.bubble:.0%}, peak {_gib(best.peak)} of {_gib(budget)}"
     )
     return reasons
+
+
+def _smallest_microbatch(layers: nn.Module) -> int:
+    # Training-mode BatchNorm needs two samples per channel; a micro-batch of one would fail (or, on a 1x1 map,
+    # raise "Expected more than 1 value per channel").
+    return 2 if any(isinstance(m, _BatchNorm) for m in layers.modules()) else 1
 
 
 def _layers_of(model: nn.Module) -> nn.Sequential:
@@ -423,12 +432,13 @@ def plan(
     layers = _layers_of(model)
     L = len(layers)
     pipe_sizes = [K for K in range(1, min(devices, L) + 1) if devices % K == 0]
+    smallest = _smallest_microbatch(layers)
     if profile is None:
         sizes: set[int] = set()
         for K in range(1, max(devices, 1) + 1):
             replicas = max(1, devices // K)
             per_replica = math.ceil(batch_size / replicas)
-            sizes |= {math.ceil(per_replica / m) for m in _microbatch_counts(per_replica, chunks)}
+            sizes |= {math.ceil(per_replica / m) for m in _microbatch_counts(per_replica, chunks, smallest)}
         profile = profile_layers(
             layers,
             sample,
@@ -438,10 +448,10 @@ def plan(
             flops_per_second=flops_per_second,
         )
     options = {"optimizer_slots": optimizer_slots, "bandwidth": bandwidth, "latency": latency}
-    every = _search(profile, pipe_sizes, devices, batch_size, chunks, modes, kinds, **options)
+    every = _search(profile, pipe_sizes, devices, batch_size, chunks, modes, kinds, smallest, **options)
     fitting = [c for c in every if c.peak <= budget]
     if not fitting:
-        raise _infeasible(profile, devices, budget, batch_size, chunks, modes, kinds, every, options)
+        raise _infeasible(profile, devices, budget, batch_size, chunks, modes, kinds, every, smallest, options)
     best = min(fitting, key=_key)
     reasons = _reasons(best, fitting, every, budget)
     ranked = tuple(sorted(fitting, key=_key)[:10])
@@ -457,13 +467,16 @@ def _infeasible(
     modes: list[CheckpointMode],
     kinds: list[str],
     every: list[Candidate],
+    smallest: int,
     options: dict[str, Any],
 ) -> InfeasiblePlanError:
     least = min(every, key=lambda c: c.peak)
     min_devices: int | None = None
     for K in range(devices + 1, len(profile) + 1):
         # One pipeline of K devices, each with the asked memory, the thriftiest settings first.
-        if any(c.peak <= budget for c in _search(profile, [K], K, batch_size, chunks, modes, kinds, **options)):
+        if any(
+            c.peak <= budget for c in _search(profile, [K], K, batch_size, chunks, modes, kinds, smallest, **options)
+        ):
             min_devices = K
             break
     more = (

@@ -77,20 +77,24 @@ def stage_memory(
     widest = n * max(layer.output_bytes for layer in layers)
     workspace = n * max(layer.transient_bytes for layer in layers)
     stop = checkpoint_stop(checkpoint, num_microbatches)
+    last = stage == num_stages - 1
+    loss = n * profile.loss_saved_bytes if last else 0.0
+    if last:
+        workspace = max(workspace, n * profile.loss_transient_bytes)
 
     def kept(i: int) -> float:
-        return received + output if i < stop else saved + output
+        return loss + (received + output if i < stop else saved + output)
 
     live = peak = 0.0
     for action in stage_actions(schedule, stage, num_stages, num_microbatches):
         i = action.microbatch
         if action.phase is Phase.FORWARD:
             # A re-materialized forward still builds each layer's output from the one before.
-            peak = max(peak, live + (received + 2 * widest if i < stop else saved + output))
+            peak = max(peak, live + loss + (received + 2 * widest if i < stop else saved + output))
             live += kept(i)
         else:
             rebuilt = saved if i < stop else 0.0
-            gradient = output if stage < num_stages - 1 else 0.0
+            gradient = 0.0 if last else output
             peak = max(peak, live + rebuilt + gradient + workspace)
             live -= kept(i)
     assert math.isclose(live, 0.0, abs_tol=1e-6 * max(peak, 1.0)), "every micro-batch's backward frees what it kept"

@@ -66,6 +66,8 @@ class ModelProfile:
     input_bytes: float  # per sample, the first layer's input
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
     device: str = "cpu"
+    loss_saved_bytes: float = 0.0  # per sample: what the loss keeps for backward, on the last stage
+    loss_transient_bytes: float = 0.0  # per sample: the loss's backward peak above that
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -114,7 +116,9 @@ class ModelProfile:
             n: (tuple(f[i % len(f)] for i in range(layers)), tuple(b[i % len(b)] for i in range(layers)))
             for n, (f, b) in self.times.items()
         }
-        return ModelProfile(tuple(pick), self.input_bytes, times, self.device)
+        return ModelProfile(
+            tuple(pick), self.input_bytes, times, self.device, self.loss_saved_bytes, self.loss_transient_bytes
+        )
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -172,12 +176,18 @@ def _rows(sample: Any) -> int:
     return sizes.pop()
 
 
+def _key(t: Tensor) -> int:
+    """The identity of ``t``'s memory: views of one storage share it. Meta storages have no address; ``_cdata``
+    identifies the storage itself (a new Python object wraps it at every call)."""
+    storage = t.untyped_storage()
+    return int(storage._cdata) if t.is_meta else int(storage.data_ptr())
+
+
 def _storage_bytes(value: Any) -> int:
     seen: dict[int, int] = {}
     for t in tree_leaves(value):
         if isinstance(t, Tensor):
-            storage = t.untyped_storage()
-            seen[id(storage) if t.is_meta else storage.data_ptr()] = storage.nbytes()
+            seen[_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -239,10 +249,9 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int]) ->
     saved: dict[int, int] = {}
 
     def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        key = id(storage) if t.is_meta else storage.data_ptr()
+        key = _key(t)
         if key not in state:
-            saved[key] = storage.nbytes()
+            saved[key] = t.untyped_storage().nbytes()
         return t
 
     leaves, x = _leaf_input(value)
@@ -283,7 +292,8 @@ def profile_layers(
             micro-batch size). On the meta device only with ``flops_per_second``.
         microbatch_sizes: the micro-batch sizes to time; bytes are counted at the smallest (they grow linearly).
         device: where to run; defaults to the sample's device. Meta layers are materialized there one at a time.
-        loss_fn: ``loss_fn(last_output) -> scalar``, counted as part of the last layer (logits' softmax, say).
+        loss_fn: ``loss_fn(last_output) -> scalar``, its time counted with the last layer, its activations
+            apart (they are kept per micro-batch whatever the re-materialization).
         flops_per_second: time each layer analytically from its FLOPs at this rate instead of measuring
             (backward = 2 × forward), e.g. for a device you do not have.
         repeats: timed runs per layer and size (the median is kept).
@@ -311,33 +321,34 @@ def profile_layers(
     with _preserved_state(layers, sample):
         # Each layer's input at the smallest size, computed layer by layer (meta layers materialized one at a time).
         base = _resized(sample, rows)
-        inputs: list[Any] = []
         seen: set[int] = set()
         results: list[LayerProfile] = []
         x = base
-        for index, layer in enumerate(layers):
+        for layer in layers:
             real = layer if meta else _materialized(layer, target)
-            run = _with_loss(real, loss_fn if index == len(layers) - 1 else None)
             params, trainable, buffers = _state_bytes(layer, seen)
-            state_keys = {
-                id(t.untyped_storage()) if t.is_meta else t.untyped_storage().data_ptr()
-                for t in (*real.parameters(), *real.buffers())
-            }
-            saved, out, transient = _activation_bytes(run, x, state_keys)
-            flops = _forward_flops(run, x)
+            state_keys = {_key(t) for t in (*real.parameters(), *real.buffers())}
+            saved, out, transient = _activation_bytes(real, x, state_keys)
+            flops = _forward_flops(real, x)
             name = type(layer).__name__
             results.append(
                 LayerProfile(name, params, trainable, buffers, saved / rows, out / rows, transient / rows, flops / rows)
             )
-            inputs.append(x)
             with torch.no_grad():
                 x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
+        # The loss runs after the last stage's cell, outside its re-materialization: its activations stay per
+        # micro-batch whatever the checkpoint mode, so they are kept apart from the last layer's.
+        loss_saved = loss_transient = 0.0
+        if loss_fn is not None:
+            loss_saved, _, loss_transient = _activation_bytes(loss_fn, x, set())
         times = (
             _flop_times(results, sizes, flops_per_second)
             if flops_per_second is not None
             else _measured_times(layers, loss_fn, sample, sizes, target, repeats, warmup)
         )
-    return ModelProfile(tuple(results), _storage_bytes(base) / rows, times, str(target))
+    return ModelProfile(
+        tuple(results), _storage_bytes(base) / rows, times, str(target), loss_saved / rows, loss_transient / rows
+    )
 
 
 def _with_loss(layer: nn.Module, loss_fn: LossFn | None) -> Callable[[Any], Any]:
