@@ -161,13 +161,14 @@ class Plan:
         return Group(head, stages, why)
 
     def __str__(self) -> str:
+        import io
+
         from rich.console import Console
 
-        console = Console(width=110, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+        # force_jupyter=False: in a notebook rich would otherwise display the table itself, besides returning it.
+        console = Console(width=110, record=True, file=io.StringIO(), force_jupyter=False)
         console.print(self.table())
-        text = console.export_text()
-        console.file.close()
-        return text
+        return console.export_text()
 
 
 class InfeasiblePlanError(ValueError):
@@ -348,7 +349,7 @@ def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], 
             least = min(pool, key=lambda c: c.peak)
             reasons.append(f"checkpoint={mode!r} does not fit: at best {_gib(least.peak)} with M={least.chunks}")
         elif fits is not None and _key(fits)[0] == _key(best)[0]:
-            reasons.append(f"checkpoint={mode!r} is as fast but peaks higher: {_gib(fits.peak)} with M={fits.chunks}")
+            reasons.append(f"checkpoint={mode!r} is as fast, peaking at {_gib(fits.peak)} with M={fits.chunks}")
         elif fits is not None:
             reasons.append(f"checkpoint={mode!r} is slower: {fits.step_time * 1e3:.1f} ms with M={fits.chunks}")
     for count in sorted({c.chunks for c in same_k}):
