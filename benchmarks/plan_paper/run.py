@@ -17,6 +17,7 @@ exact saved-tensor bytes, no data); :func:`~lightning_gpipe.plan.evaluate` then 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import pathlib
 import time
@@ -67,12 +68,17 @@ def _image_loss(outputs: Any) -> torch.Tensor:
     return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
 
 
-def transformer_profile(layers: int, sizes: list[int]) -> ModelProfile:
-    """Transformer-L with ``layers`` layers: one layer profiled, then repeated (every layer is the same)."""
+@functools.cache
+def _one_layer(sizes: tuple[int, ...]) -> ModelProfile:
     with torch.device("meta"):
         model = zoo.create_model("transformer_lm", num_layers=1, dropout=0.0)
     sample = torch.empty(1, SEQUENCE, dtype=torch.long, device="meta")
-    one = profile_layers(model.layers, sample, microbatch_sizes=sizes, loss_fn=_lm_loss, flops_per_second=RATE)
+    return profile_layers(model.layers, sample, microbatch_sizes=sizes, loss_fn=_lm_loss, flops_per_second=RATE)
+
+
+def transformer_profile(layers: int, sizes: list[int]) -> ModelProfile:
+    """Transformer-L with ``layers`` layers: one layer profiled, then repeated (every layer is the same)."""
+    one = _one_layer(tuple(sizes))
     picks = [0] + [1] * layers + [2]
     times = {n: (tuple(f[i] for i in picks), tuple(b[i] for i in picks)) for n, (f, b) in one.times.items()}
     return ModelProfile(
@@ -178,7 +184,7 @@ def table1_amoebanet() -> list[str]:
             mid = ((low + high) // 2 + 7) // 8 * 8
             if mid >= high:
                 mid = high
-            profile, count = amoebanet_profile(18, mid, [1, 4, 16, 128])
+            profile, count = amoebanet_profile(18, mid, [2, 4, 16, 128])
             if _fits(profile, K, 128, 8 * GB, setting == "Naive-1")[0]:
                 low, params = mid, count
             else:

@@ -91,6 +91,7 @@ class Candidate:
         return max(memory.peak for memory in self.stage_memory)
 
     def label(self) -> str:
+        """The settings in one line, as the reasons and messages quote them."""
         return (
             f"K={self.pipe_size}, M={self.chunks}, checkpoint={self.checkpoint!r}, schedule={self.schedule!r}, "
             f"balance={list(self.balance)}"
@@ -109,14 +110,45 @@ class Plan:
     candidates: tuple[Candidate, ...] = field(repr=False, default=())
     profile: ModelProfile | None = field(repr=False, default=None)
 
-    pipe_size = property(lambda self: self.best.pipe_size, doc="K, stages per pipeline.")
-    chunks = property(lambda self: self.best.chunks, doc="M, micro-batches per mini-batch.")
-    balance = property(lambda self: list(self.best.balance), doc="Layers per stage.")
-    checkpoint = property(lambda self: self.best.checkpoint, doc="The re-materialization mode.")
-    schedule = property(lambda self: self.best.schedule, doc="The schedule.")
-    step_time = property(lambda self: self.best.step_time, doc="Predicted seconds per step.")
-    bubble = property(lambda self: self.best.bubble, doc="Predicted idle share of the stages.")
-    stage_peaks = property(lambda self: [m.peak for m in self.best.stage_memory], doc="Predicted peak bytes per stage.")
+    @property
+    def pipe_size(self) -> int:
+        """K, stages per pipeline."""
+        return self.best.pipe_size
+
+    @property
+    def chunks(self) -> int:
+        """M, micro-batches per mini-batch."""
+        return self.best.chunks
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage."""
+        return list(self.best.balance)
+
+    @property
+    def checkpoint(self) -> CheckpointMode:
+        """The re-materialization mode."""
+        return self.best.checkpoint
+
+    @property
+    def schedule(self) -> str:
+        """The schedule."""
+        return self.best.schedule
+
+    @property
+    def step_time(self) -> float:
+        """Predicted seconds per optimizer step."""
+        return self.best.step_time
+
+    @property
+    def bubble(self) -> float:
+        """Predicted idle share of the stages."""
+        return self.best.bubble
+
+    @property
+    def stage_peaks(self) -> list[float]:
+        """Predicted peak bytes per stage."""
+        return [memory.peak for memory in self.best.stage_memory]
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~lightning_gpipe.GPipeStrategy` that carry out this plan."""

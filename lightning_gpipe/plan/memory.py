@@ -71,7 +71,9 @@ def stage_memory(
     n = microbatch_size
     trainable = sum(layer.trainable_bytes for layer in layers)
     state = sum(layer.param_bytes + layer.buffer_bytes for layer in layers) + trainable * (1.0 + optimizer_slots)
-    saved = n * sum(layer.saved_bytes for layer in layers)
+    # A layer that saves its input and a previous layer that saved its output hold one tensor: count it once.
+    overlap = sum(min(b.saved_input_bytes, a.saved_output_bytes) for a, b in zip(layers, layers[1:], strict=False))
+    saved = n * (sum(layer.saved_bytes for layer in layers) - overlap)
     received = n * (profile.layers[cell.start - 1].output_bytes if cell.start > 0 else 0.0)
     output = n * layers[-1].output_bytes
     widest = n * max(layer.output_bytes for layer in layers)
@@ -82,8 +84,12 @@ def stage_memory(
     if last:
         workspace = max(workspace, n * profile.loss_transient_bytes)
 
+    # The last stage hands its output to the loss, which keeps what it needs (``loss``); other stages keep the output
+    # they sent until its gradient comes back.
+    sent = 0.0 if last else output
+
     def kept(i: int) -> float:
-        return loss + (received + output if i < stop else saved + output)
+        return loss + (received + sent if i < stop else saved + sent)
 
     live = peak = 0.0
     for action in stage_actions(schedule, stage, num_stages, num_microbatches):

@@ -51,6 +51,8 @@ class LayerProfile:
     output_bytes: float  # per sample: what the layer hands to the next one
     transient_bytes: float  # per sample: the backward pass's peak above what the forward left alive
     flops: float  # per sample, forward
+    saved_input_bytes: float = 0.0  # per sample: the part of saved_bytes that is the layer's input itself
+    saved_output_bytes: float = 0.0  # per sample: the part of saved_bytes that is the layer's output itself
 
 
 @dataclass(frozen=True)
@@ -244,8 +246,9 @@ def _state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
     return params, trainable, buffers
 
 
-def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int]) -> tuple[float, float, float]:
-    """Saved, output and transient bytes of one forward plus backward of ``run`` on ``value`` (not per sample)."""
+def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int]) -> tuple[float, ...]:
+    """Bytes of one forward plus backward of ``run`` on ``value`` (not per sample): saved, output, transient, and
+    the parts of the saved bytes that are the input's and the output's own storages."""
     saved: dict[int, int] = {}
 
     def pack(t: Tensor) -> Tensor:
@@ -254,6 +257,10 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int]) ->
             saved[key] = t.untyped_storage().nbytes()
         return t
 
+    def shared(tensors: Any) -> float:
+        keys = {_key(t) for t in tree_leaves(tensors) if isinstance(t, Tensor)}
+        return float(sum(size for key, size in saved.items() if key in keys))
+
     leaves, x = _leaf_input(value)
     meta = any(t.is_meta for t in leaves) or any(isinstance(t, Tensor) and t.is_meta for t in tree_leaves(x))
     if meta:
@@ -261,7 +268,8 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int]) ->
             output = run(x)
         out_bytes = _storage_bytes(output)
         # No storage to watch on meta: the backward holds the output's gradient and the input's.
-        return float(sum(saved.values())), float(out_bytes), float(2 * max(out_bytes, _storage_bytes(x)))
+        transient = float(2 * max(out_bytes, _storage_bytes(x)))
+        return float(sum(saved.values())), float(out_bytes), transient, shared(x), shared(output)
     counter = _LiveBytes()
     with torch.enable_grad(), counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = run(x)
@@ -270,7 +278,8 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int]) ->
         outputs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
         if outputs:
             torch.autograd.grad(outputs, outputs + leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
-    return float(sum(saved.values())), float(_storage_bytes(output)), float(max(0, counter.peak - after_forward))
+    transient = float(max(0, counter.peak - after_forward))
+    return float(sum(saved.values())), float(_storage_bytes(output)), transient, shared(x), shared(output)
 
 
 def profile_layers(
@@ -328,11 +337,22 @@ def profile_layers(
             real = layer if meta else _materialized(layer, target)
             params, trainable, buffers = _state_bytes(layer, seen)
             state_keys = {_key(t) for t in (*real.parameters(), *real.buffers())}
-            saved, out, transient = _activation_bytes(real, x, state_keys)
+            saved, out, transient, saved_in, saved_out = _activation_bytes(real, x, state_keys)
             flops = _forward_flops(real, x)
             name = type(layer).__name__
             results.append(
-                LayerProfile(name, params, trainable, buffers, saved / rows, out / rows, transient / rows, flops / rows)
+                LayerProfile(
+                    name,
+                    params,
+                    trainable,
+                    buffers,
+                    saved / rows,
+                    out / rows,
+                    transient / rows,
+                    flops / rows,
+                    saved_in / rows,
+                    saved_out / rows,
+                )
             )
             with torch.no_grad():
                 x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
@@ -340,7 +360,7 @@ def profile_layers(
         # micro-batch whatever the checkpoint mode, so they are kept apart from the last layer's.
         loss_saved = loss_transient = 0.0
         if loss_fn is not None:
-            loss_saved, _, loss_transient = _activation_bytes(loss_fn, x, set())
+            loss_saved, _, loss_transient, _, _ = _activation_bytes(loss_fn, x, set())
         times = (
             _flop_times(results, sizes, flops_per_second)
             if flops_per_second is not None

@@ -63,9 +63,9 @@ def test_memory_of_one_stage_without_rematerialization() -> None:
     )
     assert memory.state == 8 * MiB * (1 + 1 + 2)  # parameters, gradients, Adam's two moments
     assert memory.batch == 16 * profile.input_bytes
-    # Fill-drain: all M micro-batches keep every saved activation and the output; the first backward adds the
-    # largest layer's workspace (the last stage receives no gradient).
-    assert memory.activations == M * n * (8 * 0.5 * MiB + 0.125 * MiB) + n * 0.25 * MiB
+    # Fill-drain: all M micro-batches keep every saved activation; the first backward adds the largest layer's
+    # workspace. This is the last stage: its output went to the loss, and no gradient comes back to it.
+    assert memory.activations == M * n * 8 * 0.5 * MiB + n * 0.25 * MiB
     assert memory.optimizer == 8 * MiB
     assert memory.peak == memory.state + memory.batch + memory.activations
 
@@ -75,13 +75,32 @@ def test_rematerialization_keeps_boundaries_and_rebuilds_one_micro_batch() -> No
     n, M = 4, 4
     kwargs = {"num_microbatches": M, "microbatch_size": n, "batch_size": 16, "num_stages": 2}
     always = stage_memory(profile, range(4, 8), stage=1, checkpoint="always", **kwargs)
-    # Stage 1 keeps each micro-batch's received input and output; the first backward rebuilds one micro-batch's
+    # Stage 1 (the last) keeps each micro-batch's received input; the first backward rebuilds one micro-batch's
     # saved activations and needs the workspace.
-    boundary = n * (0.125 + 0.125) * MiB
+    boundary = n * 0.125 * MiB
     assert always.activations == M * boundary + n * 4 * 0.5 * MiB + n * 0.25 * MiB
     except_last = stage_memory(profile, range(4, 8), stage=1, checkpoint="except_last", **kwargs)
     # The last micro-batch keeps its activations instead of its boundary; its backward comes first.
-    assert except_last.activations == (M - 1) * boundary + n * (4 * 0.5 + 0.125) * MiB + n * 0.25 * MiB
+    assert except_last.activations == (M - 1) * boundary + n * 4 * 0.5 * MiB + n * 0.25 * MiB
+
+
+def test_a_tensor_saved_by_two_neighbouring_layers_counts_once() -> None:
+    # Each layer saves its input (0.25 MiB of its 0.5) and its output (0.125): layer l's saved output is layer l+1's
+    # saved input, so a 4-layer stage holds 4 x 0.5 - 3 x 0.125 MiB per sample, and its output as the forward ends.
+    layer = LayerProfile("Block", 0, 0, 0, 0.5 * MiB, 0.125 * MiB, 0.0, 1.0, 0.25 * MiB, 0.125 * MiB)
+    profile = ModelProfile((layer,) * 4, 0.125 * MiB, {})
+    memory = stage_memory(
+        profile,
+        range(4),
+        stage=0,
+        num_stages=1,
+        num_microbatches=1,
+        microbatch_size=1,
+        batch_size=1,
+        checkpoint="never",
+        optimizer_slots=0,
+    )
+    assert memory.activations == (4 * 0.5 - 3 * 0.125 + 0.125) * MiB
 
 
 def test_1f1b_holds_fewer_micro_batches_than_fill_drain() -> None:
