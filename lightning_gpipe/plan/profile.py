@@ -213,9 +213,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _pass_seconds(run: Callable[[Any], Any], layer: nn.Module, value: Any, device: torch.device) -> tuple[float, float]:
+def _input(value: Any, first: bool) -> tuple[list[Tensor], Any]:
+    """The layer's input as training sees it: the model's input (first layer) needs no gradient, a boundary does."""
+    if first:
+        return [], map_tensors(lambda t: t.clone(), value)
+    return _leaf_input(value)
+
+
+def _pass_seconds(
+    run: Callable[[Any], Any], layer: nn.Module, value: Any, device: torch.device, first: bool = False
+) -> tuple[float, float]:
     """Seconds of one forward and one backward of ``run`` (``layer``, perhaps followed by the loss) on ``value``."""
-    leaves, x = _leaf_input(value)
+    leaves, x = _input(value, first)
     params = [p for p in layer.parameters() if p.requires_grad]
     _sync(device)
     start = time.perf_counter()
@@ -246,7 +255,7 @@ def _state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
     return params, trainable, buffers
 
 
-def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int]) -> tuple[float, ...]:
+def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], first: bool = False) -> tuple[float, ...]:
     """Bytes of one forward plus backward of ``run`` on ``value`` (not per sample): saved, output, transient, and
     the parts of the saved bytes that are the input's and the output's own storages."""
     saved: dict[int, int] = {}
@@ -261,7 +270,7 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int]) ->
         keys = {_key(t) for t in tree_leaves(tensors) if isinstance(t, Tensor)}
         return float(sum(size for key, size in saved.items() if key in keys))
 
-    leaves, x = _leaf_input(value)
+    leaves, x = _input(value, first)
     meta = any(t.is_meta for t in leaves) or any(isinstance(t, Tensor) and t.is_meta for t in tree_leaves(x))
     if meta:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -333,11 +342,11 @@ def profile_layers(
         seen: set[int] = set()
         results: list[LayerProfile] = []
         x = base
-        for layer in layers:
+        for index, layer in enumerate(layers):
             real = layer if meta else _materialized(layer, target)
             params, trainable, buffers = _state_bytes(layer, seen)
             state_keys = {_key(t) for t in (*real.parameters(), *real.buffers())}
-            saved, out, transient, saved_in, saved_out = _activation_bytes(real, x, state_keys)
+            saved, out, transient, saved_in, saved_out = _activation_bytes(real, x, state_keys, first=index == 0)
             flops = _forward_flops(real, x)
             name = type(layer).__name__
             results.append(
@@ -425,14 +434,14 @@ def _measured_times(
                 if not round_robin:
                     index = len(inputs) - 1
                     run_fn = _with_loss(real, loss_fn if index == last else None)
-                    _time_layer(real, run_fn, inputs[-1], device, runs[index], repeats, warmup)
+                    _time_layer(real, run_fn, inputs[-1], device, runs[index], repeats, warmup, index == 0)
                 del real
         if round_robin:
             for run in range(warmup + repeats):
                 for index, layer in enumerate(layers):
                     with torch.enable_grad():
                         run_fn = _with_loss(layer, loss_fn if index == last else None)
-                        seconds = _pass_seconds(run_fn, layer, inputs[index], device)
+                        seconds = _pass_seconds(run_fn, layer, inputs[index], device, first=index == 0)
                     if run >= warmup:
                         runs[index].append(seconds)
         times[n] = (
@@ -450,9 +459,10 @@ def _time_layer(
     into: list[tuple[float, float]],
     repeats: int,
     warmup: int,
+    first: bool,
 ) -> None:
     with torch.enable_grad():
         for index in range(warmup + repeats):
-            seconds = _pass_seconds(run, layer, value, device)
+            seconds = _pass_seconds(run, layer, value, device, first)
             if index >= warmup:
                 into.append(seconds)
