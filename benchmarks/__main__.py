@@ -37,11 +37,15 @@ HEADLINE = re.compile(r"^([a-z][a-z0-9_]*)=(\S+)$")
 
 @dataclass(frozen=True)
 class Headline:
-    """A goal the issue sets for a headline value (``value >= minimum``)."""
+    """A goal the issue sets for a headline value (``value >= minimum``, or ``value <= minimum`` with ``at_most``)."""
 
     key: str
     minimum: float
     meaning: str
+    at_most: bool = False
+
+    def met(self, value: float) -> bool:
+        return value <= self.minimum if self.at_most else value >= self.minimum
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,16 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         full_deadline=2400,
         headlines=(
             Headline("pipeline1_layers_vs_naive1", 2.5, "deepest Transformer-L in one budget, Pipeline-1 / Naive-1"),
+        ),
+    ),
+    Experiment(
+        "plan_calibration",
+        quick_deadline=0,
+        full_deadline=2400,
+        quick=False,
+        headlines=(
+            Headline("plan_memory_error", 0.10, "worst relative error of predicted peak memory per stage", True),
+            Headline("plan_time_error", 0.15, "worst relative error of predicted step time", True),
         ),
     ),
     Experiment("engine_speed", quick_deadline=0, full_deadline=1200, quick=False),
@@ -145,8 +159,11 @@ def _index_block(results: dict[str, str], command: str, elapsed: float) -> str:
     for experiment in EXPERIMENTS:
         for goal in experiment.headlines:
             value = results.get(goal.key)
-            met = "n/a" if value is None else ("yes" if _number(value) >= goal.minimum else "**no**")
-            rows.append(f"| `{goal.key}` | {value or 'missing'} | >= {goal.minimum:.2f} | {met} | {goal.meaning} |")
+            met = "n/a" if value is None else ("yes" if goal.met(_number(value)) else "**no**")
+            bound = "<=" if goal.at_most else ">="
+            rows.append(
+                f"| `{goal.key}` | {value or 'missing'} | {bound} {goal.minimum:.2f} | {met} | {goal.meaning} |"
+            )
     others = [f"`{key}={value}`" for key, value in results.items() if not any(key == g.key for g in _goals())]
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     lines = [

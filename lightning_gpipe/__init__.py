@@ -14,6 +14,7 @@ from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.callbacks import PipelineTimeline
 from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.pipeline import Pipeline, run_in_threads
+from lightning_gpipe.plan import plan
 from lightning_gpipe.strategy import GPipeStrategy
 from lightning_gpipe.timeline import Timeline
 
@@ -24,6 +25,7 @@ __all__ = [
     "PipelineError",
     "PipelineTimeline",
     "Timeline",
+    "plan",
     "run_in_threads",
 ]
 __version__ = "0.1.0"

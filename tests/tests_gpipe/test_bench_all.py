@@ -21,7 +21,7 @@ def test_no_headlines_when_the_output_ends_otherwise() -> None:
 
 def test_every_goal_has_a_unique_key() -> None:
     keys = [goal.key for experiment in orchestrator.EXPERIMENTS for goal in experiment.headlines]
-    assert len(keys) == len(set(keys)) == 4
+    assert len(keys) == len(set(keys)) == 6
 
 
 def test_the_quick_run_has_every_goal() -> None:
@@ -47,6 +47,12 @@ def test_index_block_is_replaced_in_place(tmp_path: pathlib.Path, monkeypatch: p
     assert second.count(orchestrator.BEGIN) == 1
     assert "| `ratio_vs_torch_pipelining` | 1.10 | >= 1.00 | yes |" in second
     assert second.startswith("# Benchmarks\n\nintro\n")
+
+
+def test_an_error_headline_is_met_at_or_below_its_goal() -> None:
+    block = orchestrator._index_block({"plan_memory_error": "0.25", "plan_time_error": "0.12"}, "make bench", 60.0)
+    assert "| `plan_memory_error` | 0.25 | <= 0.10 | **no** |" in block
+    assert "| `plan_time_error` | 0.12 | <= 0.15 | yes |" in block
 
 
 def test_a_results_block_is_replaced_in_place_or_appended() -> None:

@@ -1,0 +1,320 @@
+"""Calibrate :func:`lightning_gpipe.plan`: predicted against measured peak memory per stage and step time.
+
+``python -m benchmarks.plan_calibration.run [--quick] [--no-docs] [--device cuda]``
+
+For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm ResNet) and each configuration (K in
+{1, 2}, M in {1, 4}, checkpoint modes, both schedules), one job of two processes (one thread each, gloo on loopback):
+
+1. rank 0 profiles the model with :func:`~lightning_gpipe.plan.profile.profile_layers` (the planner's own profile) and
+   predicts every configuration with :func:`~lightning_gpipe.plan.evaluate`, which also chooses the balance;
+2. each configuration is built with that balance and trained with :class:`~lightning_gpipe.Pipeline` and Adam: one
+   warm-up step, then one step whose peak is counted in exact tensor bytes (a ``TorchDispatchMode``, independent of
+   the allocator and the machine's load), added to the stage's resident state and batch;
+3. the step time is measured in interleaved rounds (every configuration once per round, ``STEPS`` steps each) and
+   the median over rounds is kept, as ``reference/pipelining-notes.md`` prescribes for this shared 2-core machine;
+   each round's foreign load (other processes' CPU, from /proc) is recorded and rounds above ``MAX_FOREIGN`` cores
+   are dropped when enough quiet ones remain.
+
+Prints a table and the headlines ``plan_memory_error`` and ``plan_time_error``: the worst relative error over all
+stages and configurations (``|predicted - measured| / measured``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+from benchmarks.docs_page import write_block  # noqa: E402
+from benchmarks.engine_speed.cpuload import foreign_cores, snapshot  # noqa: E402
+from benchmarks.launch import Launcher  # noqa: E402
+from benchmarks.machine import cpu_model  # noqa: E402
+
+__all__ = ["CONFIGS", "MODELS", "Config", "main"]
+
+PAGE = REPO / "docs" / "benchmarks" / "plan.md"
+BEGIN, END = "<!-- plan-calibration:begin -->", "<!-- plan-calibration:end -->"
+MAX_FOREIGN = 0.3  # cores of other processes' load above which a round is dropped (if enough quiet ones remain)
+BATCH = 16
+SEQUENCE = 64
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration."""
+
+    pipe_size: int
+    chunks: int
+    checkpoint: str
+    schedule: str = "gpipe"
+
+    def label(self) -> str:
+        return f"K={self.pipe_size} M={self.chunks} {self.checkpoint} {self.schedule}"
+
+
+CONFIGS: tuple[Config, ...] = (
+    Config(1, 1, "never"),
+    Config(1, 4, "never"),
+    Config(1, 4, "always"),
+    Config(2, 1, "never"),
+    Config(2, 4, "never"),
+    Config(2, 4, "always"),
+    Config(2, 4, "except_last"),
+    Config(2, 4, "never", "1f1b"),
+    Config(2, 8, "except_last"),
+)
+MODELS: tuple[str, ...] = ("transformer_lm", "amoebanet_d", "timm_resnet")
+
+
+def _build(name: str) -> Any:
+    import zoo
+
+    if name == "transformer_lm":
+        return zoo.create_model(
+            "transformer_lm", num_layers=4, d_model=128, ff_dim=512, num_heads=2, vocab_size=1000, dropout=0.0
+        )
+    if name == "amoebanet_d":
+        return zoo.create_model("amoebanet_d", num_layers=3, num_filters=16, num_classes=10, image_size=32)
+    tiny = {"layers": [1, 1, 1, 1], "channels": [16, 32, 64, 128]}
+    return zoo.create_model("timm", model_name="resnet18", num_classes=10, image_size=32, model_kwargs=tiny)
+
+
+def _batch(name: str, device: Any) -> Any:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    if name == "transformer_lm":
+        return torch.randint(4, 1000, (BATCH, SEQUENCE + 1), generator=generator).to(device)
+    images = torch.randn(BATCH, 3, 32, 32, generator=generator)
+    return images.to(device), torch.randint(0, 10, (BATCH,), generator=generator).to(device)
+
+
+def _objective(name: str, module: Any) -> tuple[Any, Any, Any]:
+    """``(input_fn, loss_fn, profile_loss)``: the engine's input and loss, and the planner's stand-in loss."""
+    import torch
+
+    if name == "transformer_lm":
+
+        def lm_loss(logits: Any) -> Any:
+            return module._loss(logits, torch.full(logits.shape[:2], 5, device=logits.device))
+
+        return (lambda b: b[:, :-1]), (lambda out, b: module._loss(out, b[:, 1:])), lm_loss
+
+    def image_loss(outputs: Any) -> Any:
+        first = outputs[0] if isinstance(outputs, tuple) else outputs
+        return module.loss(outputs, torch.zeros(first.shape[0], dtype=torch.long, device=first.device))[0]
+
+    return (lambda b: b[0]), (lambda out, b: module.loss(out, b[1])[0]), image_loss
+
+
+def _tensor_bytes(tensors: list[Any]) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _job(
+    rank: int, world_size: int, names: tuple[str, ...], rounds: int, steps: int, device_name: str
+) -> dict[str, Any]:
+    """Both ranks: profile (rank 0), predict, measure memory and time of every configuration of every model."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_gpipe.partition import split
+    from lightning_gpipe.pipeline import Pipeline
+    from lightning_gpipe.plan import evaluate
+    from lightning_gpipe.plan.profile import _LiveBytes, profile_layers
+    from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
+
+    device = torch.device(device_name)
+    results: dict[str, Any] = {}
+    for name in names:
+        torch.manual_seed(0)
+        module = _build(name).to(device)
+        module.train()
+        batch = _batch(name, device)
+        input_fn, loss_fn, profile_loss = _objective(name, module)
+        # Both ranks profile (rank 1's result is dropped), so neither waits in a collective for the other's profile
+        # longer than the process group's timeout on a loaded machine.
+        sizes = sorted({-(-BATCH // c.chunks) for c in CONFIGS} | {BATCH})
+        profile = profile_layers(
+            module.layers, input_fn(batch), microbatch_sizes=sizes, loss_fn=profile_loss, repeats=5, warmup=2
+        )
+        predictions = [
+            [
+                evaluate(
+                    profile,
+                    pipe_size=c.pipe_size,
+                    chunks=c.chunks,
+                    batch_size=BATCH,
+                    checkpoint=c.checkpoint,  # type: ignore[arg-type]
+                    schedule=c.schedule,
+                )
+                for c in CONFIGS
+            ]
+        ]
+        if rank != 0:
+            predictions = [None]
+        dist.broadcast_object_list(predictions, src=0)
+        runs = []
+        for config, predicted in zip(CONFIGS, predictions[0], strict=True):
+            active = rank < config.pipe_size
+            if config.pipe_size == 1:
+                cell = module.layers
+                transport = ThreadTransport.create(1, [device])[0] if active else None
+            else:
+                cell = split(module.layers, list(predicted.balance))[rank]
+                transport = ProcessGroupTransport([0, 1], device)
+            pipeline = (
+                Pipeline(cell, transport, chunks=config.chunks, checkpoint=config.checkpoint, schedule=config.schedule)
+                if active
+                else None
+            )
+            parameters = [p for p in cell.parameters() if p.requires_grad]
+            optimizer = torch.optim.Adam(parameters, lr=1e-4)
+            runs.append((config, predicted, pipeline, optimizer, parameters, cell))
+
+        def step(run: Any, batch: Any = batch, loss_fn: Any = loss_fn, input_fn: Any = input_fn) -> None:
+            _, _, pipeline, optimizer, _, _ = run
+            if pipeline is None:
+                return
+            optimizer.zero_grad(set_to_none=False)
+            pipeline.train_step(batch, loss_fn, input_fn)
+            optimizer.step()
+
+        memory: list[int | None] = []
+        for run in runs:
+            config, _, pipeline, optimizer, parameters, cell = run
+            dist.barrier()
+            if pipeline is None:
+                memory.append(None)
+                continue
+            step(run)  # gradients and optimizer state come to exist
+            state = [*cell.parameters(), *cell.buffers(), *(p.grad for p in parameters if p.grad is not None)]
+            state += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+            counter = _LiveBytes()
+            with counter:
+                step(run)
+            batch_tensors = [batch] if torch.is_tensor(batch) else list(batch)
+            memory.append(_tensor_bytes(state) + _tensor_bytes(batch_tensors) + counter.peak)
+
+        times: list[list[float]] = [[] for _ in runs]
+        loads: list[float] = []
+        for _ in range(rounds):
+            start = snapshot([os.getpid(), os.getppid()])
+            for index, run in enumerate(runs):
+                step(run)  # a warm-up step, so the previous configuration's caches do not count here
+                dist.barrier()
+                _sync(device)
+                begin = time.perf_counter()
+                for _ in range(steps):
+                    step(run)
+                _sync(device)
+                elapsed = torch.tensor([(time.perf_counter() - begin) / steps])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times[index].append(float(elapsed))
+            loads.append(foreign_cores(start, snapshot([os.getpid(), os.getppid()])))
+        results[name] = {
+            "configs": [run[0].label() for run in runs],
+            "predicted_time": [run[1].step_time for run in runs],
+            "predicted_memory": [[m.peak for m in run[1].stage_memory] for run in runs],
+            "memory": memory,
+            "times": times,
+            "loads": loads,
+        }
+    return results
+
+
+def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for name, result in per_rank[0].items():
+        stage_memory = []
+        for index, config in enumerate(CONFIGS):
+            stage_memory.append([per_rank[j][name]["memory"][index] for j in range(config.pipe_size)])
+        merged[name] = {**result, "measured_memory": stage_memory}
+    return merged
+
+
+def _median_time(times: list[float], loads: list[float]) -> float:
+    quiet = [t for t, load in zip(times, loads, strict=True) if load <= MAX_FOREIGN]
+    return statistics.median(quiet if len(quiet) >= 3 else times)
+
+
+def _report(merged: dict[str, Any]) -> tuple[list[str], float, float]:
+    rows = [
+        "| model | configuration | peak per stage, predicted / measured (MiB) | worst memory error | step time, "
+        "predicted / measured (ms) | time error |",
+        "|---|---|---|---|---|---|",
+    ]
+    worst_memory = worst_time = 0.0
+    for name, result in merged.items():
+        for index, label in enumerate(result["configs"]):
+            predicted = result["predicted_memory"][index]
+            measured = result["measured_memory"][index]
+            errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+            pairs = ", ".join(f"{p / 2**20:.1f} / {m / 2**20:.1f}" for p, m in zip(predicted, measured, strict=True))
+            measured_time = _median_time(result["times"][index], result["loads"])
+            time_error = abs(result["predicted_time"][index] - measured_time) / measured_time
+            worst_memory = max(worst_memory, *errors)
+            worst_time = max(worst_time, time_error)
+            rows.append(
+                f"| {name} | {label} | {pairs} | {max(errors):.2f} | "
+                f"{result['predicted_time'][index] * 1e3:.1f} / {measured_time * 1e3:.1f} | {time_error:.2f} |"
+            )
+    return rows, worst_memory, worst_time
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.plan_calibration.run", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/ alone")
+    parser.add_argument("--device", default="cpu", help="where the stages run (cuda: both ranks on one GPU)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    args = parser.parse_args(argv)
+    rounds, steps = (3, 2) if args.quick else (7, 3)
+    started = time.monotonic()
+    with Launcher(["torch", "zoo", "lightning_gpipe.plan", __name__]) as launcher:
+        per_rank = launcher.run(_job, (tuple(args.models), rounds, steps, args.device), 2, timeout=3000, label="plan")
+    merged = _merge(per_rank)
+    rows, worst_memory, worst_time = _report(merged)
+    loads = [load for result in merged.values() for load in result["loads"]]
+    context = [
+        "",
+        f"- command: `python -m benchmarks.plan_calibration.run{' --quick' if args.quick else ''}"
+        f"{' --device ' + args.device if args.device != 'cpu' else ''}` ({(time.monotonic() - started) / 60:.1f} min; "
+        f"{rounds} rounds of {steps} steps per configuration)",
+        f"- machine: {os.cpu_count()} CPUs, {cpu_model()}, {platform.system()} {platform.release()}; "
+        f"other processes' load per round: median {statistics.median(loads):.2f} cores, max {max(loads):.2f}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "",
+        f"Worst relative errors: memory {worst_memory:.2f} (target 0.10), time {worst_time:.2f} (target 0.15).",
+    ]
+    print("\n".join(rows + context))
+    if not args.no_docs:
+        write_block(PAGE, BEGIN, END, "\n".join(rows + context))
+    print()
+    print(f"plan_memory_error={worst_memory:.2f}")
+    print(f"plan_time_error={worst_time:.2f}")
+
+
+if __name__ == "__main__":
+    main()

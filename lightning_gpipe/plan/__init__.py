@@ -1,0 +1,525 @@
+"""The planner: K, M, balance, re-materialization and schedule for a model, a device count and a memory budget.
+
+:func:`plan` profiles the model's layers (:func:`~lightning_gpipe.plan.profile.profile_layers`), then, for every
+pipeline size K that divides the device count, every M, both balances (by time and by memory), every checkpoint mode
+and schedule, predicts each stage's peak memory (:func:`~lightning_gpipe.plan.memory.stage_memory`) and the step time
+(:func:`~lightning_gpipe.simulate.simulate_step`), and keeps the fastest configuration that fits. The
+:class:`Plan` says what to set, what to expect and why; a request that nothing fits raises
+:class:`InfeasiblePlanError` naming the smallest device count and the smallest memory per device that would work.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_gpipe.checkpoint import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
+from lightning_gpipe.partition import balance_by_cost, cell_bounds
+from lightning_gpipe.plan.memory import StageMemory, stage_memory
+from lightning_gpipe.plan.profile import LayerProfile, ModelProfile, profile_layers
+from lightning_gpipe.schedule import SCHEDULES, validate_schedule
+from lightning_gpipe.simulate import simulate_step
+
+__all__ = [
+    "Candidate",
+    "InfeasiblePlanError",
+    "LayerProfile",
+    "ModelProfile",
+    "Plan",
+    "StageMemory",
+    "evaluate",
+    "parse_bytes",
+    "plan",
+    "profile_layers",
+    "stage_memory",
+]
+
+GiB = 2**30
+DEFAULT_BANDWIDTH = {"cuda": 20e9, "cpu": 2e9, "meta": 20e9}
+"""Bytes per second across a stage boundary when none is given: NVLink/PCIe-class on CUDA, gloo loopback on CPU."""
+DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 100e-6, "meta": 20e-6}
+"""Seconds of fixed cost per message across a stage boundary when none is given."""
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
+_UNITS.update({"g": GiB, "gb": GiB, "gib": GiB, "t": 2**40, "tb": 2**40, "tib": 2**40})
+
+
+def parse_bytes(value: float | str) -> float:
+    """Bytes from a number or a string such as ``"16GB"``, ``"512 MiB"`` (binary units: 1 GB = 2**30 bytes)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str) and (match := re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)):
+        unit = match.group(2).lower()
+        if unit not in _UNITS:
+            raise ValueError(f"unknown memory unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB or TB")
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        raise ValueError(f"memory {value!r} must be a number of bytes or a string such as '16GB'")
+    if not (number > 0 and math.isfinite(number)):
+        raise ValueError(f"memory {value!r} must be positive")
+    return number
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner weighed, with its predicted step time and per-stage memory."""
+
+    pipe_size: int
+    replicas: int
+    chunks: int
+    microbatch_size: int
+    balance: tuple[int, ...]
+    checkpoint: CheckpointMode
+    schedule: str
+    step_time: float  # seconds per optimizer step (all replicas in parallel)
+    bubble: float
+    stage_memory: tuple[StageMemory, ...]
+    stage_busy: tuple[float, ...]  # seconds each stage computes per step
+
+    @property
+    def peak(self) -> float:
+        """The largest stage's predicted peak bytes."""
+        return max(memory.peak for memory in self.stage_memory)
+
+    def label(self) -> str:
+        """The settings in one line, as the reasons and messages quote them."""
+        return (
+            f"K={self.pipe_size}, M={self.chunks}, checkpoint={self.checkpoint!r}, schedule={self.schedule!r}, "
+            f"balance={list(self.balance)}"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan` recommends: the settings, the predictions, and the reasons."""
+
+    best: Candidate
+    devices: int
+    memory_per_device: float
+    batch_size: int
+    reasons: tuple[str, ...]
+    candidates: tuple[Candidate, ...] = field(repr=False, default=())
+    profile: ModelProfile | None = field(repr=False, default=None)
+
+    @property
+    def pipe_size(self) -> int:
+        """K, stages per pipeline."""
+        return self.best.pipe_size
+
+    @property
+    def chunks(self) -> int:
+        """M, micro-batches per mini-batch."""
+        return self.best.chunks
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage."""
+        return list(self.best.balance)
+
+    @property
+    def checkpoint(self) -> CheckpointMode:
+        """The re-materialization mode."""
+        return self.best.checkpoint
+
+    @property
+    def schedule(self) -> str:
+        """The schedule."""
+        return self.best.schedule
+
+    @property
+    def step_time(self) -> float:
+        """Predicted seconds per optimizer step."""
+        return self.best.step_time
+
+    @property
+    def bubble(self) -> float:
+        """Predicted idle share of the stages."""
+        return self.best.bubble
+
+    @property
+    def stage_peaks(self) -> list[float]:
+        """Predicted peak bytes per stage."""
+        return [memory.peak for memory in self.best.stage_memory]
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`~lightning_gpipe.GPipeStrategy` that carry out this plan."""
+        return {
+            "pipe_size": self.pipe_size,
+            "chunks": self.chunks,
+            "balance": self.balance,
+            "checkpoint": self.checkpoint,
+            "schedule": self.schedule,
+        }
+
+    def table(self) -> Any:
+        """A ``rich`` renderable: the settings, one row per stage, and the reasons."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        best = self.best
+        head = Text(
+            f"{self.devices} device(s) x {_gib(self.memory_per_device)}, batch {self.batch_size}: "
+            f"K={best.pipe_size} stages x {best.replicas} replica(s), M={best.chunks} micro-batches of "
+            f"{best.microbatch_size}, checkpoint={best.checkpoint!r}, schedule={best.schedule!r}\n"
+            f"predicted step {best.step_time * 1e3:.1f} ms, bubble {best.bubble:.0%}, "
+            f"peak {_gib(best.peak)} ({best.peak / self.memory_per_device:.0%} of the budget)"
+        )
+        stages = Table(title="per stage")
+        for column in ("stage", "layers", "state", "batch", "activations", "peak", "busy"):
+            stages.add_column(column, justify="right")
+        for j, (bounds, memory, busy) in enumerate(
+            zip(cell_bounds(best.balance), best.stage_memory, best.stage_busy, strict=True)
+        ):
+            stages.add_row(
+                str(j),
+                f"{bounds.start}-{bounds.stop - 1}",
+                _gib(memory.state),
+                _gib(memory.batch),
+                _gib(memory.activations),
+                _gib(memory.peak),
+                f"{busy / best.step_time:.0%}" if best.step_time > 0 else "-",
+            )
+        why = Text("why:\n" + "\n".join(f"- {reason}" for reason in self.reasons))
+        return Group(head, stages, why)
+
+    def __str__(self) -> str:
+        import io
+
+        from rich.console import Console
+
+        # force_jupyter=False: in a notebook rich would otherwise display the table itself, besides returning it.
+        console = Console(width=110, record=True, file=io.StringIO(), force_jupyter=False)
+        console.print(self.table())
+        return console.export_text()
+
+
+class InfeasiblePlanError(ValueError):
+    """No configuration fits the devices and memory asked for; says what would."""
+
+    def __init__(self, message: str, *, min_devices: int | None, min_memory: float | None) -> None:
+        super().__init__(message)
+        self.min_devices = min_devices
+        """The fewest devices (of the asked memory) that fit, ``None`` if none up to one layer per device does."""
+        self.min_memory = min_memory
+        """The least memory per device that fits on the asked device count."""
+
+
+def _microbatch_counts(batch: int, chunks: Sequence[int] | None, smallest: int = 1) -> list[int]:
+    """The M values to weigh: ``chunks``, or the powers of two, keeping micro-batches of at least ``smallest``."""
+    counts = chunks if chunks is not None else [1 << p for p in range(16)]
+    return sorted({m for m in counts if 1 <= m <= batch and math.ceil(batch / m) >= smallest} or {1})
+
+
+def evaluate(
+    profile: ModelProfile,
+    *,
+    pipe_size: int,
+    chunks: int,
+    batch_size: int,
+    checkpoint: CheckpointMode,
+    schedule: str = "gpipe",
+    balance: Sequence[int] | None = None,
+    replicas: int = 1,
+    optimizer_slots: float = 2.0,
+    bandwidth: float | None = None,
+    latency: float | None = None,
+) -> Candidate:
+    """Predict one configuration: step time, bubble and per-stage memory for a mini-batch of ``batch_size`` samples.
+
+    ``batch_size`` is the whole mini-batch; each of ``replicas`` pipelines gets its share. ``balance`` defaults to the
+    one that best balances the stages' pass times.
+    """
+    K, M = pipe_size, chunks
+    per_replica = math.ceil(batch_size / replicas)
+    n = math.ceil(per_replica / M)
+    M = math.ceil(per_replica / n)  # what scatter makes of it: no empty micro-batches
+    forward, backward = profile.pass_times(n)
+    stop = checkpoint_stop(checkpoint, M)
+    if balance is None:
+        share = stop / M
+        costs = [f + b + share * f for f, b in zip(forward, backward, strict=True)]
+        balance = balance_by_cost(costs, K)
+    kind = profile.device.split(":")[0]
+    rate = bandwidth if bandwidth is not None else DEFAULT_BANDWIDTH.get(kind, 2e9)
+    delay = latency if latency is not None else DEFAULT_LATENCY.get(kind, 1e-4)
+    bounds = cell_bounds(balance)
+    stage_f = [sum(forward[i] for i in cell) for cell in bounds]
+    stage_b = [sum(backward[i] for i in cell) for cell in bounds]
+    transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
+    step = simulate_step(schedule, stage_f, stage_b, M, transfer=transfer, checkpoint_stop=stop)
+    memory = tuple(
+        stage_memory(
+            profile,
+            cell,
+            stage=j,
+            num_stages=K,
+            num_microbatches=M,
+            microbatch_size=n,
+            batch_size=per_replica,
+            checkpoint=checkpoint,
+            schedule=schedule,
+            optimizer_slots=optimizer_slots,
+        )
+        for j, cell in enumerate(bounds)
+    )
+    allreduce = 0.0
+    if replicas > 1:
+        grads = max(sum(profile.layers[i].trainable_bytes for i in cell) for cell in bounds)
+        allreduce = 2 * (replicas - 1) / replicas * grads / rate
+    return Candidate(
+        K,
+        replicas,
+        M,
+        n,
+        tuple(balance),
+        checkpoint,
+        schedule,
+        step.makespan + allreduce,
+        step.bubble,
+        memory,
+        step.busy,
+    )
+
+
+def _search(
+    profile: ModelProfile,
+    pipe_sizes: Sequence[int],
+    devices: int,
+    batch_size: int,
+    chunks: Sequence[int] | None,
+    checkpoints: Sequence[CheckpointMode],
+    schedules: Sequence[str],
+    smallest: int = 1,
+    **options: Any,
+) -> list[Candidate]:
+    found: list[Candidate] = []
+    for K in pipe_sizes:
+        replicas = devices // K
+        per_replica = math.ceil(batch_size / replicas)
+        for M in _microbatch_counts(per_replica, chunks, smallest):
+            for mode in checkpoints:
+                for schedule in schedules:
+                    by_time = evaluate(
+                        profile,
+                        pipe_size=K,
+                        chunks=M,
+                        batch_size=batch_size,
+                        checkpoint=mode,
+                        schedule=schedule,
+                        replicas=replicas,
+                        **options,
+                    )
+                    found.append(by_time)
+                    if K > 1:
+                        found.append(_memory_balanced(profile, by_time, batch_size, options))
+    return found
+
+
+def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, options: dict[str, Any]) -> Candidate:
+    """The same configuration with the layers balanced by the bytes each holds instead of by time."""
+    n, slots = like.microbatch_size, options.get("optimizer_slots", 2.0)
+    held = like.chunks if like.schedule == "gpipe" else like.pipe_size
+    costs = [
+        layer.param_bytes
+        + layer.buffer_bytes
+        + layer.trainable_bytes * (1 + slots)
+        + n * (layer.saved_bytes if like.checkpoint == "never" else layer.saved_bytes / max(1, held))
+        for layer in profile.layers
+    ]
+    return evaluate(
+        profile,
+        pipe_size=like.pipe_size,
+        chunks=like.chunks,
+        batch_size=batch_size,
+        checkpoint=like.checkpoint,
+        schedule=like.schedule,
+        balance=balance_by_cost(costs, like.pipe_size),
+        replicas=like.replicas,
+        **options,
+    )
+
+
+def _key(candidate: Candidate) -> tuple[float, float, int]:
+    # The fastest; among equally fast ones (within 1%), the one with the most memory to spare, then the one that
+    # recomputes least (at M = 1 "except_last" is "never" under another name).
+    recompute = ("never", "except_last", "always").index(candidate.checkpoint)
+    return (round(math.log(max(candidate.step_time, 1e-12)) / math.log(1.01)), candidate.peak, recompute)
+
+
+def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], budget: float) -> list[str]:
+    reasons: list[str] = []
+
+    def best_of(pool: list[Candidate]) -> Candidate | None:
+        return min(pool, key=_key) if pool else None
+
+    for K in sorted({c.pipe_size for c in every}):
+        if best.pipe_size == K:
+            continue
+        fits = best_of([c for c in fitting if c.pipe_size == K])
+        if fits is None:
+            least = min((c for c in every if c.pipe_size == K), key=lambda c: c.peak)
+            reasons.append(f"K={K} does not fit: at best {_gib(least.peak)} per device > {_gib(budget)}")
+        else:
+            reasons.append(f"K={K} fits but is slower: {fits.step_time * 1e3:.1f} ms per step ({fits.label()})")
+    same_k = [c for c in every if c.pipe_size == best.pipe_size and c.schedule == best.schedule]
+    for mode in CHECKPOINT_MODES:
+        if mode == best.checkpoint:
+            continue
+        pool = [c for c in same_k if c.checkpoint == mode]
+        fits = best_of([c for c in pool if c.peak <= budget])
+        if fits is None and pool:
+            least = min(pool, key=lambda c: c.peak)
+            reasons.append(f"checkpoint={mode!r} does not fit: at best {_gib(least.peak)} with M={least.chunks}")
+        elif fits is not None and _key(fits)[0] == _key(best)[0]:
+            reasons.append(f"checkpoint={mode!r} is as fast, peaking at {_gib(fits.peak)} with M={fits.chunks}")
+        elif fits is not None:
+            reasons.append(f"checkpoint={mode!r} is slower: {fits.step_time * 1e3:.1f} ms with M={fits.chunks}")
+    for count in sorted({c.chunks for c in same_k}):
+        if count == best.chunks:
+            continue
+        pool = [c for c in same_k if c.chunks == count and c.checkpoint == best.checkpoint]
+        fits = best_of([c for c in pool if c.peak <= budget])
+        if fits is None and pool:
+            reasons.append(f"M={count} does not fit ({_gib(min(c.peak for c in pool))})")
+        elif fits is not None:
+            reasons.append(f"M={count}: {fits.step_time * 1e3:.1f} ms, bubble {fits.bubble:.0%}")
+    reasons.append(
+        f"chosen: the fastest configuration that fits, {best.step_time * 1e3:.1f} ms per step, bubble "
+        f"{best.bubble:.0%}, peak {_gib(best.peak)} of {_gib(budget)}"
+    )
+    return reasons
+
+
+def _smallest_microbatch(layers: nn.Module) -> int:
+    # Training-mode BatchNorm needs two samples per channel; a micro-batch of one would fail (or, on a 1x1 map,
+    # raise "Expected more than 1 value per channel").
+    return 2 if any(isinstance(m, _BatchNorm) for m in layers.modules()) else 1
+
+
+def _layers_of(model: nn.Module) -> nn.Sequential:
+    if isinstance(model, nn.Sequential):
+        return model
+    from lightning_gpipe.partitioned import find_sequence
+
+    return find_sequence(model)[1]
+
+
+def plan(
+    model: nn.Module,
+    sample: Any,
+    *,
+    devices: int,
+    memory_per_device: float | str,
+    batch_size: int,
+    device: Any = None,
+    loss_fn: Callable[[Any], Tensor] | None = None,
+    optimizer_slots: float = 2.0,
+    chunks: Sequence[int] | None = None,
+    checkpoints: Sequence[str] = CHECKPOINT_MODES,
+    schedules: Sequence[str] = SCHEDULES,
+    bandwidth: float | None = None,
+    latency: float | None = None,
+    flops_per_second: float | None = None,
+    profile: ModelProfile | None = None,
+) -> Plan:
+    """Choose K, M, balance, checkpoint mode and schedule for training ``model`` on ``devices`` devices.
+
+    Args:
+        model: an ``nn.Sequential`` or a module holding one (a zoo model, a LightningModule); real or on meta.
+        sample: input of the first layer with a batch dimension (any number of rows), on the target device.
+        devices: how many devices (processes) the job has; K divides it, the rest are data-parallel replicas.
+        memory_per_device: bytes, or a string such as ``"16GB"``.
+        batch_size: samples per optimizer step, over all replicas.
+        device: where to profile; defaults to the sample's device.
+        loss_fn: ``loss_fn(last_output) -> scalar``, profiled with the last layer (the loss's own activations).
+        optimizer_slots: parameter-sized optimizer tensors per parameter: 2 for Adam, 1 for SGD with momentum.
+        chunks: the M values to consider; default the powers of two up to the per-replica batch.
+        checkpoints: the re-materialization modes to consider.
+        schedules: the schedules to consider (``GPipeStrategy`` runs ``"gpipe"``; the engine runs both).
+        bandwidth: bytes per second across a stage boundary (default by device type: ``DEFAULT_BANDWIDTH``).
+        latency: seconds per boundary message (default by device type: ``DEFAULT_LATENCY``).
+        flops_per_second: time layers from their FLOPs at this rate instead of measuring them.
+        profile: a profile made earlier with :func:`profile_layers` (skips profiling).
+
+    Raises:
+        InfeasiblePlanError: nothing fits; the message names the smallest device count and memory that would.
+        ValueError: bad arguments (the message names the value and the fix).
+    """
+    budget = parse_bytes(memory_per_device)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices={devices!r} must be an int >= 1: the number of processes of the job")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1: the samples of one optimizer step")
+    modes = [validate_mode(mode) for mode in checkpoints]
+    kinds = [validate_schedule(name) for name in schedules]
+    layers = _layers_of(model)
+    L = len(layers)
+    pipe_sizes = [K for K in range(1, min(devices, L) + 1) if devices % K == 0]
+    smallest = _smallest_microbatch(layers)
+    if profile is None:
+        sizes: set[int] = set()
+        for K in range(1, max(devices, 1) + 1):
+            replicas = max(1, devices // K)
+            per_replica = math.ceil(batch_size / replicas)
+            sizes |= {math.ceil(per_replica / m) for m in _microbatch_counts(per_replica, chunks, smallest)}
+        profile = profile_layers(
+            layers,
+            sample,
+            microbatch_sizes=sorted(sizes),
+            device=device,
+            loss_fn=loss_fn,
+            flops_per_second=flops_per_second,
+        )
+    options = {"optimizer_slots": optimizer_slots, "bandwidth": bandwidth, "latency": latency}
+    every = _search(profile, pipe_sizes, devices, batch_size, chunks, modes, kinds, smallest, **options)
+    fitting = [c for c in every if c.peak <= budget]
+    if not fitting:
+        raise _infeasible(profile, devices, budget, batch_size, chunks, modes, kinds, every, smallest, options)
+    best = min(fitting, key=_key)
+    reasons = _reasons(best, fitting, every, budget)
+    ranked = tuple(sorted(fitting, key=_key)[:10])
+    return Plan(best, devices, budget, batch_size, tuple(reasons), ranked, profile)
+
+
+def _infeasible(
+    profile: ModelProfile,
+    devices: int,
+    budget: float,
+    batch_size: int,
+    chunks: Sequence[int] | None,
+    modes: list[CheckpointMode],
+    kinds: list[str],
+    every: list[Candidate],
+    smallest: int,
+    options: dict[str, Any],
+) -> InfeasiblePlanError:
+    least = min(every, key=lambda c: c.peak)
+    min_devices: int | None = None
+    for K in range(devices + 1, len(profile) + 1):
+        # One pipeline of K devices, each with the asked memory, the thriftiest settings first.
+        if any(
+            c.peak <= budget for c in _search(profile, [K], K, batch_size, chunks, modes, kinds, smallest, **options)
+        ):
+            min_devices = K
+            break
+    more = (
+        f"{min_devices} devices of {_gib(budget)} fit"
+        if min_devices is not None
+        else f"no pipeline of up to {len(profile)} devices (one layer each) fits {_gib(budget)}"
+    )
+    message = (
+        f"nothing fits {devices} device(s) with {_gib(budget)} each for batch {batch_size}: the thriftiest "
+        f"configuration ({least.label()}) peaks at {_gib(least.peak)} per device. HINT: {more}, or give each of the "
+        f"{devices} device(s) at least {_gib(least.peak)}; a smaller batch_size or optimizer state also helps."
+    )
+    return InfeasiblePlanError(message, min_devices=min_devices, min_memory=least.peak)

@@ -1,0 +1,468 @@
+"""Per-layer profiles for planning: pass times on the target device and the bytes each layer holds in training.
+
+:func:`profile_layers` runs each layer of an ``nn.Sequential`` once per micro-batch size the planner considers and
+records, per layer:
+
+- forward and backward seconds at each size (medians of round-robin repeats, as
+  :func:`~lightning_gpipe.cost.time_cost` does), or, with ``flops_per_second``, the analytic time of its FLOPs
+  (backward = twice forward), which works on the meta device and for models far larger than the machine;
+- parameter, trainable and buffer bytes (gradients and optimizer state follow from the trainable bytes);
+- per sample: the activations autograd saves, the output, and the transient peak of the backward pass above them.
+
+Bytes are counted exactly from tensor storages (a ``TorchDispatchMode`` sees every operator), so they do not depend
+on the allocator or its cache. A model built on the meta device is profiled one layer at a time: each layer is copied
+to ``device``, filled with small random values, measured and dropped, so only one layer must fit.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_gpipe.cost import _leaf_input, _preserved_state
+from lightning_gpipe.structure import map_tensors
+
+__all__ = ["LayerProfile", "ModelProfile", "profile_layers"]
+
+LossFn = Callable[[Any], Tensor]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one layer costs in training. Activation bytes are per sample; state bytes are the layer's own."""
+
+    name: str
+    param_bytes: int
+    trainable_bytes: int  # parameters that get a gradient and optimizer state
+    buffer_bytes: int
+    saved_bytes: float  # per sample: activations autograd keeps for the backward pass
+    output_bytes: float  # per sample: what the layer hands to the next one
+    transient_bytes: float  # per sample: the backward pass's peak above what the forward left alive
+    flops: float  # per sample, forward
+    saved_input_bytes: float = 0.0  # per sample: the part of saved_bytes that is the layer's input itself
+    saved_output_bytes: float = 0.0  # per sample: the part of saved_bytes that is the layer's output itself
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A profiled sequence of layers: bytes per layer and pass times per micro-batch size.
+
+    ``times[n]`` holds ``(forward, backward)`` seconds per layer for micro-batches of ``n`` samples. Sizes that were
+    not measured are interpolated linearly between the nearest measured ones (a fixed launch cost plus a per-sample
+    cost), and extrapolated proportionally to the samples beyond them.
+    """
+
+    layers: tuple[LayerProfile, ...]
+    input_bytes: float  # per sample, the first layer's input
+    times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
+    device: str = "cpu"
+    loss_saved_bytes: float = 0.0  # per sample: what the loss keeps for backward, on the last stage
+    loss_transient_bytes: float = 0.0  # per sample: the loss's backward peak above that
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def pass_times(self, samples: int) -> tuple[list[float], list[float]]:
+        """Forward and backward seconds of every layer for a micro-batch of ``samples`` samples.
+
+        With three or more measured sizes each layer's times are fitted as ``a + b·samples`` by Theil-Sen (the median
+        of the pairwise slopes): one size measured during a burst of load on a shared machine then moves the fit
+        little, where interpolating between neighbours would copy the burst. With fewer, the nearest measurement is
+        scaled (one size) or the two are interpolated.
+        """
+        if not self.times:
+            raise ValueError("this profile has no times; profile with microbatch_sizes or flops_per_second")
+        sizes = sorted(self.times)
+        if len(sizes) >= 3:
+            return self._fitted(sizes, 0, samples), self._fitted(sizes, 1, samples)
+        if samples in self.times:
+            forward, backward = self.times[samples]
+            return list(forward), list(backward)
+        if len(sizes) == 2 and sizes[0] < samples < sizes[1]:
+            share = (samples - sizes[0]) / (sizes[1] - sizes[0])
+            low, high = self.times[sizes[0]], self.times[sizes[1]]
+            mixed = [[a + (b - a) * share for a, b in zip(low[k], high[k], strict=True)] for k in (0, 1)]
+            return mixed[0], mixed[1]
+        nearest = min(sizes, key=lambda n: abs(n - samples))
+        forward, backward = self.times[nearest]
+        return [t * samples / nearest for t in forward], [t * samples / nearest for t in backward]
+
+    def _fitted(self, sizes: list[int], phase: int, samples: int) -> list[float]:
+        fitted: list[float] = []
+        for layer in range(len(self.layers)):
+            points = [(n, self.times[n][phase][layer]) for n in sizes]
+            slopes = [(tb - ta) / (nb - na) for i, (na, ta) in enumerate(points) for nb, tb in points[i + 1 :]]
+            slope = max(0.0, statistics.median(slopes))
+            intercept = max(0.0, statistics.median(t - slope * n for n, t in points))
+            fitted.append(intercept + slope * samples)
+        return fitted
+
+    def scaled(self, *, layers: int | None = None) -> ModelProfile:
+        """This profile with its layers repeated (cyclically) to ``layers`` entries: a deeper model of the same kind."""
+        if layers is None or layers == len(self.layers):
+            return self
+        pick = [self.layers[i % len(self.layers)] for i in range(layers)]
+        times = {
+            n: (tuple(f[i % len(f)] for i in range(layers)), tuple(b[i % len(b)] for i in range(layers)))
+            for n, (f, b) in self.times.items()
+        }
+        return ModelProfile(
+            tuple(pick), self.input_bytes, times, self.device, self.loss_saved_bytes, self.loss_transient_bytes
+        )
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created while active and still alive, and their peak.
+
+    A storage is new when an operator returns it and no input shares it (views and in-place operators return their
+    input's storage). A ``weakref.finalize`` on the storage takes its bytes off when it dies.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for tensor in tree_leaves(output):
+            if not isinstance(tensor, Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if size == 0 or key in inputs or key in self._sizes:
+                continue
+            self._sizes[key] = size
+            self.live += size
+            weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.live)
+        return output
+
+
+def _resized(sample: Any, samples: int) -> Any:
+    """``sample`` with ``samples`` rows along dim 0 (rows repeated or dropped)."""
+
+    def resize(t: Tensor) -> Tensor:
+        if t.dim() == 0:
+            return t
+        repeats = math.ceil(samples / t.shape[0])
+        return t.repeat(repeats, *([1] * (t.dim() - 1)))[:samples].clone() if repeats > 1 else t[:samples].clone()
+
+    return map_tensors(resize, sample)
+
+
+def _rows(sample: Any) -> int:
+    sizes = {t.shape[0] for t in tree_leaves(sample) if isinstance(t, Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"the sample's tensors must share one batch size along dim 0, got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _key(t: Tensor) -> int:
+    """The identity of ``t``'s memory: views of one storage share it. Meta storages have no address; ``_cdata``
+    identifies the storage itself (a new Python object wraps it at every call)."""
+    storage = t.untyped_storage()
+    return int(storage._cdata) if t.is_meta else int(storage.data_ptr())
+
+
+def _storage_bytes(value: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tree_leaves(value):
+        if isinstance(t, Tensor):
+            seen[_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _materialized(layer: nn.Module, device: torch.device) -> nn.Module:
+    """``layer`` itself when it holds data, else a copy on ``device`` filled with small random values."""
+    tensors = [*layer.parameters(), *layer.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return layer
+    real = copy.deepcopy(layer).to_empty(device=device)
+    with torch.no_grad():
+        for t in (*real.parameters(), *real.buffers()):
+            if t.is_floating_point():
+                t.normal_(0.0, 0.02)
+            else:
+                t.zero_()
+    return real
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _input(value: Any, first: bool) -> tuple[list[Tensor], Any]:
+    """The layer's input as training sees it: the model's input (first layer) needs no gradient, a boundary does."""
+    if first:
+        return [], map_tensors(lambda t: t.clone(), value)
+    return _leaf_input(value)
+
+
+def _pass_seconds(
+    run: Callable[[Any], Any], layer: nn.Module, value: Any, device: torch.device, first: bool = False
+) -> tuple[float, float]:
+    """Seconds of one forward and one backward of ``run`` (``layer``, perhaps followed by the loss) on ``value``."""
+    leaves, x = _input(value, first)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    _sync(device)
+    start = time.perf_counter()
+    output = run(x)
+    _sync(device)
+    middle = time.perf_counter()
+    outputs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+    wrt = leaves + params
+    if outputs and wrt:
+        torch.autograd.grad(outputs, wrt, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True)
+    _sync(device)
+    return middle - start, time.perf_counter() - middle
+
+
+def _state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
+    params = trainable = buffers = 0
+    for param in layer.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        nbytes = param.numel() * param.element_size()
+        params += nbytes
+        trainable += nbytes if param.requires_grad else 0
+    for buffer in layer.buffers():
+        if id(buffer) not in seen:
+            seen.add(id(buffer))
+            buffers += buffer.numel() * buffer.element_size()
+    return params, trainable, buffers
+
+
+def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], first: bool = False) -> tuple[float, ...]:
+    """Bytes of one forward plus backward of ``run`` on ``value`` (not per sample): saved, output, transient, and
+    the parts of the saved bytes that are the input's and the output's own storages."""
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = _key(t)
+        if key not in state:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    def shared(tensors: Any) -> float:
+        keys = {_key(t) for t in tree_leaves(tensors) if isinstance(t, Tensor)}
+        return float(sum(size for key, size in saved.items() if key in keys))
+
+    leaves, x = _input(value, first)
+    meta = any(t.is_meta for t in leaves) or any(isinstance(t, Tensor) and t.is_meta for t in tree_leaves(x))
+    if meta:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = run(x)
+        out_bytes = _storage_bytes(output)
+        # No storage to watch on meta: the backward holds the output's gradient and the input's.
+        transient = float(2 * max(out_bytes, _storage_bytes(x)))
+        return float(sum(saved.values())), float(out_bytes), transient, shared(x), shared(output)
+    counter = _LiveBytes()
+    with torch.enable_grad(), counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = run(x)
+        after_forward = counter.live
+        counter.reset_peak()
+        outputs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        if outputs:
+            torch.autograd.grad(outputs, outputs + leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
+    transient = float(max(0, counter.peak - after_forward))
+    return float(sum(saved.values())), float(_storage_bytes(output)), transient, shared(x), shared(output)
+
+
+def profile_layers(
+    layers: Iterable[nn.Module],
+    sample: Any,
+    *,
+    microbatch_sizes: Sequence[int] = (),
+    device: torch.device | str | None = None,
+    loss_fn: LossFn | None = None,
+    flops_per_second: float | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> ModelProfile:
+    """Profile ``layers`` for training on ``device``.
+
+    Args:
+        layers: the model's sequence of layers (an ``nn.Sequential``); real or on the meta device.
+        sample: an input of the first layer with a batch dimension (any number of rows; it is repeated or cut to each
+            micro-batch size). On the meta device only with ``flops_per_second``.
+        microbatch_sizes: the micro-batch sizes to time; bytes are counted at the smallest (they grow linearly).
+        device: where to run; defaults to the sample's device. Meta layers are materialized there one at a time.
+        loss_fn: ``loss_fn(last_output) -> scalar``, its time counted with the last layer, its activations
+            apart (they are kept per micro-batch whatever the re-materialization).
+        flops_per_second: time each layer analytically from its FLOPs at this rate instead of measuring
+            (backward = 2 × forward), e.g. for a device you do not have.
+        repeats: timed runs per layer and size (the median is kept).
+        warmup: untimed runs first (lazy initialisation, allocator growth, kernel selection).
+
+    Raises:
+        ValueError: no micro-batch size, a meta sample without ``flops_per_second``, or bad counts.
+    """
+    layers = list(layers)
+    sizes = sorted({int(n) for n in microbatch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"microbatch_sizes={list(microbatch_sizes)!r} must name at least one size >= 1")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
+    tensors = [t for t in tree_leaves(sample) if isinstance(t, Tensor)]
+    target = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
+    meta = target.type == "meta"
+    if meta and flops_per_second is None:
+        raise ValueError(
+            "the sample is on the meta device, where nothing can be timed; pass flops_per_second= (the device's "
+            "sustained FLOP rate) to time layers from their FLOPs, or give a real sample and device"
+        )
+    sample = map_tensors(lambda t: t.to(target), sample)
+    rows = sizes[0]
+    with _preserved_state(layers, sample):
+        # Each layer's input at the smallest size, computed layer by layer (meta layers materialized one at a time).
+        base = _resized(sample, rows)
+        seen: set[int] = set()
+        results: list[LayerProfile] = []
+        x = base
+        for index, layer in enumerate(layers):
+            real = layer if meta else _materialized(layer, target)
+            params, trainable, buffers = _state_bytes(layer, seen)
+            state_keys = {_key(t) for t in (*real.parameters(), *real.buffers())}
+            saved, out, transient, saved_in, saved_out = _activation_bytes(real, x, state_keys, first=index == 0)
+            flops = _forward_flops(real, x)
+            name = type(layer).__name__
+            results.append(
+                LayerProfile(
+                    name,
+                    params,
+                    trainable,
+                    buffers,
+                    saved / rows,
+                    out / rows,
+                    transient / rows,
+                    flops / rows,
+                    saved_in / rows,
+                    saved_out / rows,
+                )
+            )
+            with torch.no_grad():
+                x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
+        # The loss runs after the last stage's cell, outside its re-materialization: its activations stay per
+        # micro-batch whatever the checkpoint mode, so they are kept apart from the last layer's.
+        loss_saved = loss_transient = 0.0
+        if loss_fn is not None:
+            loss_saved, _, loss_transient, _, _ = _activation_bytes(loss_fn, x, set())
+        times = (
+            _flop_times(results, sizes, flops_per_second)
+            if flops_per_second is not None
+            else _measured_times(layers, loss_fn, sample, sizes, target, repeats, warmup)
+        )
+    return ModelProfile(
+        tuple(results), _storage_bytes(base) / rows, times, str(target), loss_saved / rows, loss_transient / rows
+    )
+
+
+def _with_loss(layer: nn.Module, loss_fn: LossFn | None) -> Callable[[Any], Any]:
+    if loss_fn is None:
+        return layer
+
+    def run(x: Any) -> Any:
+        return loss_fn(layer(x))
+
+    return run
+
+
+def _forward_flops(run: Callable[[Any], Any], value: Any) -> float:
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        run(map_tensors(lambda t: t.clone(), value))
+    return float(counter.get_total_flops())
+
+
+def _flop_times(
+    layers: list[LayerProfile], sizes: list[int], rate: float
+) -> dict[int, tuple[tuple[float, ...], tuple[float, ...]]]:
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"flops_per_second={rate!r} must be a positive finite rate")
+    return {
+        n: (tuple(layer.flops * n / rate for layer in layers), tuple(2 * layer.flops * n / rate for layer in layers))
+        for n in sizes
+    }
+
+
+def _measured_times(
+    layers: list[nn.Module],
+    loss_fn: LossFn | None,
+    sample: Any,
+    sizes: list[int],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+) -> dict[int, tuple[tuple[float, ...], tuple[float, ...]]]:
+    # Real layers are timed round-robin, so that a burst of load on a shared machine spreads over all layers instead
+    # of inflating one; meta layers one after the other, so that only one materialized copy exists at a time.
+    round_robin = not any(t.is_meta for layer in layers for t in (*layer.parameters(), *layer.buffers()))
+    last = len(layers) - 1
+    times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+    for n in sizes:
+        runs: list[list[tuple[float, float]]] = [[] for _ in layers]
+        x = _resized(sample, n)
+        inputs: list[Any] = []
+        for layer in layers:
+            inputs.append(x)
+            with torch.no_grad():
+                real = _materialized(layer, device)
+                x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
+                if not round_robin:
+                    index = len(inputs) - 1
+                    run_fn = _with_loss(real, loss_fn if index == last else None)
+                    _time_layer(real, run_fn, inputs[-1], device, runs[index], repeats, warmup, index == 0)
+                del real
+        if round_robin:
+            for run in range(warmup + repeats):
+                for index, layer in enumerate(layers):
+                    with torch.enable_grad():
+                        run_fn = _with_loss(layer, loss_fn if index == last else None)
+                        seconds = _pass_seconds(run_fn, layer, inputs[index], device, first=index == 0)
+                    if run >= warmup:
+                        runs[index].append(seconds)
+        times[n] = (
+            tuple(statistics.median(f for f, _ in layer_runs) for layer_runs in runs),
+            tuple(statistics.median(b for _, b in layer_runs) for layer_runs in runs),
+        )
+    return times
+
+
+def _time_layer(
+    layer: nn.Module,
+    run: Callable[[Any], Any],
+    value: Any,
+    device: torch.device,
+    into: list[tuple[float, float]],
+    repeats: int,
+    warmup: int,
+    first: bool,
+) -> None:
+    with torch.enable_grad():
+        for index in range(warmup + repeats):
+            seconds = _pass_seconds(run, layer, value, device, first)
+            if index >= warmup:
+                into.append(seconds)

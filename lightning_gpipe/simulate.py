@@ -1,0 +1,149 @@
+"""Event-level simulation of one pipeline step from per-stage pass times.
+
+:func:`simulate_step` replays a schedule's actions (:func:`~lightning_gpipe.schedule.stage_actions`) on a machine
+where stage ``j``'s forward of one micro-batch takes ``forward[j]`` seconds and its backward ``backward[j]`` (plus
+``recompute[j]`` for a re-materialized micro-batch), and where a boundary value or its gradient takes ``transfer[j]``
+seconds to cross from stage ``j`` to ``j + 1``. Every action starts as soon as its stage is free and its inputs have
+arrived, which is what the engine does with asynchronous sends. No devices are involved, so it answers "what would K
+stages and M micro-batches give?" for models far larger than the machine it runs on.
+
+With equal stages and free transfers the fill-drain makespan is ``(M + K - 1)·(f + b)`` and the bubble is
+``(K - 1)/(M + K - 1)``, the paper's figure; unequal stages, recomputation and transfers move both, which is what the
+planner needs to know.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_gpipe.schedule import Action, Phase, dependencies, stage_actions, validate_schedule
+
+__all__ = ["SimulatedStep", "Span", "in_flight", "simulate_step"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One action of one stage in a simulated step: ``[start, end)`` in seconds from the step's start."""
+
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimulatedStep:
+    """The outcome of :func:`simulate_step`: every span, the makespan, and each stage's busy time."""
+
+    schedule: str
+    num_microbatches: int
+    spans: tuple[tuple[Span, ...], ...]  # per stage, in the stage's order
+    makespan: float
+
+    @property
+    def num_stages(self) -> int:
+        """K, the number of stages."""
+        return len(self.spans)
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        """Seconds each stage spends computing (the sum of its spans)."""
+        return tuple(sum(span.end - span.start for span in spans) for spans in self.spans)
+
+    @property
+    def bubble(self) -> float:
+        """The idle share of the K stages over the makespan: ``1 - sum(busy) / (K · makespan)``."""
+        if self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.num_stages * self.makespan)
+
+
+def in_flight(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
+    """The most micro-batches whose forward has run on ``stage`` while their backward has not: what it must keep.
+
+    Fill-drain keeps all ``M``; one-forward-one-backward keeps ``min(K - stage, M)``.
+    """
+    held = most = 0
+    for action in stage_actions(schedule, stage, num_stages, num_microbatches):
+        held += 1 if action.phase is Phase.FORWARD else -1
+        most = max(most, held)
+    return most
+
+
+def _per_stage(name: str, values: float | Sequence[float], count: int) -> list[float]:
+    items = [values] * count if isinstance(values, (int, float)) else list(values)
+    if len(items) != count:
+        raise ValueError(f"{name} has {len(items)} entries; give one per stage boundary or stage ({count})")
+    for value in items:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+            raise ValueError(f"{name} holds {value!r}; every entry must be a finite number of seconds >= 0")
+    return [float(value) for value in items]
+
+
+def simulate_step(
+    schedule: str,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    num_microbatches: int,
+    *,
+    transfer: float | Sequence[float] = 0.0,
+    recompute: Sequence[float] | None = None,
+    checkpoint_stop: int = 0,
+) -> SimulatedStep:
+    """Simulate one training step of a ``len(forward)``-stage pipeline.
+
+    Args:
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        forward: seconds of one micro-batch's forward pass, per stage.
+        backward: seconds of one micro-batch's backward pass, per stage (without recomputation).
+        num_microbatches: M.
+        transfer: seconds for a boundary value (and, backwards, its gradient) to cross from stage ``j`` to ``j + 1``;
+            one number for every boundary or one per boundary (K - 1 entries).
+        recompute: seconds the re-materialized forward adds to a backward pass, per stage; defaults to ``forward``.
+        checkpoint_stop: micro-batches ``i < checkpoint_stop`` are re-materialized (see
+            :func:`~lightning_gpipe.checkpoint.checkpoint_stop`); 0 for none.
+
+    Raises:
+        ValueError: unknown schedule, mismatched lengths, or negative or non-finite times.
+    """
+    schedule = validate_schedule(schedule)
+    K = len(forward)
+    if K < 1:
+        raise ValueError("forward is empty; give one forward time per stage (at least one stage)")
+    fwd = _per_stage("forward", forward, K)
+    bwd = _per_stage("backward", backward, K)
+    extra = fwd if recompute is None else _per_stage("recompute", recompute, K)
+    links = _per_stage("transfer", transfer, K - 1)
+    M = num_microbatches
+    orders = [stage_actions(schedule, j, K, M) for j in range(K)]
+
+    def duration(j: int, action: Action) -> float:
+        if action.phase is Phase.FORWARD:
+            return fwd[j]
+        return bwd[j] + (extra[j] if action.microbatch < checkpoint_stop else 0.0)
+
+    def arrival(j: int, dep: tuple[int, Action], end: float) -> float:
+        # A value produced on another stage crosses the link between the two before it can be used.
+        other = dep[0]
+        return end if other == j else end + links[min(j, other)]
+
+    finished: dict[tuple[int, Action], float] = {}
+    spans: list[list[Span]] = [[] for _ in range(K)]
+    ready = list(range(K))
+    while ready:
+        j = ready.pop()
+        while len(spans[j]) < len(orders[j]):
+            action = orders[j][len(spans[j])]
+            deps = dependencies(j, action, K)
+            if any(dep not in finished for dep in deps):
+                break
+            start = max([arrival(j, dep, finished[dep]) for dep in deps] + [spans[j][-1].end if spans[j] else 0.0])
+            end = start + duration(j, action)
+            finished[(j, action)] = end
+            spans[j].append(Span(j, action, start, end))
+            ready.extend(n for n in (j - 1, j + 1) if 0 <= n < K and n not in ready)
+    assert all(len(done) == len(order) for done, order in zip(spans, orders, strict=True)), "schedule deadlocked"
+    makespan = max(stage[-1].end for stage in spans)
+    return SimulatedStep(schedule, M, tuple(tuple(stage) for stage in spans), makespan)

@@ -1,0 +1,64 @@
+"""The event-level step simulator against schedules computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_gpipe.schedule import bubble_fraction, simulate
+from lightning_gpipe.simulate import in_flight, simulate_step
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("K", "M"), [(1, 1), (2, 1), (2, 4), (3, 5), (4, 16), (8, 32)])
+def test_equal_stages_give_the_papers_bubble(schedule: str, K: int, M: int) -> None:
+    f, b = 1.0, 2.0
+    step = simulate_step(schedule, [f] * K, [b] * K, M)
+    assert step.makespan == pytest.approx((M + K - 1) * (f + b))
+    assert step.bubble == pytest.approx(bubble_fraction(K, M))
+    assert step.busy == pytest.approx([M * (f + b)] * K)
+
+
+def test_agrees_with_the_schedules_own_ideal_simulation() -> None:
+    for schedule in ("gpipe", "1f1b"):
+        ideal = simulate(schedule, 3, 6, 1.0, 2.0)
+        step = simulate_step(schedule, [1.0] * 3, [2.0] * 3, 6)
+        assert [[(s.start, s.end, s.action) for s in stage] for stage in step.spans] == ideal
+
+
+def test_transfers_delay_each_crossing() -> None:
+    # K=2, M=2, f=1, b=2, 0.5 s per crossing. Stage 0: F0 0-1, F1 1-2. Stage 1: F0 1.5-2.5, F1 2.5-3.5, B1 3.5-5.5,
+    # B0 5.5-7.5. Stage 0: B1 6-8 (gradient arrives at 6), B0 8-10 (arrives at 8).
+    step = simulate_step("gpipe", [1, 1], [2, 2], 2, transfer=0.5)
+    assert step.makespan == 10.0
+    assert [(s.start, s.end) for s in step.spans[0]] == [(0, 1), (1, 2), (6, 8), (8, 10)]
+
+
+def test_the_slowest_stage_sets_the_pace() -> None:
+    # Stage 1 takes 3 + 6 per micro-batch: stage 0's first forward, then M of stage 1's passes, then stage 0's last
+    # backward: 1 + 4 * 9 + 2.
+    step = simulate_step("gpipe", [1, 3], [2, 6], 4)
+    assert step.makespan == 39.0
+
+
+def test_recomputation_lengthens_the_checkpointed_backwards_only() -> None:
+    # One stage, f=1, b=2: "always" re-runs both forwards (2 + 2 * 3); "except_last" (stop = M - 1) one of them.
+    assert simulate_step("gpipe", [1], [2], 2, checkpoint_stop=2).makespan == 8.0
+    assert simulate_step("gpipe", [1], [2], 2, checkpoint_stop=1).makespan == 7.0
+    assert simulate_step("gpipe", [1], [2], 2, recompute=[0.5], checkpoint_stop=2).makespan == 7.0
+
+
+@pytest.mark.parametrize(("K", "M"), [(1, 1), (2, 4), (4, 2), (4, 8), (8, 8)])
+def test_in_flight_micro_batches(K: int, M: int) -> None:
+    assert [in_flight("gpipe", j, K, M) for j in range(K)] == [M] * K
+    assert [in_flight("1f1b", j, K, M) for j in range(K)] == [min(K - j, M) for j in range(K)]
+
+
+def test_bad_times_are_refused_with_the_value() -> None:
+    with pytest.raises(ValueError, match=r"backward has 1 entries; give one per stage boundary or stage \(2\)"):
+        simulate_step("gpipe", [1, 1], [2], 4)
+    with pytest.raises(ValueError, match=r"transfer holds -1.*finite number of seconds >= 0"):
+        simulate_step("gpipe", [1, 1], [2, 2], 4, transfer=-1)
+    with pytest.raises(ValueError, match="forward is empty"):
+        simulate_step("gpipe", [], [], 4)
+    with pytest.raises(ValueError, match="Unknown pipeline schedule 'zb'"):
+        simulate_step("zb", [1], [1], 4)
