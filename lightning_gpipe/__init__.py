@@ -16,6 +16,7 @@ from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.strategy import GPipeStrategy
 from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.unbatched import Unbatched
 
 __all__ = [
     "DeferredBatchNorm",
@@ -24,6 +25,7 @@ __all__ = [
     "PipelineError",
     "PipelineTimeline",
     "Timeline",
+    "Unbatched",
     "run_in_threads",
 ]
 __version__ = "0.1.0"
