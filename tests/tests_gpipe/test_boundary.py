@@ -244,7 +244,7 @@ def test_boundaries_over_gloo_train_as_the_plain_model() -> None:
     # A permuted or channels_last boundary tensor made gloo refuse the gradient's receive buffer, which kept the
     # output's strides (torch.empty_like); optional leaves use the control messages and the restart; shapes that
     # vary per micro-batch switch the step to described micro-batches, and the next step starts described.
-    per_rank: list[dict[str, dict[str, Callable]]] = run_processes(_worker, 2, timeout=240)
+    per_rank: list[dict[str, dict[str, Callable]]] = run_processes(_worker, 2, timeout=420)
     for name in CASES:
         grads = {}
         for rank_grads in per_rank:
