@@ -42,9 +42,11 @@ bench-quick: env  ## the paper's Tables 1 and 2 and the bubble, quick (under 15 
 
 bench-engine: env  ## engine throughput vs torch.distributed.pipelining (K=2 processes, one thread each)
 	$(RUN) python -m benchmarks.engine_speed.run
+	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.engine_speed.metadata
 
-bench-overhead: env  ## GPipeStrategy with K=1, M=1 against strategy="auto"
+bench-overhead: env  ## GPipeStrategy with K=1, M=1 against strategy="auto"; then K=2 on a tiny model against DDP
 	$(RUN) python -m benchmarks.strategy_overhead.run
+	$(RUN) python -m benchmarks.strategy_overhead.tiny $(if $(BASELINE),--baseline $(BASELINE))
 
 bench-memory: env  ## peak memory of re-materialization against the paper's formula
 	$(RUN) python -m benchmarks.strategy_memory.run

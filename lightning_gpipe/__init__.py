@@ -17,6 +17,7 @@ from lightning_gpipe.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.plan import plan
 from lightning_gpipe.strategy import GPipeStrategy
 from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.unbatched import Unbatched
 
 __all__ = [
     "DeferredBatchNorm",
@@ -25,6 +26,7 @@ __all__ = [
     "PipelineError",
     "PipelineTimeline",
     "Timeline",
+    "Unbatched",
     "plan",
     "run_in_threads",
 ]

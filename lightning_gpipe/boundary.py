@@ -8,12 +8,16 @@ goes once per step, not per micro-batch:
 - the first activation message of a step carries a header with the layout of that micro-batch's value and the sizes
   of all the step's micro-batches;
 - every later micro-batch of the step is predicted from it: the same layout, with dim 0 of the tensors that carry the
-  batch dimension resized to that micro-batch's size. The sender checks the prediction and raises if it fails;
-- a value of several leaves may lack some of them (``None``) on some micro-batches, as an attention mask that is
-  ``None`` when nothing is padded: each of its micro-batches after the header's is preceded by a small presence
-  message naming the leaves it lacks, or saying that a new header follows (a leaf appeared that the prediction
-  has as ``None``, so no buffer awaits it); every receive already posted is then filled with placeholders (on
+  batch dimension resized to that micro-batch's size (a tensor wrapped in :class:`~lightning_gpipe.Unbatched` never
+  is). Each is preceded by a small control message: nothing missing, or the leaves it lacks (``None``, as an
+  attention mask that is ``None`` when nothing is padded), or "a new header follows";
+- a new header follows when the prediction fails: a leaf appeared that the prediction has as ``None`` (no buffer
+  awaits it), or a shape or the structure differs (sequences padded per micro-batch, a bias whose dim 0 only
+  happened to equal the micro-batch size). Every receive already posted is then filled with placeholders (on
   devices, where receives are posted when needed, only that micro-batch's);
+- after a shape changed, the step goes on *described*: each later micro-batch is preceded by its own layout message,
+  and the receiver posts its tensors' receives once that is in. The sending link remembers it, so its later steps
+  are described from their first micro-batch and no placeholders are sent again;
 - gradients need no header: they go back for exactly the received tensors that require grad, with their shapes,
   one micro-batch after the other in the order of the receiving stage's backward passes.
 
@@ -22,7 +26,8 @@ one: the receiver compares it with its own, so stages that read different batche
 
 Once the header is in, the receiver posts the receives of the whole step at once: gloo parks a send until its
 receive is posted, and a receive posted only when needed costs a rendezvous per message (~100 µs against ~20 µs for a
-4 KiB message posted ahead, measured on these machines). Gradient receives can be posted ahead too
+4 KiB message posted ahead, measured on these machines). A described step can post only one micro-batch ahead:
+its layout message, behind the current micro-batch's tensors. Gradient receives can be posted ahead too
 (:meth:`GradientLink.post`), in the order the peer sends them, once the outputs they are the gradients of exist.
 
 Header wire format: a fixed ``HEADER_BYTES`` uint8 buffer holding the payload length (8 bytes, little endian) and the
@@ -43,6 +48,7 @@ from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.fingerprint import Fingerprint, same_fingerprint
 from lightning_gpipe.structure import Spec, flatten, leaf_paths, unflatten
 from lightning_gpipe.transport import Transport
+from lightning_gpipe.unbatched import unbatched_leaves
 
 __all__ = ["HEADER_BYTES", "ActivationLink", "GradientLink", "TensorLayout"]
 
@@ -73,11 +79,13 @@ _Layout = tuple[Spec, tuple[TensorLayout | None, ...]]  # structure, and one ent
 def _describe(stage: int, value: Any, batch_size: int) -> tuple[_Layout, list[torch.Tensor | None]]:
     leaves, spec = flatten(value)
     layouts: list[TensorLayout | None] = []
-    for path, leaf in zip(leaf_paths(spec, "output"), leaves, strict=True):
+    marked = unbatched_leaves(spec)
+    for path, leaf, unbatched in zip(leaf_paths(spec, "output"), leaves, marked, strict=True):
         if leaf is None:
             layouts.append(None)
         elif isinstance(leaf, torch.Tensor):
-            batched = leaf.dim() > 0 and leaf.shape[0] == batch_size
+            # A guess for unmarked tensors; a wrong one costs a described step (see the module), not a wrong value.
+            batched = not unbatched and leaf.dim() > 0 and leaf.shape[0] == batch_size
             layouts.append(TensorLayout(tuple(leaf.shape), leaf.dtype, leaf.requires_grad, batched))
         else:
             raise TypeError(
@@ -93,16 +101,19 @@ def _resize(layout: _Layout, size: int) -> _Layout:
 
 
 class _Posted:
-    """One micro-batch's posted receives: its presence message (if it has one) and one buffer per tensor leaf."""
+    """One micro-batch's posted receives: its control message (if it has one) and one buffer per tensor leaf.
 
-    def __init__(self, presence: tuple[torch.Tensor, Callable[[], None]] | None) -> None:
-        self.presence = presence
+    In a described step, the leaves' receives are posted only once the control message (the layout) is in.
+    """
+
+    def __init__(self, control: tuple[torch.Tensor, Callable[[], None]] | None) -> None:
+        self.control = control
         self.leaves: list[tuple[torch.Tensor, Callable[[], None]] | None] = []
 
     def wait_all(self) -> None:
         """Wait for every receive, whatever arrives (used to drain receives made void by a new header)."""
-        if self.presence is not None:
-            self.presence[1]()
+        if self.control is not None:
+            self.control[1]()
         for leaf in self.leaves:
             if leaf is not None:
                 leaf[1]()
@@ -117,8 +128,12 @@ class ActivationLink:
         self._sizes: list[int] = []
         self._fingerprint: Fingerprint | None = None
         self._layout: _Layout | None = None  # the prediction's base: set by the step's header (or a later one)
-        self._first = 0  # the micro-batch the last header came with: later ones have presence messages
+        self._first = 0  # the micro-batch the last header came with: later ones have control messages
+        self._described = False  # whether the micro-batches after the header's each carry their own layout
+        # Sending side: a shape changed within a step of this link, so its steps start described (see the module).
+        self._ragged = False
         self._posted: dict[int, _Posted] = {}
+        self._nothing_missing: torch.Tensor | None = None  # the common control message, packed once
 
     @property
     def stage(self) -> int:
@@ -139,6 +154,7 @@ class ActivationLink:
         self._fingerprint = fingerprint
         self._layout = None
         self._first = 0
+        self._described = False
         self._posted = {}
 
     def clear(self) -> None:
@@ -149,11 +165,8 @@ class ActivationLink:
         assert self._layout is not None
         return _resize(self._layout, self._sizes[index])
 
-    def _has_presence(self, index: int) -> bool:
-        # Values of several leaves may carry an optional one (an attention mask that is None when nothing is
-        # padded): each micro-batch after the header's says which leaves it lacks. A single leaf cannot be optional.
-        assert self._layout is not None
-        return index > self._first and len(self._layout[1]) > 1
+    def _has_control(self, index: int) -> bool:
+        return index > self._first
 
     # --- sending side
 
@@ -164,53 +177,60 @@ class ActivationLink:
         # would fail in the send, after the header is gone, and leave the peer waiting.
         leaves = [None if leaf is None else leaf.to(self.transport.device) for leaf in leaves]
         if self._layout is None:
-            self._start(index, layout, self._fingerprint)
+            self._start(index, layout, self._fingerprint, described=self._ragged)
+            self._send_leaves(leaves)
+            return
+        if self._described:
+            self._send_header({"layout": layout})
             self._send_leaves(leaves)
             return
         predicted = self._predicted(index)
-        if layout == predicted and not self._has_presence(index):
-            self._send_leaves(leaves)
-            return
         entries, expected = layout[1], predicted[1]
-        if (
-            not self._has_presence(index)
-            or layout[0] != predicted[0]
-            or any(
-                ours is not None and theirs is not None and ours != theirs
-                for ours, theirs in zip(entries, expected, strict=True)
-            )
-        ):
-            raise PipelineError(
-                self.stage,
-                f"the output of micro-batch {index} has layout {_show(layout)}, but the step's first micro-batch "
-                f"implies {_show(predicted)}. Within one step, stage outputs may differ only in the micro-batch "
-                "dimension (dim 0) and, in a value of several leaves, in which leaves are None; pad variable-length "
-                "data to one shape per batch.",
-            )
-        if any(ours is not None and theirs is None for ours, theirs in zip(entries, expected, strict=True)):
-            # A leaf the receiver has no buffer for: fill what it posted for the rest of the step with placeholders,
-            # then start over with a header that describes this micro-batch.
-            self._send_message({"restart": True})
-            self._send_placeholders(index)
-            if self.transport.posts_ahead:  # else the receiver has posted this micro-batch's receives only
-                for later in range(index + 1, len(self._sizes)):
-                    self._send_message({"void": True})
-                    self._send_placeholders(later)
-            self._start(index, layout, None)
+        pairs = list(zip(entries, expected, strict=True)) if layout[0] == predicted[0] else None
+        if pairs is None or any(ours is not None and theirs is not None and ours != theirs for ours, theirs in pairs):
+            # A shape (or the structure) differs from the prediction: describe every later micro-batch, from this
+            # step on (variable lengths per micro-batch come back step after step).
+            self._ragged = True
+            self._restart(index, layout, described=True)
             self._send_leaves(leaves)
             return
-        missing = [
-            position for position, (ours, theirs) in enumerate(zip(entries, expected, strict=True)) if ours != theirs
-        ]
-        self._send_message({"missing": missing})
+        if any(ours is not None and theirs is None for ours, theirs in pairs):
+            # A leaf the receiver has no buffer for (a mask that was None so far): a new header describes it.
+            self._restart(index, layout, described=False)
+            self._send_leaves(leaves)
+            return
+        missing = [position for position, (ours, theirs) in enumerate(pairs) if ours != theirs]
+        if missing:
+            message = pickle.dumps({"missing": missing})
+            if len(message) > HEADER_BYTES - _LENGTH_BYTES:  # a value of very many leaves: a header says it all
+                self._restart(index, layout, described=False)
+                self._send_leaves(leaves)
+                return
+            self.transport.send(_pack(message).to(self.transport.device), self.peer)
+        else:
+            if self._nothing_missing is None:
+                self._nothing_missing = _pack(pickle.dumps({"missing": []})).to(self.transport.device)
+            self.transport.send(self._nothing_missing, self.peer)
         for leaf, entry in zip(leaves, expected, strict=True):
             if entry is not None:  # the receiver posted a buffer for it: fill it, with a placeholder if it is None
                 self.transport.send(_placeholder(entry, self.transport.device) if leaf is None else leaf, self.peer)
 
-    def _start(self, index: int, layout: _Layout, fingerprint: Fingerprint | None) -> None:
+    def _restart(self, index: int, layout: _Layout, described: bool) -> None:
+        """Fill what the receiver posted for the rest of the step with placeholders, then send a new header."""
+        self._send_message({"restart": True})
+        self._send_placeholders(index)
+        if self.transport.posts_ahead:  # else the receiver has posted this micro-batch's receives only
+            for later in range(index + 1, len(self._sizes)):
+                self._send_message({"void": True})
+                self._send_placeholders(later)
+        self._start(index, layout, None, described)
+
+    def _start(self, index: int, layout: _Layout, fingerprint: Fingerprint | None, described: bool) -> None:
         self._layout = _resize(layout, self._sizes[0]) if self._sizes[index] != self._sizes[0] else layout
         self._first = index
-        self._send_header({"layout": layout, "index": index, "sizes": self._sizes, "fingerprint": fingerprint})
+        self._described = described
+        header = {"layout": layout, "index": index, "sizes": self._sizes, "fingerprint": fingerprint}
+        self._send_header({**header, "described": described})
 
     def _send_leaves(self, leaves: Sequence[torch.Tensor | None]) -> None:
         for leaf in leaves:
@@ -224,7 +244,7 @@ class ActivationLink:
 
     def _send_message(self, payload: dict[str, Any]) -> None:
         data = pickle.dumps(payload)
-        assert len(data) <= HEADER_BYTES - _LENGTH_BYTES, "a presence message outgrew its fixed buffer"
+        assert len(data) <= HEADER_BYTES - _LENGTH_BYTES, "a control message outgrew its fixed buffer"
         self.transport.send(_pack(data).to(self.transport.device), self.peer)
 
     def _send_header(self, payload: dict[str, Any]) -> None:
@@ -247,12 +267,22 @@ class ActivationLink:
             self._posted[index] = self._post(index)
         posted = self._posted.pop(index)
         missing: set[int] = set()
-        if posted.presence is not None:
-            buffer, wait = posted.presence
+        assert self._layout is not None
+        layout = self._layout if self._described else self._predicted(index)
+        if posted.control is not None:
+            buffer, wait = posted.control
             wait()
-            message = pickle.loads(_unpack(buffer.cpu()))
-            if message.get("restart"):
+            message = self._read(buffer, f"the layout of micro-batch {index}")
+            if self._described:
+                # Its receives are posted now that its layout is known; the next micro-batch's layout message can
+                # be posted behind them (the peer sends layout, tensors, next layout, ...).
+                layout = message["layout"]
+                posted.leaves = self._post_leaves(index, layout)
+                if self.transport.posts_ahead and index + 1 < len(self._sizes):
+                    self._posted[index + 1] = self._post(index + 1)
+            elif message.get("restart"):
                 # The sender has filled every receive posted for this step with placeholders; a header follows.
+                # (A wait is never repeated: on gloo a second wait of a receive waits for another message.)
                 for leaf in posted.leaves:
                     if leaf is not None:
                         leaf[1]()
@@ -262,8 +292,9 @@ class ActivationLink:
                 if self.transport.posts_ahead:
                     self._post_from(index)
                 return self.recv(index)
-            missing = set(message["missing"])
-        spec, entries = self._predicted(index)
+            else:
+                missing = set(message["missing"])
+        spec, entries = layout
         leaves: list[torch.Tensor | None] = []
         for position, (entry, receive) in enumerate(zip(entries, posted.leaves, strict=True)):
             if entry is None or receive is None:
@@ -287,30 +318,38 @@ class ActivationLink:
                 self._posted[index] = self._post(index)
 
     def _post_from(self, first: int) -> None:
-        # The sender sends the step's micro-batches in forward order, starting with this one.
-        for index in range(first, len(self._sizes)):
+        # The sender sends the step's micro-batches in forward order, starting with this one. Described steps post
+        # one layout message ahead only: the tensors' receives wait for their layout.
+        last = first + 2 if self._described else len(self._sizes)
+        for index in range(first, min(last, len(self._sizes))):
             self._posted[index] = self._post(index)
 
     def _post(self, index: int) -> _Posted:
-        presence = None
-        if self._has_presence(index):
+        control = None
+        if self._has_control(index):
             buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.transport.device)
-            presence = (buffer, self.transport.post_recv(buffer, self.peer, f"presence of micro-batch {index}"))
-        posted = _Posted(presence)
-        for entry in self._predicted(index)[1]:
-            if entry is None:
-                posted.leaves.append(None)
-                continue
-            buffer = torch.empty(entry.shape, dtype=entry.dtype, device=self.transport.device)
-            posted.leaves.append(
-                (buffer, self.transport.post_recv(buffer, self.peer, f"activations of micro-batch {index}"))
-            )
+            control = (buffer, self.transport.post_recv(buffer, self.peer, f"the layout of micro-batch {index}"))
+        posted = _Posted(control)
+        if control is None or not self._described:
+            assert self._layout is not None
+            layout = self._layout if self._described else self._predicted(index)
+            posted.leaves = self._post_leaves(index, layout)
         return posted
 
-    def _receive_header(self, index: int) -> None:
-        what = f"the step header (micro-batch {index})"
-        header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.transport.device)
-        self.transport.recv(header, self.peer, what)
+    def _post_leaves(self, index: int, layout: _Layout) -> list[tuple[torch.Tensor, Callable[[], None]] | None]:
+        receives: list[tuple[torch.Tensor, Callable[[], None]] | None] = []
+        for entry in layout[1]:
+            if entry is None:
+                receives.append(None)
+                continue
+            buffer = torch.empty(entry.shape, dtype=entry.dtype, device=self.transport.device)
+            receives.append(
+                (buffer, self.transport.post_recv(buffer, self.peer, f"activations of micro-batch {index}"))
+            )
+        return receives
+
+    def _read(self, header: torch.Tensor, what: str) -> dict[str, Any]:
+        """The payload of a received header-format message, receiving its continuation if it did not fit."""
         raw = header.cpu()
         length = int.from_bytes(bytes(raw[:_LENGTH_BYTES].tolist()), "little")
         if length <= HEADER_BYTES - _LENGTH_BYTES:
@@ -319,7 +358,14 @@ class ActivationLink:
             payload = torch.empty(length, dtype=torch.uint8, device=self.transport.device)
             self.transport.recv(payload, self.peer, what)
             data = bytes(payload.cpu().tolist())
-        message = pickle.loads(data)
+        message: dict[str, Any] = pickle.loads(data)
+        return message
+
+    def _receive_header(self, index: int) -> None:
+        what = f"the step header (micro-batch {index})"
+        header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.transport.device)
+        self.transport.recv(header, self.peer, what)
+        message = self._read(header, what)
         if message["sizes"] != self._sizes or message["index"] != index:
             raise PipelineError(
                 self.stage,
@@ -343,6 +389,7 @@ class ActivationLink:
         layout = message["layout"]
         self._layout = _resize(layout, self._sizes[0]) if self._sizes[index] != self._sizes[0] else layout
         self._first = index
+        self._described = bool(message.get("described"))
 
 
 class GradientLink:

@@ -5,10 +5,14 @@ Two rules keep these collectives right on GPUs. Objects travel on the CPU: a CUD
 on another rank's GPU; :func:`portable` detaches and moves every tensor to the CPU before sending, and :func:`to_device`
 puts what arrives on the receiver's own device. Tensors travel in flattened buckets, one collective per bucket
 (:func:`buckets`), not one per tensor.
+
+An object sent every step (the step's loss and logs) goes by :func:`broadcast_object`: one collective of a fixed
+``OBJECT_BYTES`` buffer when it fits, where ``broadcast_object_list`` always runs two (the size, then the bytes).
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -17,10 +21,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_gpipe.structure import map_tensors
 
-__all__ = ["BUCKET_BYTES", "broadcast_tensors", "buckets", "portable", "to_device"]
+__all__ = ["BUCKET_BYTES", "OBJECT_BYTES", "broadcast_object", "broadcast_tensors", "buckets", "portable", "to_device"]
 
 BUCKET_BYTES = 25 * 2**20
 """The most bytes one bucketed collective carries (DDP's default bucket size)."""
+OBJECT_BYTES = 16 * 2**10
+"""The buffer :func:`broadcast_object` sends first: an 8-byte length, then the pickled object if it fits."""
+_LENGTH = 8
 
 
 def portable(value: Any) -> Any:
@@ -69,3 +76,33 @@ def broadcast_tensors(
         work.wait()
         for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             tensor.copy_(value)
+
+
+def broadcast_object(value: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+    """Global rank ``src``'s ``value`` on every rank of ``group`` (a gloo group: the bytes stay on the CPU).
+
+    One broadcast of ``OBJECT_BYTES`` when the pickled value fits, a second one with the rest otherwise. Give it
+    :func:`portable` values: pickled CUDA tensors would be restored on the sender's device.
+    """
+    buffer = torch.zeros(OBJECT_BYTES, dtype=torch.uint8)
+    data = b""
+    if dist.get_rank() == src:
+        data = pickle.dumps(value)
+        buffer[:_LENGTH] = torch.frombuffer(bytearray(len(data).to_bytes(_LENGTH, "little")), dtype=torch.uint8)
+        head = data[: OBJECT_BYTES - _LENGTH]
+        if head:
+            buffer[_LENGTH : _LENGTH + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    dist.broadcast(buffer, src=src, group=group)
+    if dist.get_rank() == src:
+        tail = data[OBJECT_BYTES - _LENGTH :]
+        if tail:
+            dist.broadcast(torch.frombuffer(bytearray(tail), dtype=torch.uint8), src=src, group=group)
+        return value
+    raw = buffer.numpy().tobytes()
+    length = int.from_bytes(raw[:_LENGTH], "little")
+    data = raw[_LENGTH : _LENGTH + min(length, OBJECT_BYTES - _LENGTH)]
+    if length > OBJECT_BYTES - _LENGTH:
+        rest = torch.empty(length - (OBJECT_BYTES - _LENGTH), dtype=torch.uint8)
+        dist.broadcast(rest, src=src, group=group)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)

@@ -2,7 +2,8 @@
 
 A batch is any nest of tuples, lists, dicts (and other mappings, such as Hugging Face's ``BatchEncoding``),
 namedtuples and dataclasses. Every tensor leaf with at least one dimension is split along dim 0; other leaves
-(numbers, strings, 0-d tensors, None) are handed to every micro-batch.
+(numbers, strings, 0-d tensors, None, and whatever is wrapped in :class:`~lightning_gpipe.Unbatched`) are handed to
+every micro-batch.
 N samples in M micro-batches give sizes that differ by at most one; N < M gives N micro-batches of one sample.
 
 Each micro-batch carries ``weight = size / N``: summing ``weight * loss`` over micro-batches of a mean-reduced loss
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from lightning_gpipe.structure import flatten, leaf_paths, unflatten
+from lightning_gpipe.unbatched import unbatched_leaves
 
 __all__ = ["Microbatch", "batch_size", "gather", "loss_weights", "scatter", "step_extras", "validate_chunks"]
 
@@ -52,12 +54,17 @@ def _splittable(leaf: object) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.dim() > 0
 
 
+def _split_flags(leaves: Sequence[Any], spec: Any) -> list[bool]:
+    """Which leaves carry the batch dimension: tensors of at least one dimension not marked :class:`Unbatched`."""
+    return [_splittable(leaf) and not marked for leaf, marked in zip(leaves, unbatched_leaves(spec), strict=True)]
+
+
 def batch_size(batch: Any) -> int:
-    """The number of samples in ``batch``: the common dim-0 size of its tensor leaves."""
+    """The number of samples in ``batch``: the common dim-0 size of its tensor leaves (:class:`Unbatched` aside)."""
     leaves, spec = flatten(batch)
-    sizes = {
-        path: leaf.shape[0] for path, leaf in zip(leaf_paths(spec, "batch"), leaves, strict=True) if _splittable(leaf)
-    }
+    paths = leaf_paths(spec, "batch")
+    split = _split_flags(leaves, spec)
+    sizes = {path: leaf.shape[0] for path, leaf, flag in zip(paths, leaves, split, strict=True) if flag}
     if not sizes:
         raise TypeError(
             f"cannot split a batch of type {type(batch).__name__} into micro-batches: it holds no tensor with a batch "
@@ -67,7 +74,8 @@ def batch_size(batch: Any) -> int:
         listing = ", ".join(f"{path}: {size}" for path, size in sizes.items())
         raise ValueError(
             f"the tensors of a batch must share their dim-0 size to be split into micro-batches, got {listing}; "
-            "wrap per-batch constants in a 0-d tensor or a plain Python value so that they are not split"
+            "a tensor without a batch dimension (an attention bias, a rotary cache, a step counter) must be marked: "
+            "wrap it in lightning_gpipe.Unbatched(tensor) and every micro-batch gets it whole"
         )
     return next(iter(sizes.values()))
 
@@ -80,7 +88,8 @@ def scatter(batch: Any, chunks: int) -> list[Microbatch]:
         raise ValueError("cannot split an empty batch (0 samples) into micro-batches; drop empty batches upstream")
     count = min(chunks, total)
     leaves, spec = flatten(batch)
-    pieces = [torch.tensor_split(leaf, count) if _splittable(leaf) else None for leaf in leaves]
+    split = _split_flags(leaves, spec)
+    pieces = [torch.tensor_split(leaf, count) if flag else None for leaf, flag in zip(leaves, split, strict=True)]
     microbatches = []
     for index in range(count):
         parts = [leaf if piece is None else piece[index] for leaf, piece in zip(leaves, pieces, strict=True)]
@@ -93,8 +102,9 @@ def gather(values: Sequence[Any]) -> Any:
     """Join per-micro-batch values of one structure back into the batch's value.
 
     Tensors with a batch dimension are concatenated along dim 0. A value that is not per-sample (a Python scalar,
-    a string, a 0-d tensor, None) and equal in every micro-batch is kept as it is, once; one that differs between
-    micro-batches becomes the list of the micro-batches' values (0-d tensors: a tensor of M entries), in order.
+    a string, a 0-d tensor, None, a tensor wrapped in :class:`~lightning_gpipe.Unbatched`) and equal in every
+    micro-batch is kept as it is, once; one that differs between micro-batches becomes the list of the micro-batches'
+    values (tensors: stacked along a new dim 0 of M entries), in order.
     """
     if not values:
         raise ValueError("nothing to gather: no micro-batch values were given")
@@ -104,8 +114,8 @@ def gather(values: Sequence[Any]) -> Any:
         raise ValueError("cannot gather micro-batch values of different structures")
     columns = zip(*(leaves for leaves, _spec in flat), strict=True)
     joined: list[Any] = []
-    for column in columns:
-        if all(_splittable(leaf) for leaf in column):
+    for column, marked in zip(columns, unbatched_leaves(spec), strict=True):
+        if not marked and all(_splittable(leaf) for leaf in column):
             joined.append(torch.cat(column))
         elif all(_same(leaf, column[0]) for leaf in column[1:]):
             joined.append(column[0])

@@ -49,7 +49,7 @@ from typing_extensions import override
 from lightning_gpipe.anomaly import check_finite
 from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.checkpoint import CheckpointMode
-from lightning_gpipe.collectives import broadcast_tensors, portable, to_device
+from lightning_gpipe.collectives import broadcast_object, broadcast_tensors, portable, to_device
 from lightning_gpipe.config import Balance, PipelineConfig, StartMethod
 from lightning_gpipe.cost import layer_costs
 from lightning_gpipe.errors import PipelineError
@@ -671,10 +671,10 @@ class GPipeStrategy(ParallelStrategy):
             return payload
         source = self.layout.last_stage_rank
         # Sent on the CPU (pickled CUDA tensors would be restored on the sender's GPU), received onto this rank's.
-        box = [portable(payload) if self.global_rank == source else None]
+        sent = portable(payload) if self.global_rank == source else None
         with self._collective(f"receiving the step's loss and logs from the last stage (global rank {source})"):
-            dist.broadcast_object_list(box, src=source, group=self._object_group)
-        return payload if self.global_rank == source else to_device(box[0], self.root_device)
+            received = broadcast_object(sent, source, self._object_group)
+        return payload if self.global_rank == source else to_device(received, self.root_device)
 
     def _mirror_logs(
         self, recorder: LogRecorder, scalars: Mapping[str, Tensor] | None = None, other: Any = None

@@ -132,6 +132,7 @@ class ProcessGroupTransport(Transport):
                 "of adjacent stages (ProcessLayout.new_groups creates them)"
             )
         self._links = list(links) if links is not None else None
+        self._routes: dict[int, tuple[dist.ProcessGroup, int]] = {}
         self._aborted = False
         self._device = torch.device(device)
         # Device waits are stream waits; CPU waits block the host with a deadline.
@@ -157,8 +158,11 @@ class ProcessGroupTransport(Transport):
             raise RuntimeError(f"stage {self.stage}'s links were aborted after a failure; the transport is closed")
         if self._links is None:
             return None, self.ranks[peer]
-        group = self._links[min(peer, self.stage)]
-        return group, dist.get_group_rank(group, self.ranks[peer])
+        route = self._routes.get(peer)
+        if route is None:  # looked up once: get_group_rank walks the group's rank map on every call
+            group = self._links[min(peer, self.stage)]
+            route = self._routes[peer] = (group, dist.get_group_rank(group, self.ranks[peer]))
+        return route
 
     def _wait(self, work: dist.Work) -> None:
         if self._on_stream:

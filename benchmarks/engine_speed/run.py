@@ -65,9 +65,15 @@ class Plan:
             if chunks > 1:  # 1-way accumulation is the unpipelined step
                 jobs.append(transformer("accumulation", chunks))
             jobs += [transformer("ours", chunks), transformer("torch_pipelining", chunks)]
+            if chunks == METADATA_CHUNKS:  # the cost of per-micro-batch shapes, next to the step it is compared with
+                jobs.append(transformer("ours_described", chunks))
         jobs += [small("unpipelined", 1), small("accumulation", SMALL_CHUNKS), small("two_threads", 1)]
-        jobs += [small("ours", SMALL_CHUNKS), small("torch_pipelining", SMALL_CHUNKS)]
+        jobs += [small("ours", SMALL_CHUNKS), small("ours_described", SMALL_CHUNKS)]
+        jobs += [small("torch_pipelining", SMALL_CHUNKS)]
         return jobs
+
+
+METADATA_CHUNKS = 8
 
 
 # Step counts keep a full round near 100 s on this machine, so that 6 rounds fit the ~11 min budget: more, shorter

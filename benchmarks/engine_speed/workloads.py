@@ -32,8 +32,15 @@ __all__ = [
 ]
 
 K = 2  # stages, one process each
-CONFIGS: tuple[str, ...] = ("unpipelined", "accumulation", "two_threads", "ours", "torch_pipelining")
-PIPELINED: frozenset[str] = frozenset({"ours", "torch_pipelining"})
+CONFIGS: tuple[str, ...] = (
+    "unpipelined",
+    "accumulation",
+    "two_threads",
+    "ours",
+    "ours_described",
+    "torch_pipelining",
+)
+PIPELINED: frozenset[str] = frozenset({"ours", "ours_described", "torch_pipelining"})
 
 Step = Callable[[], None]
 Batch = tuple[torch.Tensor, torch.Tensor]  # x, y: input and regression target, both (B, *sample_shape)
@@ -118,10 +125,15 @@ def _single_process_step(model: nn.Module, batch: Batch, chunks: int) -> Step:
     return step
 
 
-def _ours_step(cell: nn.Module, batch: Batch, chunks: int, timeline: Timeline | None) -> Step:
+def _ours_step(cell: nn.Module, batch: Batch, chunks: int, timeline: Timeline | None, described: bool = False) -> Step:
     # checkpoint="never": torch.distributed.pipelining has no built-in re-materialization, so for a like-for-like
     # comparison both engines keep every micro-batch's activations until its backward.
     pipeline = Pipeline(cell, ProcessGroupTransport([0, 1]), chunks=chunks, checkpoint="never", timeline=timeline)
+    outbox = pipeline.stage._outbox
+    if described and outbox is not None:
+        # What shapes that vary per micro-batch cost in messages alone, on the same arithmetic: the link sends every
+        # step as after a shape change (a layout message per micro-batch, receives posted one micro-batch ahead).
+        outbox._ragged = True
     optimizer = _sgd(cell)
 
     def step() -> None:
@@ -176,8 +188,8 @@ def build_step(workload: Workload, config: str, chunks: int, rank: int, timeline
     if config in PIPELINED:
         half = len(layers) // K
         cell = nn.Sequential(*layers[rank * half : (rank + 1) * half])
-        if config == "ours":
-            return _ours_step(cell, batch, chunks, timeline)
+        if config in ("ours", "ours_described"):
+            return _ours_step(cell, batch, chunks, timeline, described=config == "ours_described")
         return _torch_pipelining_step(cell, batch, chunks, rank)
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; use one of {', '.join(CONFIGS)}")

@@ -1,6 +1,7 @@
 """What a user's own LightningModule does under GPipeStrategy, in one 2-rank job: stopping from ``training_step``,
 a token-mean loss over padding, a Metric logged per step, predictions that are not per-sample, indexing the
-sequence in ``configure_optimizers``, two optimizers, and a checkpoint saved on global rank 0 alone.
+sequence in ``configure_optimizers``, two optimizers, a checkpoint saved on global rank 0 alone, and a token-mean loss
+on sequences trimmed per micro-batch.
 
 ``python -m helpers.user_model_job OUT [SECTION ...]`` (all sections by default) writes what each rank saw to
 ``OUT/rank-N.json``; a section that fails records its error instead, so that one broken behaviour does not hide the
@@ -64,6 +65,16 @@ class TokenMean(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class TrimmedTokenMean(TokenMean):
+    """The same loss on sequences cut after the batch's longest one: under GPipe each micro-batch is cut after its
+    own longest, so the activations between the stages differ in length from one micro-batch to the next."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        ids, target = batch
+        width = int((target != -100).sum(1).max())  # targets are real up to each row's length
+        return super().training_step((ids[:, :width], target[:, :width]), batch_idx)
+
+
 class Classifier(L.LightningModule):
     """A classifier whose accuracy is logged per step, and whose head gets its own learning rate by index."""
 
@@ -120,9 +131,9 @@ def trainer(devices: int, steps: int = 3, **options: Any) -> L.Trainer:
     )
 
 
-def fit_token_mean(devices: int) -> dict[str, torch.Tensor]:
+def fit_token_mean(devices: int, trimmed: bool = False) -> dict[str, torch.Tensor]:
     L.seed_everything(0, verbose=False)
-    module = TokenMean()
+    module = TrimmedTokenMean() if trimmed else TokenMean()
     trainer(devices).fit(module, DataLoader(token_data(), batch_size=16))
     return {key: value.detach().clone() for key, value in module.state_dict().items()}
 
@@ -152,6 +163,11 @@ def main(out: str, chosen: list[str]) -> None:
     def token_mean() -> list[float]:
         state = fit_token_mean(2)
         torch.save(state, root / "token-mean.pt")
+        return [float(value.sum()) for value in state.values()]
+
+    def trimmed_token_mean() -> list[float]:
+        state = fit_token_mean(2, trimmed=True)
+        torch.save(state, root / "trimmed-token-mean.pt")
         return [float(value.sum()) for value in state.values()]
 
     def metric_and_groups() -> dict[str, Any]:
@@ -191,6 +207,7 @@ def main(out: str, chosen: list[str]) -> None:
 
     sections = {
         "token_mean": token_mean,
+        "trimmed_token_mean": trimmed_token_mean,
         "metric_and_groups": metric_and_groups,
         "predict": predict,
         "two_optimizers": two_optimizers,

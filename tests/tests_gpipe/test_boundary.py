@@ -1,4 +1,5 @@
-"""What crosses a stage boundary: tensors of any strides, optional leaves, leaves on another device.
+"""What crosses a stage boundary: tensors of any strides, optional leaves, shapes that vary per micro-batch, values
+marked `Unbatched`, leaves on another device.
 
 Each case is a two-stage model trained one step through the pipeline and compared with the unpartitioned model on
 the whole batch. Strides matter only over gloo (threads copy tensors as they are), so the process test is the one
@@ -17,6 +18,7 @@ from helpers.models import cells, full_batch_grads, loss_fn, relative_error
 from helpers.runif import RunIf
 from torch import nn
 
+from lightning_gpipe import Unbatched
 from lightning_gpipe.boundary import ActivationLink
 from lightning_gpipe.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
@@ -71,8 +73,66 @@ class Head(nn.Module):
         return self.linear(value[0])
 
 
+class Trim(nn.Module):
+    """Cuts the zero padding after the longest sequence of its input: per micro-batch under the pipeline, per batch
+    in the plain model, so the boundary's dim 1 varies between the micro-batches of a step."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: (B, T, 6), zero after each length
+        real = x.abs().sum(-1) > 0  # (B, T)
+        width = int(real.sum(1).max())
+        return x[:, :width], real[:, :width].to(x.dtype)
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, mask = value
+        return torch.tanh(self.linear(x)), mask  # (B, W, 8), (B, W)
+
+
+class MaskedMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, mask = value
+        return self.linear((h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
+
+
+class WithBias(nn.Module):
+    """Adds a shared (4, 8) table to its output and passes it on marked `Unbatched`: dim 0 is not the batch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+        self.table = nn.Parameter(torch.randn(4, 8) / 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Unbatched]:
+        return torch.tanh(self.linear(x)), Unbatched(self.table * 2)
+
+
+class UseBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+
+    def forward(self, value: tuple[torch.Tensor, Unbatched]) -> torch.Tensor:
+        h, table = value
+        assert isinstance(table, Unbatched)
+        assert table.value.shape == (4, 8)
+        return self.linear(h + table.value.mean(0))
+
+
 def build(name: str) -> nn.Sequential:
     torch.manual_seed(0)
+    if name == "ragged":
+        return nn.Sequential(Trim(), Tokens(), MaskedMean())
+    if name == "unbatched":
+        return nn.Sequential(WithBias(), UseBias())
     if name == "permute":  # NCHW conv, then channels moved last: the boundary is a permuted view
         return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Permute(), nn.Linear(4, 3), nn.Flatten(), nn.Linear(48, 3))
     if name == "channels_last":
@@ -82,7 +142,14 @@ def build(name: str) -> nn.Sequential:
     return nn.Sequential(MaskOf(), Masked(), Masked(), Head())
 
 
-BALANCES = {"permute": [2, 3], "channels_last": [2, 3], "mask_first": [2, 2], "mask_later": [2, 2]}
+BALANCES = {
+    "permute": [2, 3],
+    "channels_last": [2, 3],
+    "mask_first": [2, 2],
+    "mask_later": [2, 2],
+    "ragged": [2, 1],
+    "unbatched": [1, 1],
+}
 # Which micro-batches hold padded samples: the first (then None at 1 and 3), or not the first (None first, a mask
 # appears at micro-batch 1, then goes again).
 PADDED = {"mask_first": [0, 2], "mask_later": [1, 3]}
@@ -90,6 +157,12 @@ PADDED = {"mask_first": [0, 2], "mask_later": [1, 3]}
 
 def data(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
+    if name == "ragged":  # sequences of 1 to 7 tokens, zero-padded to 7: each micro-batch has its own longest
+        lengths = torch.tensor([2, 1, 3, 2, 7, 1, 1, 2, 4, 5, 1, 3, 1, 6, 2, 1])
+        x = torch.randn(BATCH, 7, 6, generator=generator) * (torch.arange(7)[None, :, None] < lengths[:, None, None])
+        return x, torch.randn(BATCH, 3, generator=generator)
+    if name == "unbatched":  # 14 samples: micro-batches of 4, 4, 3, 3, and the table's dim 0 is 4 too
+        return torch.randn(14, 6, generator=generator), torch.randn(14, 3, generator=generator)
     if name in PADDED:
         x = torch.randn(BATCH, 6, generator=generator).abs().neg()  # nothing padded...
         for microbatch in PADDED[name]:
@@ -118,19 +191,15 @@ def test_a_leaf_that_is_none_on_some_microbatches_trains_as_the_plain_model(name
     assert_same({key: p.grad for key, p in model.named_parameters()}, reference(name))
 
 
-def test_a_shape_that_changes_within_a_step_is_still_refused() -> None:
-    class Grow(nn.Module):  # a second leaf one column wider from the second micro-batch on
-        calls = 0
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            self.calls += 1
-            return x, torch.zeros(len(x), min(self.calls, 2))
-
-    model = nn.Sequential(nn.Linear(6, 6), Grow(), Head())
-    model[2].linear = nn.Linear(6, 3)
-    x, y = data("mask_later")
-    with pytest.raises(Exception, match=r"may differ only in the micro-batch dimension \(dim 0\) and"):
-        run_in_threads(cells(model, [2, 1]), (x, y), loss_fn, chunks=CHUNKS, timeout=60)
+@pytest.mark.parametrize("name", ["ragged", "unbatched"])
+def test_shapes_that_vary_per_microbatch_train_as_the_plain_model(name: str) -> None:
+    # Issue 15 item 2: sequences trimmed per micro-batch cross the boundary with their own lengths (refused before:
+    # "may differ only in the micro-batch dimension"). Item 3: a table marked Unbatched is never resized to the
+    # micro-batch size, and arrives still wrapped, as the unsplit model's next layer sees it.
+    model = build(name)
+    model.zero_grad()
+    run_in_threads(cells(model, BALANCES[name]), data(name), loss_fn, chunks=CHUNKS, timeout=60)
+    assert_same({key: p.grad for key, p in model.named_parameters()}, reference(name))
 
 
 class _RecordingTransport(ThreadTransport):
@@ -154,7 +223,8 @@ def test_leaves_are_sent_from_the_transports_device() -> None:
     assert set(sender.sent_devices) == {torch.device("meta")}
 
 
-CASES = ["permute", "channels_last", "mask_first", "mask_later"]
+CASES = ["permute", "channels_last", "mask_first", "mask_later", "ragged", "unbatched"]
+STEPS = {"ragged": 2}  # the second step starts described: its link remembers that shapes vary
 
 
 def _worker(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -162,16 +232,19 @@ def _worker(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     for name in CASES:
         model = build(name)
         pipeline = Pipeline(cells(model, BALANCES[name])[rank], ProcessGroupTransport(range(world_size)), chunks=CHUNKS)
-        pipeline.train_step(data(name), loss_fn)
-        grads[name] = {key: p.grad.clone() for key, p in model.named_parameters() if p.grad is not None}
+        for _ in range(STEPS.get(name, 1)):
+            pipeline.train_step(data(name), loss_fn)
+        steps = STEPS.get(name, 1)
+        grads[name] = {key: p.grad / steps for key, p in model.named_parameters() if p.grad is not None}
     return grads
 
 
 @RunIf(multiprocess=True)
 def test_boundaries_over_gloo_train_as_the_plain_model() -> None:
     # A permuted or channels_last boundary tensor made gloo refuse the gradient's receive buffer, which kept the
-    # output's strides (torch.empty_like); optional leaves use the presence messages and the restart.
-    per_rank: list[dict[str, dict[str, Callable]]] = run_processes(_worker, 2, timeout=240)
+    # output's strides (torch.empty_like); optional leaves use the control messages and the restart; shapes that
+    # vary per micro-batch switch the step to described micro-batches, and the next step starts described.
+    per_rank: list[dict[str, dict[str, Callable]]] = run_processes(_worker, 2, timeout=420)
     for name in CASES:
         grads = {}
         for rank_grads in per_rank:

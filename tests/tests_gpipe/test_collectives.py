@@ -10,7 +10,7 @@ import torch.distributed as dist
 from helpers.distributed import run_processes
 from helpers.runif import RunIf
 
-from lightning_gpipe.collectives import broadcast_tensors, buckets, portable, to_device
+from lightning_gpipe.collectives import broadcast_object, broadcast_tensors, buckets, portable, to_device
 
 
 @dataclass
@@ -70,3 +70,19 @@ def _broadcast_from_rank_1(rank: int, world_size: int) -> list[torch.Tensor]:
 def test_broadcast_tensors_copies_the_source_rank_everywhere() -> None:
     for tensors in run_processes(_broadcast_from_rank_1, 2, timeout=300, pg_timeout=120):
         assert [torch.as_tensor(t).tolist() for t in tensors] == [[1.0] * 3, [[11.0, 11.0]] * 2, [1.0] * 5]
+
+
+def _broadcast_objects_from_rank_1(rank: int, world_size: int) -> list[object]:
+    small = {"loss": torch.tensor(float(rank)), "stop": rank == 1}
+    large = list(range(10_000)) if rank == 1 else None  # pickled, well over OBJECT_BYTES: a second broadcast
+    return [broadcast_object(value, 1, dist.group.WORLD) for value in (small, large, None)]
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.slow  # by default every 2-rank Lightning test shares its step's logs with it
+def test_broadcast_object_sends_the_source_ranks_value_small_or_large() -> None:
+    for small, large, nothing in run_processes(_broadcast_objects_from_rank_1, 2, timeout=300, pg_timeout=120):
+        assert float(small["loss"]) == 1.0
+        assert small["stop"] is True
+        assert large == list(range(10_000))
+        assert nothing is None

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_gpipe import Unbatched
 from lightning_gpipe.microbatch import batch_size, gather, loss_weights, scatter
 
 Batch = namedtuple("Batch", ["x", "y"])
@@ -161,3 +162,21 @@ def test_step_extras_join_the_other_keys_of_the_micro_batches_outputs() -> None:
     assert step_extras([{"loss": torch.tensor(1.0)}]) is None
     with pytest.raises(ValueError, match=r"different keys for the micro-batches of one batch \(\['a'\] and \['b'\]\)"):
         step_extras([{"loss": torch.tensor(1.0), "a": 1}, {"loss": torch.tensor(1.0), "b": 1}])
+
+
+def test_unbatched_values_go_whole_to_every_microbatch_and_gather_once() -> None:
+    # Issue 15 item 3: a (T, T) attention bias whose dim 0 equals the batch size was split like the tokens.
+    tokens, bias = torch.arange(40).reshape(8, 5), torch.randn(8, 8)
+    microbatches = scatter({"tokens": tokens, "bias": Unbatched(bias)}, 4)
+    assert [mb.value["tokens"].shape[0] for mb in microbatches] == [2, 2, 2, 2]
+    assert all(mb.value["bias"].value is bias for mb in microbatches)
+    joined = gather([mb.value for mb in microbatches])
+    assert torch.equal(joined["tokens"], tokens)
+    assert isinstance(joined["bias"], Unbatched)
+    assert joined["bias"].value is bias  # kept once, not concatenated to (32, 8)
+    assert batch_size((tokens, Unbatched(torch.zeros(3)))) == 8
+
+
+def test_a_batch_tensor_of_another_dim_0_is_refused_with_the_advice_to_mark_it() -> None:
+    with pytest.raises(ValueError, match=r"batch\[1\]: 5.*wrap it in lightning_gpipe.Unbatched\(tensor\)"):
+        scatter((torch.zeros(8, 3), torch.zeros(5, 5)), 4)

@@ -225,3 +225,21 @@ def test_a_users_own_module_behaves_as_under_plain_lightning(tmp_path: Path) -> 
     # 10: `if trainer.is_global_zero: trainer.save_checkpoint(...)` fails at once on rank 0 saying what to do.
     assert "every rank must call trainer.save_checkpoint" in seen[0]["save_on_rank_zero"]["error"]
     assert isinstance(seen[1]["save_on_rank_zero"], float)
+
+
+@pytest.mark.timeout(600)
+@RunIf(multiprocess=True)
+def test_a_token_mean_over_sequences_trimmed_per_microbatch_trains_as_plain_lightning(tmp_path: Path) -> None:
+    """Issue 15 item 2: each micro-batch cut after its own longest sequence crosses the boundary with its own length
+    (refused before: "may differ only in the micro-batch dimension"), and `loss_weight` makes the micro-batches'
+    token means the whole batch's."""
+    from helpers import user_model_job as job
+
+    results = run_job("helpers.user_model_job", [str(tmp_path), "trimmed_token_mean"], 2, timeout=500)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    seen = json.loads((tmp_path / "rank-0.json").read_text())
+    assert "error" not in seen["trimmed_token_mean"], seen["trimmed_token_mean"]
+    trained = torch.load(tmp_path / "trimmed-token-mean.pt", weights_only=True)
+    assert_same_parameters(trained, job.fit_token_mean(1, trimmed=True))
+    assert_same_parameters(trained, job.fit_token_mean(1))  # trimming changes nothing in plain Lightning

@@ -1,0 +1,99 @@
+"""What per-micro-batch shapes cost: `ours` steps with and without a layout message per micro-batch, alternated.
+
+Usage: ``python -m benchmarks.engine_speed.metadata [--workload transformer|small] [--steps N] [--chunks M]``.
+
+Two ranks forked from this process train the engine workload's two halves (``checkpoint="never"``, as `ours` in
+``run.py``), alternating step by step between the common path (one header per step, a control message per
+micro-batch) and the *described* path that shapes varying per micro-batch take (a layout message per micro-batch,
+each receive posted when its layout arrives). Alternating steps in the same processes compares the two side by side
+under the same load; the arithmetic is identical. The last line is ``shape_metadata_ratio=R``: described throughput
+over common-path throughput (median step times of rank 0, the sender).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.engine_speed.workloads import WORKLOADS, K
+from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.transport import ProcessGroupTransport
+
+__all__ = ["main"]
+
+
+def _rank(rank: int, workload: str, chunks: int, steps: int, port: int, results: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=K)
+    torch.manual_seed(0)
+    work = WORKLOADS[workload]
+    layers = work.build_layers()
+    half = len(layers) // K
+    cell = nn.Sequential(*layers[rank * half : (rank + 1) * half])
+    pipeline = Pipeline(cell, ProcessGroupTransport(range(K)), chunks=chunks, checkpoint="never")
+    optimizer = torch.optim.SGD(cell.parameters(), lr=1e-3)
+    batch = work.batch()
+    outbox = pipeline.stage._outbox
+    times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for step in range(2 * steps + 2):
+        described = step % 2 == 1
+        if outbox is not None:
+            outbox._ragged = described  # the header of the step tells the receiver which path it takes
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        optimizer.zero_grad(set_to_none=True)
+        pipeline.train_step(batch, lambda output, mb: torch.nn.functional.mse_loss(output, mb[1]))
+        optimizer.step()
+        if step >= 2:  # one warm-up step of each
+            times[described].append((time.perf_counter() - wall, time.process_time() - cpu))
+    results.put((rank, times))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="transformer")
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps of each path")
+    args = parser.parse_args(argv)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    ranks = [
+        context.Process(target=_rank, args=(rank, args.workload, args.chunks, args.steps, port, results))
+        for rank in range(K)
+    ]
+    for process in ranks:
+        process.start()
+    collected = dict(results.get(timeout=1800) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=30)
+    print(f"{WORKLOADS[args.workload].title}, K = {K}, M = {args.chunks}, {args.steps} steps of each path, rank 0:")
+    print("| path | step, wall (ms) | step, CPU (ms) |")
+    print("|---|---:|---:|")
+    medians, cpus = {}, {}
+    for described, name in ((False, "common (header + control message)"), (True, "described (layout per micro-batch)")):
+        wall = statistics.median(w for w, _ in collected[0][described])
+        cpu = statistics.median(c for _, c in collected[0][described])
+        medians[described], cpus[described] = wall, cpu
+        print(f"| {name} | {1e3 * wall:.1f} | {1e3 * cpu:.1f} |")
+    # CPU time barely moves with other load; wall time also counts the waits for receives posted late.
+    print(f"shape_metadata_cpu_ratio={cpus[False] / cpus[True]:.3f}")
+    print(f"shape_metadata_ratio={medians[False] / medians[True]:.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
