@@ -18,7 +18,7 @@ import datetime
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -375,6 +375,7 @@ class GPipeStrategy(ParallelStrategy):
         self._full_shapes = {key: tuple(value.shape) for key, value in full_state.items() if isinstance(value, Tensor)}
         self._parameter_order = [name for name, _ in module.named_parameters()]
         self._parameter_aliases = parameter_aliases(module)
+        whole = _count_parameters(module.parameters())  # before the split: each tied tensor once
         balance = self._find_balance(module, sequence)
         self._partition = partition_module(module, path, sequence, balance, layout.stage)
         # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
@@ -415,12 +416,16 @@ class GPipeStrategy(ParallelStrategy):
         )
         self._stage = self._pipeline.stage
         self._calls = CallRelay(self._stage)
-        self._describe_pipeline(path, len(sequence), [i for i, _ in own], sum(p.numel() for p in cell.parameters()))
+        own_parameters = _count_parameters(cell.parameters())
+        self._describe_pipeline(path, len(sequence), [i for i, _ in own], own_parameters, whole)
 
-    def _describe_pipeline(self, path: str, num_layers: int, layers: list[int], parameters: int) -> None:
+    def _describe_pipeline(
+        self, path: str, num_layers: int, layers: list[int], parameters: tuple[int, int], whole: tuple[int, int]
+    ) -> None:
         """Print, on global rank 0 and through Lightning's logger, which stage holds which layers and parameters.
 
-        Lightning's model summary runs on rank 0 and sees only its own stage; this table shows the whole pipeline.
+        ``parameters`` and ``whole`` are (all, trainable) counts of this stage and of the unsplit module. Lightning's
+        model summary runs on rank 0 and sees only its own stage; this table shows the whole pipeline.
         """
         layout = self.layout
         rows: list[Any] = [None] * self.world_size
@@ -430,8 +435,15 @@ class GPipeStrategy(ParallelStrategy):
             f"GPipe: {layout.num_replicas} {pipelines} of {layout.pipe_size} stages, {self.chunks} micro-batches per "
             f"batch; {path!r} has {num_layers} layers"
         ]
-        for _replica, stage, rank, own, count in sorted(row for row in rows if row[0] == 0):
-            lines.append(f"  stage {stage} (rank {rank}): layers {own[0]}-{own[-1]}, {count:,} parameters")
+        for _replica, stage, rank, own, (count, trainable) in sorted(row for row in rows if row[0] == 0):
+            lines.append(
+                f"  stage {stage} (rank {rank}): layers {own[0]}-{own[-1]}, {count:,} parameters ({trainable:,} "
+                "trainable)"
+            )
+        lines.append(
+            f"  whole model: {whole[0]:,} parameters ({whole[1]:,} trainable); Lightning's model summary counts only "
+            f"stage {layout.stage}, the one on rank {self.global_rank}"
+        )
         rank_zero_info("\n".join(lines))
 
     def _setup_stage_optimizers(self, trainer: Trainer, module: LightningModule) -> None:
@@ -988,6 +1000,12 @@ class GPipeStrategy(ParallelStrategy):
             start_method="fork",
             override=True,
         )
+
+
+def _count_parameters(parameters: Iterable[Tensor]) -> tuple[int, int]:
+    """(all, trainable) element counts of ``parameters``; meta tensors count too."""
+    counts = [(p.numel(), p.requires_grad) for p in parameters]
+    return sum(n for n, _ in counts), sum(n for n, trainable in counts if trainable)
 
 
 def _measured_costs(sequence: torch.nn.Sequential, how: Any, sample: Any, device: torch.device) -> list[float]:

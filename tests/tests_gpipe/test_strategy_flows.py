@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -207,6 +208,9 @@ def test_a_users_own_module_behaves_as_under_plain_lightning(tmp_path: Path) -> 
     # 13: rank 0 prints the whole pipeline with default logging: every stage's layers and parameters.
     assert "GPipe: 1 pipeline of 2 stages" in results[0].stdout
     assert "stage 1 (rank 0): layers " in results[0].stdout
+    # ... and the whole model's count, which Lightning's summary (rank 0's stage only) cannot show.
+    whole = r"whole model: [\d,]+ parameters \([\d,]+ trainable\); Lightning's model summary counts only stage 1"
+    assert re.search(whole, results[0].stdout), results[0].stdout[-3000:]
     # 5: a token mean over ragged padding, reported with `loss_weight`, trains as the full batch's token mean.
     assert_same_parameters(torch.load(tmp_path / "token-mean.pt", weights_only=True), job.fit_token_mean(1))
     # 6: a Metric logged on_step is the whole batch's value (macro accuracy: not a mean of micro-batch values);
