@@ -1,10 +1,10 @@
 """One memory probe: two real training steps of a scaled-down zoo model in one setting, counted in exact tensor bytes.
 
 The settings and models are in :mod:`benchmarks.zoo_memory.scales`. Memory is counted by
-``helpers.memory_job.LiveTensorBytes`` (a ``TorchDispatchMode`` that sees every operator and frees a storage's bytes
-when it dies): independent of the allocator and of the machine's load. The first step creates the gradients and the
-optimizer state (gradients are zeroed in place, so they stay allocated); the second step's peak is the one reported:
-parameters + batch + everything alive at that step's worst moment.
+``lightning_gpipe.plan.profile.LiveTensorBytes`` (a ``TorchDispatchMode`` that sees every operator and frees a
+storage's bytes when it dies): independent of the allocator and of the machine's load. The first step creates the
+gradients and the optimizer state (gradients are zeroed in place, so they stay allocated); the second step's peak is
+the one reported: parameters + batch + everything alive at that step's worst moment.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from helpers.memory_job import LiveTensorBytes
 from torch import Tensor, nn
 
 import zoo
@@ -21,6 +20,7 @@ from benchmarks.zoo_memory.scales import MODELS, SEQUENCE_LENGTH, ModelScale, Pr
 from lightning_gpipe.cost import memory_cost
 from lightning_gpipe.partition import balance_by_cost, split
 from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.plan.profile import LiveTensorBytes
 from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
 
 __all__ = ["ProbeResult", "measure_rank"]

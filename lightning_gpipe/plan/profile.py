@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_gpipe.cost import _leaf_input, _preserved_state
 from lightning_gpipe.structure import map_tensors
 
-__all__ = ["LayerProfile", "ModelProfile", "profile_layers"]
+__all__ = ["LayerProfile", "LiveTensorBytes", "ModelProfile", "profile_layers"]
 
 LossFn = Callable[[Any], Tensor]
 
@@ -123,8 +123,10 @@ class ModelProfile:
         )
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages created while active and still alive, and their peak.
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created while active and still alive, and their peak (``live``, ``peak``).
+
+    Exact and allocator-independent: the planner profiles with it, and the memory benchmarks measure with it.
 
     A storage is new when an operator returns it and no input shares it (views and in-place operators return their
     input's storage). A ``weakref.finalize`` on the storage takes its bytes off when it dies.
@@ -137,6 +139,7 @@ class _LiveBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}
 
     def reset_peak(self) -> None:
+        """Start a new peak from what is live now."""
         self.peak = self.live
 
     def _free(self, key: int) -> None:
@@ -279,7 +282,7 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], fi
         # No storage to watch on meta: the backward holds the output's gradient and the input's.
         transient = float(2 * max(out_bytes, _storage_bytes(x)))
         return float(sum(saved.values())), float(out_bytes), transient, shared(x), shared(output)
-    counter = _LiveBytes()
+    counter = LiveTensorBytes()
     with torch.enable_grad(), counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = run(x)
         after_forward = counter.live

@@ -32,7 +32,6 @@ import queue
 import sys
 import time
 import traceback
-import weakref
 from typing import Any
 
 import lightning as L
@@ -41,12 +40,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader
 
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.cost import memory_cost
+from lightning_gpipe.plan.profile import LiveTensorBytes
 
 __all__ = [
     "RESULT_PREFIX",
@@ -119,40 +117,6 @@ def memory_cost_activation_bytes(samples: int) -> int:
     costs = memory_cost(layers, sample, optimizer_slots=0)
     parameters_and_grads = 2 * sum(p.numel() * p.element_size() for p in layers.parameters())
     return int(sum(costs)) - parameters_and_grads - samples * WIDTH * FLOAT_BYTES
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Counts the bytes of tensor storages allocated while active and still alive, and their peak.
-
-    A storage is new when an operator returns it and none of the operator's inputs shares it: in-place operators and
-    views return their input's storage, which is counted where it was made (or, like a parameter, before tracking
-    started). The count drops when the storage is freed, which a ``weakref.finalize`` on it reports.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._sizes: dict[int, int] = {}
-
-    def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        output = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
-        for tensor in tree_leaves(output):
-            if not isinstance(tensor, Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-            if size == 0 or key in inputs or key in self._sizes:
-                continue
-            self._sizes[key] = size
-            self.live += size
-            weakref.finalize(storage, self._free, key)
-        self.peak = max(self.peak, self.live)
-        return output
 
 
 def pin_mmap_threshold(threshold: int = 128 * 1024) -> None:
