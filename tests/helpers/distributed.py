@@ -265,16 +265,19 @@ def _kill_group(group: int) -> int:
     return alive
 
 
-def run_module(module: str, args: list[str], *, timeout: float, cwd: str | Path | None = None) -> tuple[int, str, str]:
-    """Run ``python -m module *args`` with one thread per process; ``(returncode, stdout, stderr)``.
+def run_command(
+    command: list[str], *, timeout: float, cwd: str | Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(command, capture_output=True, text=True, timeout=...)``, but on ``timeout`` every process the
+    command started (the ranks Lightning's launcher spawns, a benchmark's workers) is killed with it.
 
-    The process gets its own session, so that on ``timeout`` every process it started (a benchmark's worker server and
-    workers) is killed with it; the timeout is then raised.
+    The command gets its own session; plain ``subprocess.run`` kills only its direct child, and a rank it started
+    could outlive the test. The timeout is then raised.
     """
     process = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        command,
         cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -286,4 +289,15 @@ def run_module(module: str, args: list[str], *, timeout: float, cwd: str | Path 
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-    return process.returncode, stdout, stderr
+        _kill_group(process.pid)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run_module(module: str, args: list[str], *, timeout: float, cwd: str | Path | None = None) -> tuple[int, str, str]:
+    """Run ``python -m module *args`` with one thread per process; ``(returncode, stdout, stderr)``.
+
+    On ``timeout`` every process it started is killed with it (:func:`run_command`) and the timeout is raised.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = run_command([sys.executable, "-m", module, *args], timeout=timeout, cwd=cwd, env=env)
+    return result.returncode, result.stdout, result.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -12,6 +11,7 @@ from types import ModuleType
 import lightning as L
 import pytest
 import torch
+from helpers.distributed import run_command
 from helpers.runif import RunIf
 
 from lightning_gpipe.callbacks import PipelineTimeline
@@ -47,7 +47,7 @@ def test_the_spiral_example_trains_checkpoints_and_charts_a_step(tmp_path):
     # Lightning's launcher starts the second rank itself by re-running the script, as for any script.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "examples/spiral.py", "--max-epochs", "1", "--out", str(tmp_path)]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    result = run_command(command, cwd=REPO, env=env, timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
 

@@ -79,7 +79,7 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 def test_rematerialization_composes_with_ddp() -> None:
     # Reentrant checkpointing inside DDP fails with "Expected to mark a variable ready only once"
     # (torchgpipe#16, PyTorch Pipe's documented limit); non-reentrant does not, and DDP still averages.
-    grads = run_processes(_ddp_worker, 2, timeout=120)
+    grads = run_processes(_ddp_worker, 2, timeout=300)
     for name in grads[0]:
         assert torch.allclose(torch.from_numpy(grads[0][name]), torch.from_numpy(grads[1][name])), name
 

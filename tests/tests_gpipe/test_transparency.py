@@ -80,7 +80,7 @@ def _stage_worker(rank: int, world_size: int) -> dict[tuple[str, int, str], dict
 @RunIf(multiprocess=True)
 @pytest.mark.parametrize("stages", [2, 4])
 def test_process_pipeline_equals_full_batch(stages: int) -> None:
-    per_rank = run_processes(_stage_worker, stages, timeout=240)
+    per_rank = run_processes(_stage_worker, stages, timeout=400)
     for name, chunks, mode in itertools.product(["mlp", "nested", "dropout"], CHUNKS, CHECKPOINT_MODES):
         grads = {}
         for rank_grads in per_rank:

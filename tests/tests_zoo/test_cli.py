@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.distributed import run_command
 from helpers.runif import RunIf
 
 from zoo.cli import main
@@ -30,9 +31,7 @@ TINY = [
 
 def zoo_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "zoo", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_command([sys.executable, "-m", "zoo", *args], cwd=cwd, env=env, timeout=timeout)
 
 
 def test_configs_exist_for_every_task() -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.distributed import run_command
 from helpers.runif import RunIf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_demo_pretrains_fine_tunes_and_reports_accuracy_before_and_after(tmp_path: Path) -> None:
     command = [sys.executable, "examples/demo.py", "--quick", "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=850)
+    result = run_command(command, cwd=REPO, env=env, timeout=850)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     before = re.search(r"val accuracy before fine-tuning: ([\d.]+)%", result.stdout)
     after = re.search(r"val accuracy after \d+ epoch\(s\): +([\d.]+)%", result.stdout)
