@@ -8,6 +8,8 @@ step's time is what each strategy adds around it. Configurations, two ranks each
 - ``ddp``: ``strategy="ddp"``;
 - ``gpipe``: ``GPipeStrategy(pipe_size=2, chunks=8)``, the trial's settings (re-materialization ``except_last``);
 - ``gpipe_never``: the same with ``checkpoint="never"``, to separate re-materialization from the rest;
+- ``gpipe_m1``: ``chunks=1`` and ``checkpoint="never"``: the strategy's cost per step, without the per-micro-batch
+  work that ``chunks=8`` repeats;
 - ``gpipe_baseline`` (with ``--baseline DIR``): ``gpipe`` importing ``lightning_gpipe`` from another checkout, for a
   before/after comparison in the same run.
 
@@ -34,7 +36,7 @@ import time
 from typing import Any
 
 WARMUP, STEPS, BATCH = 20, 150, 16
-CONFIGS = ("ddp", "gpipe", "gpipe_never")
+CONFIGS = ("ddp", "gpipe", "gpipe_never", "gpipe_m1")
 
 
 def _free_port() -> int:
@@ -90,8 +92,8 @@ def _rank(rank: int, config: str, port: int, profile: bool, results: Any) -> Non
     data = TensorDataset(torch.randn(BATCH * total, 16, generator=generator), torch.randint(0, 4, (BATCH * total,)))
     strategy: Any = "ddp"
     if config.startswith("gpipe"):
-        mode = "never" if config == "gpipe_never" else "except_last"
-        strategy = GPipeStrategy(pipe_size=2, chunks=8, checkpoint=mode)
+        mode = "except_last" if config in ("gpipe", "gpipe_baseline") else "never"
+        strategy = GPipeStrategy(pipe_size=2, chunks=1 if config == "gpipe_m1" else 8, checkpoint=mode)
     clock = Clock()
     trainer = L.Trainer(
         accelerator="cpu",
