@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-__all__ = ["JobError", "JobTimeoutError", "Launcher", "RankFn"]
+__all__ = ["JobError", "JobTimeoutError", "Launcher", "RankFn", "free_port"]
 
 RankFn = Callable[..., Any]
 """What a rank runs: ``fn(rank, world_size, *args)``; with ``world_size > 1`` a gloo group on loopback is up."""
@@ -36,7 +36,8 @@ class JobTimeoutError(JobError):
     """A rank of a job missed the deadline (on a heavily loaded machine a slow window does; no bug needed)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now, for a job's process group."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -113,7 +114,7 @@ class Launcher:
         Each rank runs with ``threads`` intra-op threads and one inter-op thread; ``label`` names the job in errors.
         """
         self._tag += 1
-        port = _free_port() if world_size > 1 else 0
+        port = free_port() if world_size > 1 else 0
         self._processes = [
             self._context.Process(
                 target=_rank_main,

@@ -64,15 +64,20 @@ class Span:
 
 class _Recording(AbstractContextManager[None]):
     # A plain class rather than @contextmanager: this wraps every forward and backward, and a generator-based
-    # context manager costs several times more per use.
-    __slots__ = ("_timeline", "_stage", "_phase", "_microbatch", "_start")
+    # context manager costs several times more per use. Subclasses say how the block's two ends are stamped.
+    __slots__ = ("_timeline", "_stage", "_phase", "_microbatch")
 
     def __init__(self, timeline: Timeline, stage: int, phase: str, microbatch: int) -> None:
         self._timeline = timeline
         self._stage = stage
         self._phase = phase
         self._microbatch = microbatch
-        self._start = 0.0
+
+
+class _HostRecording(_Recording):
+    # Off the GPU the block's work is done when it returns, so two host clock readings time it.
+    __slots__ = ("_start",)
+    _start: float
 
     def __enter__(self) -> None:
         self._start = time.perf_counter()
@@ -85,17 +90,11 @@ class _Recording(AbstractContextManager[None]):
         self._timeline.spans.append(Span(self._stage, self._phase, self._microbatch, self._start, end))
 
 
-class _CudaRecording(AbstractContextManager[None]):
+class _CudaRecording(_Recording):
     # The span's ends are events on the device's current stream: they complete when the work queued between them
     # has run, which is what the stage spent, however early the host launched it.
-    __slots__ = ("_timeline", "_stage", "_phase", "_microbatch", "_start")
-
-    def __init__(self, timeline: Timeline, stage: int, phase: str, microbatch: int) -> None:
-        self._timeline = timeline
-        self._stage = stage
-        self._phase = phase
-        self._microbatch = microbatch
-        self._start: torch.cuda.Event | None = None
+    __slots__ = ("_start",)
+    _start: torch.cuda.Event
 
     def __enter__(self) -> None:
         self._start = self._timeline._event()
@@ -103,7 +102,6 @@ class _CudaRecording(AbstractContextManager[None]):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        assert self._start is not None
         end = self._timeline._event()
         self._timeline._pending.append((self._stage, self._phase, self._microbatch, self._start, end))
 
@@ -163,7 +161,7 @@ class Timeline:
             return _DISABLED
         if self._on_cuda():
             return _CudaRecording(self, stage, phase, microbatch)
-        return _Recording(self, stage, phase, microbatch)
+        return _HostRecording(self, stage, phase, microbatch)
 
     def add(self, span: Span) -> None:
         """Append a span measured elsewhere (recorded even when disabled: the caller chose to add it)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,9 @@ def load_pretrained(
             with ``weights=PATH``; see :func:`zoo.timm_models.load_timm`); or a Hugging Face translation model
             (M2M-100, NLLB, Marian): a hub id such as ``"facebook/m2m100_418M"`` or a ``save_pretrained`` directory,
             converted into a :class:`~zoo.tasks.pretrained_translation.PretrainedTranslator` with every weight loaded
-            (``overrides`` are its training arguments, e.g. ``lr``; it has no ``num_classes``).
+            (``overrides`` are its training arguments, e.g. ``lr``; it has no ``num_classes``). A source that starts
+            with ``.``, ``/`` or ``~`` (expanded to the home directory), has more than one ``/`` or is a ``Path`` is a
+            local path, never a hub id.
         num_classes: classes of the new task; the classifier and the aux classifier are re-created for it and
             freshly initialized. ``None`` keeps the checkpoint's number of classes (the heads are still new).
         freeze_backbone: train the heads only; every other parameter has ``requires_grad=False``.
@@ -146,13 +149,25 @@ def load_pretrained(
 
     Returns:
         The model; ``model.load_report`` (a :class:`LoadReport`) lists the loaded, new and skipped keys.
+
+    Raises:
+        FileNotFoundError: ``path`` is neither an existing file or directory nor a hub id, with the accepted forms.
     """
     if isinstance(path, str) and path.startswith(TIMM_SOURCE):
         from zoo.timm_models import load_timm  # imports this module
 
         return load_timm(path.removeprefix(TIMM_SOURCE), num_classes, freeze_backbone, **overrides)
+    if str(path).startswith("~"):  # as a shell would; neither torch.load nor the hub's loader expands it
+        path = Path(path).expanduser() if isinstance(path, Path) else os.path.expanduser(path)
     if _is_hf_source(path):
         return _load_hf_translation(path, num_classes, freeze_backbone, architecture, overrides)
+    if not Path(path).exists():
+        raise FileNotFoundError(
+            f"no checkpoint at {str(path)!r}: no such file or directory. zoo.load_pretrained takes a checkpoint file "
+            "written by Trainer.save_checkpoint, a save_pretrained directory, 'timm/<model name>', or a Hugging Face "
+            "hub id 'org/name' (e.g. 'facebook/m2m100_418M'); a source that starts with '.', '/' or '~', has more "
+            "than one '/' or is a Path is read as a local path, not a hub id"
+        )
     checkpoint = read_checkpoint(path)
     name = checkpoint["zoo_model"]
     if architecture is not None and name != architecture:

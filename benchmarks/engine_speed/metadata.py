@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.engine_speed.workloads import WORKLOADS, K
+from benchmarks.launch import free_port
 from lightning_gpipe.pipeline import Pipeline
 from lightning_gpipe.transport import ProcessGroupTransport
 
@@ -67,9 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="timed steps of each path")
     args = parser.parse_args(argv)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     ranks = [

@@ -12,6 +12,7 @@ from benchmarks.docs_page import write_block
 from benchmarks.engine_speed.results import Estimate, Goals, Key, Results, bubble_bound
 from benchmarks.engine_speed.worker import JobResult
 from benchmarks.engine_speed.workloads import WORKLOADS
+from benchmarks.machine import cpu_model
 from lightning_gpipe.timeline import Timeline
 
 __all__ = ["markdown_tables", "write_docs"]
@@ -127,14 +128,8 @@ def _machine() -> str:
 
     import torch
 
-    model = "unknown CPU"
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
     return (
-        f"`nproc` = {os.cpu_count()}, {model}, torch {torch.__version__}, Python {platform.python_version()}, "
+        f"`nproc` = {os.cpu_count()}, {cpu_model()}, torch {torch.__version__}, Python {platform.python_version()}, "
         f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
     )
 

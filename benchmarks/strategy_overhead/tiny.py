@@ -28,21 +28,16 @@ import json
 import multiprocessing
 import os
 import pstats
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
+from benchmarks.launch import free_port
+
 WARMUP, STEPS, BATCH = 20, 150, 16
 CONFIGS = ("ddp", "gpipe", "gpipe_never", "gpipe_m1")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rank(rank: int, config: str, port: int, profile: bool, results: Any) -> None:
@@ -125,7 +120,7 @@ def worker(config: str, profile: bool) -> dict[str, Any]:
 
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [context.Process(target=_rank, args=(rank, config, port, profile, results)) for rank in range(2)]
     for process in ranks:
         process.start()

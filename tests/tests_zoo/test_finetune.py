@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 
 import lightning as L
@@ -113,6 +114,33 @@ def test_a_checkpoint_that_is_not_from_the_zoo_is_refused(tmp_path: Path) -> Non
         zoo.load_pretrained(path, num_classes=2)
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at '.*missing.ckpt'"):
         zoo.load_pretrained(tmp_path / "missing.ckpt")
+
+
+def test_a_missing_local_path_is_not_taken_for_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: every missing source without a checkpoint suffix went to the Hugging Face hub, so a mistyped
+    # directory gave the hub's repo-id error (offline, a network error) naming neither the path nor what is accepted.
+    from zoo.hf import is_hf_source
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for source in (str(tmp_path / "m2m100"), tmp_path / "m2m100", "./m2m100", "~/m2m100", "models/en-de/m2m100"):
+        assert not is_hf_source(source), source
+        named = str(tmp_path / "home" / "m2m100") if source == "~/m2m100" else str(source)
+        message = (
+            rf"no checkpoint at {re.escape(repr(named))}: no such file or directory\. zoo\.load_pretrained "
+            r"takes a checkpoint file written by Trainer\.save_checkpoint, a save_pretrained directory, "
+            r"'timm/<model name>', or a Hugging Face hub id 'org/name' \(e\.g\. 'facebook/m2m100_418M'\); a source "
+            r"that starts with '\.', '/' or '~', has more than one '/' or is a Path is read as a local path"
+        )
+        with pytest.raises(FileNotFoundError, match=message):
+            zoo.load_pretrained(source)
+    assert is_hf_source("facebook/m2m100_418M")
+    assert is_hf_source("t5-small")  # the hub's older ids have no organization
+    # "~" is the home directory, as in a shell: this file is found and read (and refused, not being a zoo model's).
+    (tmp_path / "home").mkdir()
+    torch.save({"state_dict": {}}, tmp_path / "home" / "plain.ckpt")
+    with pytest.raises(ValueError, match=r"home/plain\.ckpt' was not written by a zoo model"):
+        zoo.load_pretrained("~/plain.ckpt")
 
 
 class RunsCode:

@@ -140,6 +140,16 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
         zoo.load_pretrained(tmp_path)
 
 
+def test_bad_objective_arguments_are_refused_before_the_model_is_read() -> None:
+    # Seq2SeqTask checks them first, as for zoo.Transformer: the source is never opened.
+    from zoo.tasks.pretrained_translation import PretrainedTranslator
+
+    with pytest.raises(ValueError, match=r"optimizer='sgd' is not supported; use one of 'adam', 'adafactor'"):
+        PretrainedTranslator("never/read", optimizer="sgd")
+    with pytest.raises(ValueError, match=r"label_smoothing=1.0 must be in \[0, 1\)"):
+        PretrainedTranslator("never/read", label_smoothing=1.0)
+
+
 def test_classification_arguments_are_refused(saved: Path) -> None:
     with pytest.raises(ValueError, match=r"num_classes=10 does not apply to the Hugging Face translation model"):
         zoo.load_pretrained(saved, num_classes=10)

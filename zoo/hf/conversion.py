@@ -13,6 +13,7 @@ The sequence, for ``E`` encoder and ``N`` decoder layers (the norms only where t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +46,30 @@ SUPPORTED_MODEL_TYPES = ("m2m_100", "marian")
 
 def is_hf_source(source: str | Path) -> bool:
     """Whether ``source`` names a Hugging Face model: a ``save_pretrained`` directory, or a hub id such as
-    ``"facebook/m2m100_418M"`` (anything that is not an existing file; a zoo checkpoint is a file)."""
+    ``"facebook/m2m100_418M"``.
+
+    A hub id is ``"name"`` or ``"org/name"``, given as a ``str``, that is not a local path: a ``Path``, a string that
+    starts with ``.``, ``/`` or ``~``, holds more than one ``/`` or the platform's separator, or ends in a checkpoint
+    suffix (``.ckpt``, ``.pt``, ``.pth``) names a local file or directory, whether or not it exists.
+    """
     path = Path(source)
     if path.is_dir():
         return (path / "config.json").is_file()
-    return not path.exists() and not str(source).endswith((".ckpt", ".pt", ".pth"))
+    return not path.exists() and not _names_local_path(source)
+
+
+def _names_local_path(source: str | Path) -> bool:
+    # Hub ids never start with "." and have at most one "/" (org/name), so such a source was meant as a path: treating
+    # a missing one as a hub id would turn a typo into a network error.
+    if isinstance(source, Path):
+        return True
+    separators = {"/", os.sep, os.altsep or "/"}
+    return (
+        source.startswith((".", "~", *separators))
+        or source.count("/") > 1
+        or any(separator in source for separator in separators - {"/"})
+        or source.endswith((".ckpt", ".pt", ".pth"))
+    )
 
 
 def check_config(config: PretrainedConfig, source: str) -> None:

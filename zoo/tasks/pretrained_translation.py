@@ -15,14 +15,12 @@ import torch
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from zoo.hf.conversion import build_library_model, export_state_dict, key_map, layers_from_library_model
-from zoo.tasks.base import ZooModule
-from zoo.transformer.objective import sequence_cross_entropy
-from zoo.transformer.optimization import transformer_optimization
+from zoo.tasks.seq2seq import Seq2SeqTask
 
 __all__ = ["PretrainedTranslator"]
 
 
-class PretrainedTranslator(ZooModule):
+class PretrainedTranslator(Seq2SeqTask):
     """A ``transformers`` encoder-decoder translation model whose modules form one flat ``nn.Sequential``.
 
     ``name_or_path`` is a hub id (``"facebook/m2m100_418M"``, ``"Helsinki-NLP/opus-mt-en-de"``) or a ``save_pretrained``
@@ -35,7 +33,8 @@ class PretrainedTranslator(ZooModule):
     the ``decoder_start_token_id`` followed by the tokenizer's labels (M2M-100: ``</s> __de__ ... </s>``; Marian:
     ``<pad> ... </s>``). :class:`zoo.hf.data.PretrainedTranslationDataModule` makes such batches. The model reads
     ``(source, target[:, :-1])`` and learns ``target[:, 1:]`` with label-smoothed cross-entropy over non-padding
-    tokens; validation logs ``val_loss`` and ``val_acc`` as the zoo's :class:`~zoo.Transformer` does.
+    tokens; validation logs ``val_loss`` and ``val_acc`` as the zoo's :class:`~zoo.Transformer` does (both are
+    :class:`~zoo.tasks.seq2seq.Seq2SeqTask`).
 
     Args:
         name_or_path: where the tokenizer (and, with ``pretrained``, the weights) come from.
@@ -60,9 +59,7 @@ class PretrainedTranslator(ZooModule):
         lr: float = 1e-4,
         warmup_steps: int = 100,
     ) -> None:
-        super().__init__()
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1), e.g. 0.1 (0 turns smoothing off)")
+        super().__init__(optimizer=optimizer, label_smoothing=label_smoothing)
         library = build_library_model(str(name_or_path), config, pretrained=bool(pretrained))
         library_config: PretrainedConfig = library.config
         self.save_hyperparameters(ignore=["config"])
@@ -93,10 +90,6 @@ class PretrainedTranslator(ZooModule):
         has_norm = config.get("model_type") != "marian"
         return 1 + int(config["encoder_layers"]) + int(has_norm)
 
-    def forward(self, source: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] for the next token at every position of ``target_in`` [B, T], given ``source`` [B, S]."""
-        return self.layers((source, target_in))
-
     def encode(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the encoder once: ``source`` [B, S] -> (memory [B, S, D], source_mask [B, S] bool)."""
         memory, source_mask, _ = self.layers[: self.num_encoder_entries]((source, source[:, :0]))
@@ -124,36 +117,3 @@ class PretrainedTranslator(ZooModule):
         library.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
-
-    def _loss(self, logits: torch.Tensor, target_out: torch.Tensor) -> torch.Tensor:
-        return sequence_cross_entropy(
-            logits, target_out, pad_id=self.pad_id, label_smoothing=self.hparams["label_smoothing"]
-        )
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        source, target = batch
-        logits = self.layers((source, target[:, :-1]))
-        # Under GPipeStrategy only the last stage runs past this line.
-        loss = self._loss(logits, target[:, 1:])
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        source, target = batch
-        logits = self.layers((source, target[:, :-1]))
-        target_out = target[:, 1:]
-        tokens = target_out != self.pad_id
-        count = max(int(tokens.sum()), 1)
-        correct = ((logits.argmax(dim=-1) == target_out) & tokens).sum()
-        self.log("val_loss", self._loss(logits, target_out), prog_bar=True, sync_dist=True, batch_size=count)
-        self.log("val_acc", correct / count, sync_dist=True, batch_size=count)
-
-    def configure_optimizers(self) -> Any:
-        return transformer_optimization(
-            [p for p in self.parameters() if p.requires_grad],
-            self.hparams["optimizer"],
-            self.hparams["lr"],
-            self.hparams["warmup_steps"],
-        )

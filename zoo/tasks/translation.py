@@ -9,17 +9,15 @@ from torch import nn
 
 from zoo._registry import register_model
 from zoo.bleu import TokenBLEU
-from zoo.tasks.base import ZooModule
+from zoo.tasks.seq2seq import Seq2SeqTask
 from zoo.transformer.decoding import beam_search, greedy_decode
 from zoo.transformer.network import decoder_slice, encoder_slice, transformer_layers
-from zoo.transformer.objective import sequence_cross_entropy
-from zoo.transformer.optimization import OPTIMIZERS, transformer_optimization
 
 __all__ = ["Transformer"]
 
 
 @register_model("transformer")
-class Transformer(ZooModule):
+class Transformer(Seq2SeqTask):
     """Encoder-decoder T(L=``num_layers``, H=``ff_dim``, A=``num_heads``) of GPipe Section 5, lingvo's structure.
 
     A batch is ``(source, target)``, LongTensors [B, S] and [B, T] right-padded with ``pad_id``: ``source`` is
@@ -27,7 +25,7 @@ class Transformer(ZooModule):
     reads ``(source, target[:, :-1])`` and is trained to predict ``target[:, 1:]``. Validation logs ``val_loss``
     (label-smoothed, as trained) and ``val_acc`` (next-token accuracy), token means per validation loader, which
     Lightning suffixes ``/dataloader_idx_i`` when there are several (one per directed pair, in the data module's
-    ``directed_pairs`` order).
+    ``directed_pairs`` order); training and these two come from :class:`~zoo.tasks.seq2seq.Seq2SeqTask`.
 
     Depth stabilisers of the paper, both on by choice: ``ff_init_scaling`` (feed-forward init scaled by
     ``num_layers ** -0.5``) and ``logits_abs_max`` (clip training logits; None turns it off, lingvo's default). The
@@ -68,17 +66,14 @@ class Transformer(ZooModule):
         max_decode_len: int = 64,
         length_penalty: float = 0.6,
     ) -> None:
-        super().__init__()
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={optimizer!r} is not supported; use one of {', '.join(map(repr, OPTIMIZERS))}")
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1), e.g. 0.1 (0 turns smoothing off)")
+        super().__init__(optimizer=optimizer, label_smoothing=label_smoothing)
         if beam_size < 1 or max_decode_len < 1:
             raise ValueError(
                 f"beam_size={beam_size} and max_decode_len={max_decode_len} must be at least 1 (beam_size 1 decodes "
                 "greedily; max_decode_len counts the generated tokens, </s> included)"
             )
         self.save_hyperparameters()
+        self.pad_id = pad_id
         # One BLEU per validation loader (one per directed pair); `setup` adds one per pair of the data module.
         self.val_bleu = nn.ModuleList([TokenBLEU(pad_id=pad_id)]) if val_bleu else None
         self.layers = transformer_layers(
@@ -95,10 +90,6 @@ class Transformer(ZooModule):
         )
         if freeze_backbone:
             self.freeze_backbone_parameters()
-
-    def forward(self, source: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] for the next token at every position of ``target_in`` [B, T], given ``source`` [B, S]."""
-        return self.layers((source, target_in))
 
     def encode(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the encoder part once: ``source`` [B, S] -> (memory [B, S, D], source_mask [B, S] bool)."""
@@ -130,33 +121,12 @@ class Transformer(ZooModule):
             tokens = greedy_decode(self, source, max_len)
         return nn.functional.pad(tokens, (0, max_len - tokens.shape[1]), value=self.hparams["pad_id"])
 
-    def _loss(self, logits: torch.Tensor, target_out: torch.Tensor) -> torch.Tensor:
-        return sequence_cross_entropy(
-            logits, target_out, pad_id=self.hparams["pad_id"], label_smoothing=self.hparams["label_smoothing"]
-        )
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        source, target = batch
-        logits = self.layers((source, target[:, :-1]))
-        # Under GPipeStrategy only the last stage runs past this line.
-        loss = self._loss(logits, target[:, 1:])
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
     def validation_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        source, target = batch
-        logits = self.layers((source, target[:, :-1]))
-        target_out = target[:, 1:]
-        tokens = target_out != self.hparams["pad_id"]
-        count = max(int(tokens.sum()), 1)
-        correct = ((logits.argmax(dim=-1) == target_out) & tokens).sum()
-        # TranslationDataModule gives one validation loader per directed pair, and Lightning suffixes each key with
-        # its loader's index; weighting batches by their tokens makes the epoch values per-pair token means.
-        self.log("val_loss", self._loss(logits, target_out), prog_bar=True, sync_dist=True, batch_size=count)
-        self.log("val_acc", correct / count, sync_dist=True, batch_size=count)
+        super().validation_step(batch, batch_idx, dataloader_idx)
         if self.val_bleu is not None:
+            source, target = batch
             if dataloader_idx >= len(self.val_bleu):
                 raise ValueError(
                     f"validation loader {dataloader_idx} has no BLEU metric: val_bleu=True keeps one per directed pair "
@@ -171,11 +141,3 @@ class Transformer(ZooModule):
         """The decoded tokens [B, ``max_decode_len``] of a batch ``(source, ...)`` or ``source`` (:meth:`translate`)."""
         source = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self.translate(source)
-
-    def configure_optimizers(self) -> Any:
-        return transformer_optimization(
-            [p for p in self.parameters() if p.requires_grad],
-            self.hparams["optimizer"],
-            self.hparams["lr"],
-            self.hparams["warmup_steps"],
-        )
