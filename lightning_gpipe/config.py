@@ -13,7 +13,7 @@ from lightning_gpipe.partition import validate_balance
 from lightning_gpipe.schedule import validate_schedule
 from lightning_gpipe.transport import DEFAULT_TIMEOUT
 
-__all__ = ["BALANCE_NAMES", "START_METHODS", "Balance", "PipelineConfig", "StartMethod"]
+__all__ = ["BALANCE_NAMES", "START_METHODS", "Balance", "PipelineConfig", "StartMethod", "config_from"]
 
 Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
 """Layers per stage (a list of K ints), or how to find them: a cost name, a callable ``cost(layer)``, or ``None``."""
@@ -138,3 +138,27 @@ def _check_timeout(timeout: object) -> datetime.timedelta:
     if timeout.total_seconds() <= 0:
         raise ValueError(f"timeout={timeout!r} must be positive: how long a stage waits for a peer before it gives up")
     return timeout
+
+
+def config_from(config: PipelineConfig | None, owner: str, **settings: Any) -> PipelineConfig:
+    """``config`` as given, or a :class:`PipelineConfig` of those keyword ``settings`` that are not ``None``.
+
+    The engine's constructors take either a configuration validated already (the strategy's) or its settings one by
+    one (``Pipeline(cell, transport, chunks=4)``), and validate only the latter; ``owner`` names the constructor in
+    the message when both are given.
+    """
+    given = {name: value for name, value in settings.items() if value is not None}
+    if config is None:
+        return PipelineConfig(**given)
+    if not isinstance(config, PipelineConfig):
+        raise TypeError(
+            f"{owner} got config={config!r}, which must be a PipelineConfig or None; give the settings as keywords "
+            "instead, e.g. chunks=4"
+        )
+    if given:
+        listing = ", ".join(f"{name}={value!r}" for name, value in given.items())
+        raise ValueError(
+            f"{owner} got a config and also {listing}; give each setting once: in the config "
+            f"(dataclasses.replace(config, {listing})) or as keywords without a config"
+        )
+    return config

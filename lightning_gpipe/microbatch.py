@@ -23,7 +23,16 @@ import torch
 from lightning_gpipe.structure import flatten, leaf_paths, unflatten
 from lightning_gpipe.unbatched import unbatched_leaves
 
-__all__ = ["Microbatch", "batch_size", "gather", "loss_weights", "scatter", "step_extras", "validate_chunks"]
+__all__ = [
+    "Microbatch",
+    "batch_size",
+    "gather",
+    "loss_weights",
+    "scatter",
+    "split_batch",
+    "step_extras",
+    "validate_chunks",
+]
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,12 @@ def batch_size(batch: Any) -> int:
 
 def scatter(batch: Any, chunks: int) -> list[Microbatch]:
     """Split ``batch`` along dim 0 into ``min(chunks, N)`` micro-batches whose sizes differ by at most one."""
-    validate_chunks(chunks)
+    return split_batch(batch, validate_chunks(chunks))
+
+
+def split_batch(batch: Any, chunks: int) -> list[Microbatch]:
+    """:func:`scatter` for a ``chunks`` validated once already (a :class:`~lightning_gpipe.config.PipelineConfig`'s),
+    as the engine splits every step's batch."""
     total = batch_size(batch)
     if total == 0:
         raise ValueError("cannot split an empty batch (0 samples) into micro-batches; drop empty batches upstream")

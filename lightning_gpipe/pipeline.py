@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from lightning_gpipe.checkpoint import CheckpointMode
+from lightning_gpipe.config import PipelineConfig, config_from
 from lightning_gpipe.fingerprint import Fingerprint
-from lightning_gpipe.microbatch import gather, scatter, validate_chunks
-from lightning_gpipe.schedule import Phase, validate_schedule
+from lightning_gpipe.microbatch import gather, split_batch
+from lightning_gpipe.schedule import Phase
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.step import StepRun
 from lightning_gpipe.structure import map_tensors
@@ -47,12 +48,18 @@ def first_element(batch: Any) -> Any:
 class Pipeline:
     """One stage of a GPipe pipeline: ``cell`` linked to its neighbours by ``transport``.
 
+    The settings come validated in a :class:`~lightning_gpipe.config.PipelineConfig` (``config``, as the strategy
+    passes its own), or one by one as keywords, which build it: ``Pipeline(cell, transport, chunks=8)``. Either
+    way they are checked once, here, and never again per step.
+
     Args:
         cell: this stage's layers.
         transport: links to the other stages; its ``stage`` is this stage's index.
-        chunks: M, the number of micro-batches per mini-batch.
-        checkpoint: re-materialization mode.
-        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"``.
+        config: the settings, validated already; its ``chunks`` must be set. A pipeline uses ``chunks``,
+            ``checkpoint``, ``schedule`` and ``detect_anomalies``.
+        chunks: M, the number of micro-batches per mini-batch (required without ``config``).
+        checkpoint: re-materialization mode (default ``"except_last"``).
+        schedule: ``"gpipe"`` (fill-drain, the default) or ``"1f1b"``.
         timeline: records every action's start and end when given.
         detect_anomalies: raise where a NaN or Inf first appears (stage and micro-batch named); see :class:`Stage`.
     """
@@ -61,30 +68,31 @@ class Pipeline:
         self,
         cell: nn.Module,
         transport: Transport,
+        config: PipelineConfig | None = None,
         *,
-        chunks: int,
-        checkpoint: CheckpointMode = "except_last",
-        schedule: str = "gpipe",
+        chunks: int | None = None,
+        checkpoint: CheckpointMode | None = None,
+        schedule: str | None = None,
         timeline: Timeline | None = None,
         compute_guard: Callable[[], AbstractContextManager[Any]] | None = None,
-        detect_anomalies: bool = False,
+        detect_anomalies: bool | None = None,
     ) -> None:
-        self.chunks = validate_chunks(chunks)
-        self.schedule = validate_schedule(schedule)
+        given = {"chunks": chunks, "checkpoint": checkpoint, "schedule": schedule, "detect_anomalies": detect_anomalies}
+        self.config = config_from(config, "Pipeline", **given)
+        if self.config.chunks is None:
+            raise TypeError(
+                "Pipeline needs chunks, M, the number of micro-batches per mini-batch: e.g. chunks=8 (or a config "
+                "with chunks set); 4 per stage keeps the bubble small"
+            )
+        self.chunks: int = self.config.chunks
+        self.schedule = self.config.schedule
         self._guard = compute_guard or nullcontext
-        self.stage = Stage(
-            cell,
-            transport,
-            checkpoint=checkpoint,
-            timeline=timeline,
-            compute_guard=compute_guard,
-            detect_anomalies=detect_anomalies,
-        )
+        self.stage = Stage(cell, transport, self.config, timeline=timeline, compute_guard=compute_guard)
 
     def begin(self, batch: Any, *, training: bool = True, fingerprint: Fingerprint | None = None) -> StepRun:
         """Scatter ``batch`` and begin a step on this stage; drive it through the returned :class:`StepRun`."""
         return StepRun(
-            self.stage, self.schedule, scatter(batch, self.chunks), training=training, fingerprint=fingerprint
+            self.stage, self.schedule, split_batch(batch, self.chunks), training=training, fingerprint=fingerprint
         )
 
     def train_step(self, batch: Any, loss_fn: LossFn, input_fn: InputFn = first_element) -> torch.Tensor | None:
@@ -244,6 +252,8 @@ def run_in_threads(
             "concurrent=True shares torch's global random generators between the stages, so seeds cannot give each "
             "stage its own stream: drop seeds, or drop concurrent=True to have the stages take turns"
         )
+    # Checked here, once: a bad setting raises in the caller's thread, not in every stage's.
+    config = PipelineConfig(chunks=chunks, checkpoint=checkpoint, schedule=schedule, detect_anomalies=detect_anomalies)
     devices = [_cell_device(cell) for cell in cells]
     transports = ThreadTransport.create(len(cells), devices, timeout=datetime.timedelta(seconds=timeout))
     randomness = _StageRandomness(devices, seeds)
@@ -255,12 +265,9 @@ def run_in_threads(
         pipeline = Pipeline(
             cells[stage],
             transports[stage],
-            chunks=chunks,
-            checkpoint=checkpoint,
-            schedule=schedule,
+            config,
             timeline=timeline,
             compute_guard=None if concurrent else lambda: randomness.scope(stage),
-            detect_anomalies=detect_anomalies,
         )
         try:
             if device.type == "cuda":

@@ -23,6 +23,7 @@ pickled payload when it fits, else the payload follows as a second message (as t
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -56,10 +57,9 @@ class CallRelay:
         self._calls = Stage(
             stage.cell,
             stage.transport,
-            checkpoint="never",
+            dataclasses.replace(stage.config, checkpoint="never"),
             timeline=stage.timeline,
             compute_guard=compute_guard,
-            detect_anomalies=stage.detect_anomalies,
         )
         self.count = 0  # further calls in the current step
 

@@ -30,7 +30,8 @@ from torch import nn
 from lightning_gpipe.anomaly import check_finite
 from lightning_gpipe.batchnorm import DeferredBatchNorm, commit_running_stats
 from lightning_gpipe.boundary import ActivationLink, GradientLink
-from lightning_gpipe.checkpoint import CheckpointMode, checkpoint_stop, checkpointed, validate_mode
+from lightning_gpipe.checkpoint import CheckpointMode, checkpoint_stop, checkpointed
+from lightning_gpipe.config import PipelineConfig, config_from
 from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.fingerprint import Fingerprint
 from lightning_gpipe.structure import flatten, map_tensors
@@ -77,30 +78,34 @@ class Stage:
     Args:
         cell: this stage's layers.
         transport: the links to the neighbouring stages; it also tells this stage's index.
-        checkpoint: re-materialization mode, ``"always"``, ``"except_last"`` or ``"never"``.
+        config: the pipeline's settings, validated already; a stage uses its ``checkpoint`` and
+            ``detect_anomalies``. Without it, the two keywords below build one (and are validated there).
+        checkpoint: re-materialization mode, ``"always"``, ``"except_last"`` (the default) or ``"never"``.
         timeline: records the start and end of every action when given.
         compute_guard: a context entered around this stage's computation (not around its waits); the in-process
             runner uses it to give each thread-stage its own random-number stream.
         detect_anomalies: check the cell's outputs, the loss and the gradients for NaN and Inf, and raise a
-            :class:`PipelineError` naming the stage and the micro-batch where one first appears.
+            :class:`PipelineError` naming the stage and the micro-batch where one first appears (default off).
     """
 
     def __init__(
         self,
         cell: nn.Module,
         transport: Transport,
+        config: PipelineConfig | None = None,
         *,
-        checkpoint: CheckpointMode = "except_last",
+        checkpoint: CheckpointMode | None = None,
         timeline: Timeline | None = None,
         compute_guard: ComputeGuard | None = None,
-        detect_anomalies: bool = False,
+        detect_anomalies: bool | None = None,
     ) -> None:
+        self.config = config_from(config, "Stage", checkpoint=checkpoint, detect_anomalies=detect_anomalies)
         self.cell = cell
-        self.detect_anomalies = detect_anomalies
+        self.detect_anomalies = self.config.detect_anomalies
         self.transport = transport
         self.index = transport.stage
         self.num_stages = transport.num_stages
-        self.checkpoint = validate_mode(checkpoint)
+        self.checkpoint = self.config.checkpoint
         self.timeline = timeline
         self._guard: ComputeGuard = compute_guard or nullcontext
         self._inbox = ActivationLink(transport, self.index - 1) if not self.is_first else None

@@ -13,12 +13,14 @@ every copy loads it (:func:`parameter_aliases`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
+    "ModelNames",
     "check_loadable",
     "local_optimizer_state",
     "merge_optimizer_states",
@@ -26,6 +28,34 @@ __all__ = [
     "optimizer_state_by_name",
     "parameter_aliases",
 ]
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The whole module's names, recorded before it is cut into stages: what checkpoints are saved under.
+
+    Attributes:
+        keys: its state-dict keys, in order (merged checkpoints list them so).
+        shapes: the shape of each tensor of its state dict (a checkpoint is checked against them before loading).
+        parameter_order: its parameters' names, in ``named_parameters`` order (optimizer state is keyed by them).
+        aliases: every further name of a tied parameter, mapped to its first (:func:`parameter_aliases`).
+    """
+
+    keys: list[str]
+    shapes: dict[str, tuple[int, ...]]
+    parameter_order: list[str]
+    aliases: dict[str, str]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ModelNames:
+        """The names of ``module`` as it is now (call it before the split)."""
+        state = module.state_dict()
+        return cls(
+            keys=list(state.keys()),
+            shapes={key: tuple(value.shape) for key, value in state.items() if isinstance(value, torch.Tensor)},
+            parameter_order=[name for name, _ in module.named_parameters()],
+            aliases=parameter_aliases(module),
+        )
 
 
 def merge_state_dicts(parts: Sequence[Mapping[str, Any]], order: Sequence[str]) -> dict[str, Any]:

@@ -13,12 +13,12 @@ Data-parallel gradients are averaged once per optimizer step, inside the optimiz
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import datetime
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,37 +43,34 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_gpipe.anomaly import check_finite
-from lightning_gpipe.batchnorm import DeferredBatchNorm
+from lightning_gpipe.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.checkpoint import CheckpointMode
-from lightning_gpipe.collectives import broadcast_object, broadcast_tensors, portable, to_device
+from lightning_gpipe.collectives import broadcast_object, portable, to_device
 from lightning_gpipe.config import Balance, PipelineConfig, StartMethod
-from lightning_gpipe.cost import layer_costs
-from lightning_gpipe.errors import PipelineError
+from lightning_gpipe.errors import collective_errors
 from lightning_gpipe.fingerprint import batch_fingerprint
 from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights, step_extras
-from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
-from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
+from lightning_gpipe.partitioned import Partition
 from lightning_gpipe.pipeline import Pipeline
 from lightning_gpipe.relay import CallRelay
 from lightning_gpipe.schedule import Phase
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.state import (
+    ModelNames,
     check_loadable,
     local_optimizer_state,
     merge_optimizer_states,
     merge_state_dicts,
     optimizer_state_by_name,
-    parameter_aliases,
 )
 from lightning_gpipe.step import HeldGradients, StepRun
-from lightning_gpipe.tied import TiedCopies, retie
+from lightning_gpipe.tied import TiedCopies
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.transport import ProcessGroupTransport
 
@@ -182,6 +179,7 @@ class GPipeStrategy(ParallelStrategy):
         self._object_group: dist.ProcessGroup | None = None
         self._links: list[dist.ProcessGroup] = []  # one group per pair of adjacent stages of this pipeline
         self._control_group: dist.ProcessGroup | None = None
+        self._assembled: AssembledStage | None = None
         self._partition: Partition | None = None
         self._stage: Stage | None = None
         self._pipeline: Pipeline | None = None
@@ -189,10 +187,7 @@ class GPipeStrategy(ParallelStrategy):
         self._held: HeldGradients | None = None  # what backward passes inside training_step computed
         self._calls: CallRelay | None = None
         self._relay: CallRelay | None = None  # set during evaluation steps, which may call the sequence again
-        self._full_keys: list[str] = []
-        self._full_shapes: dict[str, tuple[int, ...]] = {}
-        self._parameter_order: list[str] = []
-        self._parameter_aliases: dict[str, str] = {}
+        self._names = ModelNames(keys=[], shapes={}, parameter_order=[], aliases={})
         self._ties: TiedCopies | None = None
         self._losses: dict[int, Tensor] = {}  # the last stage's losses awaiting backward, weighted by then
         self._failed = False
@@ -361,63 +356,33 @@ class GPipeStrategy(ParallelStrategy):
             self._use_global_norm_clipping()
 
     def _partition_model(self, module: LightningModule) -> None:
-        layout = self.layout
         if self._partition is not None:  # a second fit/validate on the same module
             return
-        path, sequence = find_sequence(module, self._module_name)
-        if len(sequence) < layout.pipe_size:
-            raise ValueError(
-                f"cannot split the {len(sequence)} layers of {path!r} into {layout.pipe_size} stages: every stage "
-                f"needs at least one layer; use pipe_size <= {len(sequence)} or split the model into more layers"
-            )
-        full_state = module.state_dict()
-        self._full_keys = list(full_state.keys())
-        self._full_shapes = {key: tuple(value.shape) for key, value in full_state.items() if isinstance(value, Tensor)}
-        self._parameter_order = [name for name, _ in module.named_parameters()]
-        self._parameter_aliases = parameter_aliases(module)
-        whole = _count_parameters(module.parameters())  # before the split: each tied tensor once
-        balance = self._find_balance(module, sequence)
-        self._partition = partition_module(module, path, sequence, balance, layout.stage)
+        layout = self.layout
+        links = None if self._links_on_world else self._links
+        transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout, links=links)
+        config = dataclasses.replace(self.config, pipe_size=self.pipe_size, chunks=self.chunks)
+        self._assembled = assembled = assemble_stage(
+            module,
+            config,
+            layout,
+            self.root_device,
+            transport,
+            sample=module.example_input_array,
+            replica_group=self._replica_group,
+            timeline=self.timeline,
+        )
+        self._partition, self._pipeline, self._ties = assembled.partition, assembled.pipeline, assembled.ties
+        self._stage = assembled.stage
+        self._names = assembled.names
         # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
         # which a partitioned module cannot do; it is set aside until teardown (the summary then omits sizes).
         self._example_input, module.example_input_array = module.example_input_array, None
-        own = [(i, sequence[i]) for i in self._partition.bounds[layout.stage]]
-        materialize(own, self.root_device, seed=torch.initial_seed() % 2**62)
-        retie(sequence, self._partition.ties)  # materializing gave each name of a tied parameter its own tensor
-        if self._deferred_batch_norm:
-            DeferredBatchNorm.convert(self._partition.stand_in)
-        cell = self._partition.stand_in.cell()
-        self._broadcast_replica_weights(module)
-        with self._collective("creating the groups of stages that share tied weights and broadcasting them"):
-            self._ties = TiedCopies(
-                self._partition.ties,
-                self._partition.stand_in,
-                layout.stage,
-                [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)],
-                layout.replica,
-                self._timeout,
-            )
-            self._ties.broadcast(self.root_device)
-        for metric in module.modules():
-            if isinstance(metric, Metric):
-                # Metric state lives on the last stage of each pipeline; torchmetrics must sync it among the
-                # replicas of that stage only (over WORLD, the other stages would never join: a hang).
-                metric.process_group = self._replica_group
-        links = None if self._links_on_world else self._links
-        transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout, links=links)
-        self._pipeline = Pipeline(
-            cell,
-            transport,
-            chunks=self.chunks,
-            checkpoint=self._checkpoint,
-            schedule=self._schedule,
-            timeline=self.timeline,
-            detect_anomalies=self._detect_anomalies,
-        )
-        self._stage = self._pipeline.stage
         self._calls = CallRelay(self._stage)
-        own_parameters = _count_parameters(cell.parameters())
-        self._describe_pipeline(path, len(sequence), [i for i, _ in own], own_parameters, whole)
+        path, num_layers = assembled.partition.path, len(assembled.partition.original)
+        self._describe_pipeline(
+            path, num_layers, assembled.layers, assembled.stage_parameters, assembled.whole_parameters
+        )
 
     def _describe_pipeline(
         self, path: str, num_layers: int, layers: list[int], parameters: tuple[int, int], whole: tuple[int, int]
@@ -481,37 +446,6 @@ class GPipeStrategy(ParallelStrategy):
                 f"a trainable layer with `balance=[...]` (layers per stage; now {sizes}), use fewer stages, or build "
                 "the optimizer from all parameters (frozen ones are then simply not updated)."
             ) from error
-
-    def _find_balance(self, module: LightningModule, sequence: torch.nn.Sequential) -> list[int]:
-        if isinstance(self._balance, list):
-            return validate_balance(self._balance, len(sequence))
-        how = self._balance
-        sample = module.example_input_array
-        if how is None:
-            how = "flops" if sample is not None and not _is_meta(sequence) else "params"
-        if how in ("flops", "time", "memory") and sample is None:
-            raise ValueError(
-                f"balance={how!r} measures the layers on a sample input: set `self.example_input_array` in the "
-                "LightningModule to one input of the sequence, or use balance='params' or a list of layers per stage"
-            )
-        # Measured costs differ between processes: rank 0 decides and tells everyone.
-        balance: list[int] | None = None
-        if self.global_rank == 0:
-            costs = _measured_costs(sequence, how, sample, self.root_device)
-            balance = balance_by_cost(costs, self.layout.pipe_size, avoid_cuts=in_place_starts(sequence))
-        return self.broadcast(balance, src=0)
-
-    def _broadcast_replica_weights(self, module: LightningModule) -> None:
-        # Replicas of a stage start from the same weights, as DDP ensures at construction.
-        if self.layout.num_replicas == 1:
-            return
-        # NCCL broadcasts device tensors only, and the module (or a buffer outside the sequence) may still be on the
-        # CPU here: move it first (model_to_device then finds it in place).
-        module.to(self.root_device)
-        source = self.layout.replica_ranks()[0]
-        tensors = [tensor.data for tensor in [*module.parameters(), *module.buffers()]]
-        with self._collective(f"receiving the weights of replica 0 of this stage (global rank {source})"):
-            broadcast_tensors(tensors, source, self._replica_group)  # type: ignore[arg-type]
 
     def _use_world_synced_scaler(self) -> None:
         """Make every stage skip the same steps and keep the same loss scale under ``precision="16-mixed"``.
@@ -659,23 +593,9 @@ class GPipeStrategy(ParallelStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         return scaler.scale(loss) if scaler is not None else loss
 
-    @contextlib.contextmanager
-    def _collective(self, what: str) -> Iterator[None]:
-        """Turn the failure of a collective into an error that names this stage and what it was doing.
-
-        A collective fails at once (gloo reports a closed connection) when another rank of the group died; the
-        error is then only a consequence, and the message says where to look for the cause.
-        """
-        try:
-            yield
-        except PipelineError:
-            raise
-        except RuntimeError as error:
-            raise PipelineError(
-                self.layout.stage,
-                f"{what} failed: {error}. Another rank of the job probably failed first (an error, or a process that "
-                "was killed): look for its error above.",
-            ) from error
+    def _collective(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Turn the failure of a collective into an error that names this stage and what it was doing."""
+        return collective_errors(self.layout.stage, what)
 
     def _share_from_last_stage(self, payload: Any) -> Any:
         """Send ``payload`` from the pipeline's last stage to its other stages."""
@@ -899,18 +819,18 @@ class GPipeStrategy(ParallelStrategy):
         parts = self._gather_to_global_zero(local)
         if parts is None:
             return local
-        return merge_state_dicts(parts, self._full_keys)
+        return merge_state_dicts(parts, self._names.keys)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        local = optimizer_state_by_name(optimizer, module, self._parameter_aliases)
+        local = optimizer_state_by_name(optimizer, module, self._names.aliases)
         local = _to_cpu(local)
         parts = self._gather_to_global_zero(local)
         if parts is None:
             return local
-        return merge_optimizer_states(parts, self._parameter_order)
+        return merge_optimizer_states(parts, self._names.parameter_order)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -940,7 +860,7 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         assert self._partition is not None
         saved = checkpoint["state_dict"]
-        check_loadable(saved, self._full_keys, self._full_shapes, strict)
+        check_loadable(saved, self._names.keys, self._names.shapes, strict)
         local_keys = module.state_dict().keys()
         module.load_state_dict({key: saved[key] for key in local_keys if key in saved}, strict=strict)
 
@@ -950,7 +870,7 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             optimizer.load_state_dict(
-                local_optimizer_state(saved, optimizer, module, self._parameter_order, self._parameter_aliases)
+                local_optimizer_state(saved, optimizer, module, self._names.parameter_order, self._names.aliases)
             )
             _optimizers_to_device([optimizer], self.root_device)
 
@@ -970,17 +890,12 @@ class GPipeStrategy(ParallelStrategy):
 
         After a failure the module is left partitioned: reassembly needs every stage, and some may be gone.
         """
-        if self._partition is not None and _distributed_is_initialized() and not self._failed:
+        if self._assembled is not None and _distributed_is_initialized() and not self._failed:
             module = self.lightning_module
             assert module is not None
-            local = self._partition.stage_state()
-            parts: list[Any] = [None] * self.layout.pipe_size
-            if self.layout.pipe_size > 1:
-                dist.all_gather_object(parts, local, group=self._object_group)
-            else:
-                parts = [local]
-            self._partition.reassemble(parts, self._ties.values() if self._ties is not None else {})
+            self._assembled.reassemble(self._object_group)
             module.example_input_array = self._example_input
+            self._assembled = None
             self._partition = None
             self._stage = None
             self._calls = None
@@ -1002,35 +917,8 @@ class GPipeStrategy(ParallelStrategy):
         )
 
 
-def _count_parameters(parameters: Iterable[Tensor]) -> tuple[int, int]:
-    """(all, trainable) element counts of ``parameters``; meta tensors count too."""
-    counts = [(p.numel(), p.requires_grad) for p in parameters]
-    return sum(n for n, _ in counts), sum(n for n, trainable in counts if trainable)
-
-
-def _measured_costs(sequence: torch.nn.Sequential, how: Any, sample: Any, device: torch.device) -> list[float]:
-    """Layer costs; ``"time"`` and ``"memory"`` run a copy of the layers on ``device``, where the stages will train.
-
-    Timing on the CPU copy would balance CPU speed, not the GPU's, and CUDA kernels save other tensors than CPU ones.
-    The copy needs the whole sequence to fit on rank 0's device; ``"flops"`` and ``"params"`` need no device at all.
-    """
-    if how not in ("time", "memory") or device.type == "cpu" or _is_meta(sequence):
-        return layer_costs(sequence, how, sample)
-    on_device = copy.deepcopy(sequence).to(device)
-    try:
-        return layer_costs(on_device, how, to_device(sample, device))
-    finally:
-        del on_device
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the copy's memory goes back before the stages allocate their own
-
-
 def _with_extras(loss: Tensor, extras: dict[str, Any] | None) -> Tensor | dict[str, Any]:
     return loss if extras is None else {"loss": loss, **extras}
-
-
-def _is_meta(module: torch.nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
 
 
 def _to_cpu(value: Any) -> Any:

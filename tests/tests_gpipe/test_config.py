@@ -1,13 +1,19 @@
-"""PipelineConfig checks every setting once, without a Trainer; the strategy's arguments only build it."""
+"""PipelineConfig checks every setting once, without a Trainer; the strategy and the engine take it as it is."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
 
 from lightning_gpipe.config import PipelineConfig
+from lightning_gpipe.pipeline import Pipeline, run_in_threads
+from lightning_gpipe.stage import Stage
+from lightning_gpipe.transport import ThreadTransport
 
 
 def test_a_valid_configuration_is_frozen_and_keeps_its_values() -> None:
@@ -38,3 +44,62 @@ def test_the_strategy_keeps_the_configuration_it_validated() -> None:
 def test_bad_values_are_refused_without_a_trainer(arguments: dict, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         PipelineConfig(**arguments)
+
+
+# ---------------------------------------------------------------------------------------------- the engine takes it
+
+
+def _cell() -> torch.nn.Module:
+    return torch.nn.Linear(2, 2)
+
+
+def test_the_engine_takes_a_validated_configuration_or_builds_one_from_keywords() -> None:
+    config = PipelineConfig(chunks=3, checkpoint="never", schedule="1f1b", detect_anomalies=True)
+    pipeline = Pipeline(_cell(), ThreadTransport.create(1)[0], config)
+    assert pipeline.config is config
+    assert pipeline.stage.config is config  # handed down, not copied and checked again
+    stage = pipeline.stage
+    assert (pipeline.chunks, pipeline.schedule, stage.checkpoint, stage.detect_anomalies) == (3, "1f1b", "never", True)
+    keywords = Pipeline(
+        _cell(), ThreadTransport.create(1)[0], chunks=3, checkpoint="never", schedule="1f1b", detect_anomalies=True
+    )
+    assert keywords.config == config
+
+
+def _pipeline(*args: Any, **kwargs: Any) -> None:
+    Pipeline(_cell(), ThreadTransport.create(1)[0], *args, **kwargs)
+
+
+def _stage(*args: Any, **kwargs: Any) -> None:
+    Stage(_cell(), ThreadTransport.create(1)[0], *args, **kwargs)
+
+
+ENGINE_MISTAKES = [
+    (_pipeline, (PipelineConfig(chunks=4),), {"chunks": 8}, ValueError, r"Pipeline got a config and also chunks=8"),
+    (_pipeline, (4,), {}, TypeError, r"Pipeline got config=4, which must be a PipelineConfig or None; give the"),
+    (_pipeline, (), {}, TypeError, r"Pipeline needs chunks, M, the number of micro-batches per mini-batch"),
+    (_pipeline, (), {"chunks": 0}, ValueError, r"chunks=0 must be at least 1"),
+    (_pipeline, (), {"chunks": 2, "schedule": "zb"}, ValueError, r"Unknown pipeline schedule 'zb'"),
+    (_stage, (), {"checkpoint": "sometimes"}, ValueError, r"checkpoint='sometimes' is not a re-materialization mode"),
+    (_stage, (PipelineConfig(),), {"checkpoint": "never"}, ValueError, r"Stage got a config and also checkpoint="),
+]
+
+
+@pytest.mark.parametrize(("build", "args", "kwargs", "error", "message"), ENGINE_MISTAKES)
+def test_the_engine_refuses_a_setting_given_twice_missing_or_bad(
+    build: Callable[..., None], args: tuple, kwargs: dict, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        build(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [({"chunks": 0}, r"chunks=0 must be at least 1"), ({"schedule": "zb"}, r"Unknown pipeline schedule 'zb'")],
+)
+def test_run_in_threads_refuses_a_bad_setting_in_the_callers_thread(setting: dict, message: str) -> None:
+    # Each stage's thread validated the settings when it built its Pipeline, outside the part of the thread that
+    # reports errors: every thread died, and run_in_threads raised KeyError for the missing result instead.
+    settings = {"chunks": 2, **setting}
+    with pytest.raises(ValueError, match=message):
+        run_in_threads([_cell(), _cell()], (torch.randn(4, 2),), lambda output, mb: output.sum(), **settings)

@@ -345,11 +345,11 @@ class _DeviceProbe(nn.Module):
 def test_strategy_measures_costs_on_the_stages_device() -> None:
     # R19: balance="time"/"memory" measured the CPU copy of the model before it moved to the GPU. The meta device
     # stands in for the GPU here (memory_cost runs there): the measurement must see it, the model must stay put.
-    from lightning_gpipe.strategy import _measured_costs
+    from lightning_gpipe.assembly import measured_costs
 
     sequence = nn.Sequential(_DeviceProbe(), nn.Tanh(), nn.Linear(4, 2))
-    on_device = _measured_costs(sequence, "memory", torch.randn(3, 4), torch.device("meta"))
+    on_device = measured_costs(sequence, "memory", torch.randn(3, 4), torch.device("meta"))
     assert sequence[0].seen == []  # the user's layers are untouched; a copy was measured
     assert next(sequence.parameters()).device.type == "cpu"
-    assert on_device == _measured_costs(sequence, "memory", torch.randn(3, 4), torch.device("cpu"))
+    assert on_device == measured_costs(sequence, "memory", torch.randn(3, 4), torch.device("cpu"))
     assert sequence[0].seen == ["cpu", "cpu"]  # the CPU run does use the layers themselves

@@ -1,0 +1,232 @@
+"""Stage assembly: one rank's stage of a pipeline built from the user's module, and the whole module put back.
+
+:func:`assemble_stage` does on one rank what the strategy's ``setup`` needs before the first step, in an order every
+rank follows (several steps are collectives): find the ``nn.Sequential``, record the whole module's names for
+checkpoints, resolve the balance (measured on rank 0 and broadcast), cut the module down to this stage's layers,
+allocate and initialize layers built on the meta device, convert BatchNorm to :class:`DeferredBatchNorm` when asked,
+give the replicas of the stage the same weights, set up the copies of tensors tied across stages, and wrap the cell
+in a :class:`~lightning_gpipe.pipeline.Pipeline` over the given transport. It needs no Trainer: a test builds every
+stage of a pipeline in one process over a :class:`~lightning_gpipe.transport.ThreadTransport`.
+
+:meth:`AssembledStage.reassemble` is the inverse at the end of training: every stage's part, gathered over the
+pipeline, restores the whole module on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_gpipe.batchnorm import DeferredBatchNorm
+from lightning_gpipe.collectives import broadcast_tensors, to_device
+from lightning_gpipe.config import PipelineConfig
+from lightning_gpipe.cost import layer_costs
+from lightning_gpipe.errors import collective_errors
+from lightning_gpipe.layout import ProcessLayout
+from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
+from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
+from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.stage import Stage
+from lightning_gpipe.state import ModelNames
+from lightning_gpipe.tied import TiedCopies, retie
+from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.transport import Transport
+
+__all__ = ["AssembledStage", "assemble_stage", "measured_costs", "parameter_counts", "resolve_balance"]
+
+
+@dataclass
+class AssembledStage:
+    """One rank's stage, ready to train: its part of the module, its pipeline, its tied copies, the whole's names.
+
+    Attributes:
+        partition: how the module was cut; the module itself now holds only this stage's layers.
+        pipeline: this stage's :class:`~lightning_gpipe.pipeline.Pipeline` (its cell and transport).
+        ties: this stage's copies of tensors that layers of other stages share, kept equal by collectives.
+        names: the whole module's state-dict keys, shapes and parameter names, recorded before the cut.
+        whole_parameters: (all, trainable) parameter counts of the whole module, each tied tensor once.
+    """
+
+    partition: Partition
+    pipeline: Pipeline
+    ties: TiedCopies
+    names: ModelNames
+    whole_parameters: tuple[int, int]
+
+    @property
+    def stage(self) -> Stage:
+        """This rank's :class:`~lightning_gpipe.stage.Stage`."""
+        return self.pipeline.stage
+
+    @property
+    def layers(self) -> list[int]:
+        """The indices, in the whole sequence, of the layers this stage holds."""
+        return list(self.partition.bounds[self.partition.stage])
+
+    @property
+    def stage_parameters(self) -> tuple[int, int]:
+        """(all, trainable) parameter counts of this stage's layers."""
+        return parameter_counts(self.stage.cell.parameters())
+
+    def reassemble(self, group: dist.ProcessGroup | None = None) -> None:
+        """Put the whole module back, on the CPU, from every stage's layers: a collective over the pipeline.
+
+        Every stage of the pipeline calls it; ``group`` is the pipeline's group (for objects: gloo keeps the parts in
+        host memory), unused with a single stage. Tied tensors get back their shared value and deferred BatchNorm
+        layers become plain BatchNorm again (:meth:`~lightning_gpipe.partitioned.Partition.reassemble`).
+        """
+        local = self.partition.stage_state()
+        num_stages = self.stage.num_stages
+        parts: list[Any] = [local]
+        if num_stages > 1:
+            parts = [None] * num_stages
+            dist.all_gather_object(parts, local, group=group)
+        self.partition.reassemble(parts, self.ties.values())
+
+
+def assemble_stage(
+    module: nn.Module,
+    config: PipelineConfig,
+    layout: ProcessLayout,
+    device: torch.device,
+    transport: Transport,
+    *,
+    sample: Any = None,
+    replica_group: dist.ProcessGroup | None = None,
+    timeline: Timeline | None = None,
+) -> AssembledStage:
+    """Cut ``module`` down to stage ``layout.stage`` and build that stage's pipeline over ``transport``.
+
+    Every rank of the job calls it at the same point: resolving a measured balance, the replicas' weights and the
+    tied copies are collectives (each only where the job has more than one process that takes part).
+
+    Args:
+        module: the user's module, holding the ``nn.Sequential`` to pipeline (``config.module_name``, else the only
+            one); it is changed in place (see :mod:`lightning_gpipe.partitioned`).
+        config: the settings, with ``pipe_size`` and ``chunks`` resolved (as ``layout.pipe_size`` and a number).
+        layout: this rank's place in the job.
+        device: where this stage's layers are allocated and run.
+        transport: the links to this pipeline's other stages.
+        sample: one input of the sequence, for a balance measured on it (``"flops"``, ``"time"``, ``"memory"``).
+        replica_group: the ranks running this stage in every replica: they start from replica 0's weights, and
+            torchmetrics state in the module syncs over them (not the world, which the other stages never join).
+        timeline: records the pipeline's actions when given.
+    """
+    assert config.pipe_size == layout.pipe_size, "the config's pipe_size is resolved to the layout's"
+    path, sequence = find_sequence(module, config.module_name)
+    if len(sequence) < layout.pipe_size:
+        raise ValueError(
+            f"cannot split the {len(sequence)} layers of {path!r} into {layout.pipe_size} stages: every stage "
+            f"needs at least one layer; use pipe_size <= {len(sequence)} or split the model into more layers"
+        )
+    names = ModelNames.of(module)
+    whole = parameter_counts(module.parameters())  # before the split: each tied tensor once
+    balance = resolve_balance(config, sequence, sample, layout, device)
+    partition = partition_module(module, path, sequence, balance, layout.stage)
+    own = [(i, sequence[i]) for i in partition.bounds[layout.stage]]
+    materialize(own, device, seed=torch.initial_seed() % 2**62)
+    retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
+    if config.deferred_batch_norm:
+        DeferredBatchNorm.convert(partition.stand_in)
+    cell = partition.stand_in.cell()
+    _broadcast_replica_weights(module, layout, device, replica_group)
+    with collective_errors(layout.stage, "creating the groups of stages that share tied weights and broadcasting them"):
+        ties = TiedCopies(
+            partition.ties,
+            partition.stand_in,
+            layout.stage,
+            [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)],
+            layout.replica,
+            config.timeout,
+        )
+        ties.broadcast(device)
+    if replica_group is not None:
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                # Metric state lives on the last stage of each pipeline; torchmetrics must sync it among the
+                # replicas of that stage only (over WORLD, the other stages would never join: a hang).
+                metric.process_group = replica_group
+    pipeline = Pipeline(cell, transport, config, timeline=timeline)
+    return AssembledStage(partition, pipeline, ties, names, whole)
+
+
+def resolve_balance(
+    config: PipelineConfig, sequence: nn.Sequential, sample: Any, layout: ProcessLayout, device: torch.device
+) -> list[int]:
+    """Layers per stage: ``config.balance`` if it is a list, else found from the layers' costs.
+
+    A measured balance is decided on global rank 0 and broadcast over the world, since measured costs differ between
+    processes; without a process group (one process building every stage), each call measures for itself. The
+    default is ``"flops"`` when there is a ``sample`` and the layers are not on the meta device, else ``"params"``.
+    """
+    if isinstance(config.balance, list):
+        return validate_balance(config.balance, len(sequence))
+    how = config.balance
+    if how is None:
+        how = "flops" if sample is not None and not _is_meta(sequence) else "params"
+    if how in ("flops", "time", "memory") and sample is None:
+        raise ValueError(
+            f"balance={how!r} measures the layers on a sample input: set `self.example_input_array` in the "
+            "LightningModule to one input of the sequence, or use balance='params' or a list of layers per stage"
+        )
+    distributed = dist.is_available() and dist.is_initialized()
+    balance: list[int] | None = None
+    if not distributed or layout.rank == 0:
+        costs = measured_costs(sequence, how, sample, device)
+        balance = balance_by_cost(costs, layout.pipe_size, avoid_cuts=in_place_starts(sequence))
+    if distributed:
+        box = [balance]
+        dist.broadcast_object_list(box, src=0)
+        balance = box[0]
+    assert balance is not None
+    return balance
+
+
+def measured_costs(sequence: nn.Sequential, how: Any, sample: Any, device: torch.device) -> list[float]:
+    """Layer costs; ``"time"`` and ``"memory"`` run a copy of the layers on ``device``, where the stages will train.
+
+    Timing on the CPU copy would balance CPU speed, not the GPU's, and CUDA kernels save other tensors than CPU ones.
+    The copy needs the whole sequence to fit on rank 0's device; ``"flops"`` and ``"params"`` need no device at all.
+    """
+    if how not in ("time", "memory") or device.type == "cpu" or _is_meta(sequence):
+        return layer_costs(sequence, how, sample)
+    on_device = copy.deepcopy(sequence).to(device)
+    try:
+        return layer_costs(on_device, how, to_device(sample, device))
+    finally:
+        del on_device
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the copy's memory goes back before the stages allocate their own
+
+
+def parameter_counts(parameters: Iterable[Tensor]) -> tuple[int, int]:
+    """(all, trainable) element counts of ``parameters``; meta tensors count too."""
+    counts = [(p.numel(), p.requires_grad) for p in parameters]
+    return sum(n for n, _ in counts), sum(n for n, trainable in counts if trainable)
+
+
+def _broadcast_replica_weights(
+    module: nn.Module, layout: ProcessLayout, device: torch.device, group: dist.ProcessGroup | None
+) -> None:
+    # Replicas of a stage start from the same weights, as DDP ensures at construction.
+    if layout.num_replicas == 1:
+        return
+    assert group is not None, "data-parallel replicas need their replica group"
+    # NCCL broadcasts device tensors only, and the module (or a buffer outside the sequence) may still be on the
+    # CPU here: move it first.
+    module.to(device)
+    source = layout.replica_ranks()[0]
+    tensors = [tensor.data for tensor in [*module.parameters(), *module.buffers()]]
+    with collective_errors(layout.stage, f"receiving the weights of replica 0 of this stage (global rank {source})"):
+        broadcast_tensors(tensors, source, group)
+
+
+def _is_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())

@@ -1,0 +1,117 @@
+"""Stage assembly without a Trainer: both stages of a K=2 pipeline built in one process train as the plain model."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from helpers.models import IN, batch, build, loss_fn
+from torch import nn
+
+from lightning_gpipe.assembly import AssembledStage, assemble_stage
+from lightning_gpipe.config import PipelineConfig
+from lightning_gpipe.layout import ProcessLayout
+from lightning_gpipe.transport import ThreadTransport
+
+CPU = torch.device("cpu")
+
+
+class Net(nn.Module):
+    """A plain module (no LightningModule) holding the sequence to pipeline and a buffer outside it."""
+
+    def __init__(self, layers: nn.Sequential | None = None) -> None:
+        super().__init__()
+        self.layers = build("mlp") if layers is None else layers
+        self.register_buffer("scale", torch.tensor(2.0))
+
+
+def assemble(model: nn.Module, config: PipelineConfig, sample: Any = None) -> list[AssembledStage]:
+    """Every stage of one pipeline, each from its own copy of ``model``, linked by threads."""
+    K = config.pipe_size
+    assert K is not None
+    transports = ThreadTransport.create(K, timeout=datetime.timedelta(seconds=60))
+    # Stage j runs on rank K - 1 - j: the layout puts the last stage on the pipeline's lowest rank.
+    return [
+        assemble_stage(copy.deepcopy(model), config, ProcessLayout(K, K, K - 1 - j), CPU, transports[j], sample=sample)
+        for j in range(K)
+    ]
+
+
+def train_in_threads(stages: Sequence[AssembledStage], data: Any) -> None:
+    errors: list[BaseException] = []
+
+    def work(stage: AssembledStage) -> None:
+        try:
+            stage.pipeline.train_step(data, loss_fn)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(stage,)) for stage in stages]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a stage did not finish its step"
+    assert not errors, errors
+
+
+def test_stages_assembled_in_one_process_train_as_the_plain_model() -> None:
+    model = Net()
+    config = PipelineConfig(pipe_size=2, chunks=4)
+    stages = assemble(model, config, sample=torch.randn(2, IN))  # balance=None with a sample: by FLOPs
+
+    assert stages[0].layers + stages[1].layers == list(range(8))
+    assert stages[0].partition.bounds == stages[1].partition.bounds  # every stage resolved the same balance
+    for stage in stages:
+        assert stage.names.keys == list(model.state_dict())  # checkpoints keep the whole module's names
+        assert stage.names.shapes["scale"] == ()
+        assert stage.whole_parameters == (sum(p.numel() for p in model.parameters()),) * 2
+        assert stage.pipeline.chunks == 4
+    assert sum(stage.stage_parameters[0] for stage in stages) == stages[0].whole_parameters[0]
+
+    data = batch(16)
+    model.zero_grad()
+    loss_fn(model.layers(data[0]), data).backward()
+    train_in_threads(stages, data)
+    for stage in stages:
+        module = stage.partition.module
+        for name, parameter in module.named_parameters():  # a stage's module names only its own layers' parameters
+            expected = model.get_parameter(name).grad
+            torch.testing.assert_close(parameter.grad, expected, rtol=1e-5, atol=1e-7)
+
+    # The inverse: the stages' parts put the whole module back (the strategy gathers them over the pipeline).
+    parts = [stage.partition.stage_state() for stage in stages]
+    for stage in stages:
+        stage.partition.reassemble(parts, stage.ties.values())
+        whole = stage.partition.module
+        assert isinstance(whole.layers, nn.Sequential)
+        torch.testing.assert_close(whole.layers(data[0]), model.layers(data[0]))
+
+
+def test_a_list_balance_and_deferred_batch_norm_are_applied() -> None:
+    from lightning_gpipe.batchnorm import DeferredBatchNorm
+
+    model = Net(nn.Sequential(nn.Linear(IN, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)))
+    config = PipelineConfig(pipe_size=2, chunks=2, balance=[3, 1], deferred_batch_norm=True)
+    stages = assemble(model, config)
+    assert [stage.layers for stage in stages] == [[0, 1, 2], [3]]
+    assert isinstance(stages[0].stage.cell[1], DeferredBatchNorm)
+
+
+def test_too_few_layers_for_the_stages_are_refused_with_the_fix() -> None:
+    config = PipelineConfig(pipe_size=4, chunks=4)
+    transport = ThreadTransport.create(4)[0]
+    with pytest.raises(ValueError, match=r"cannot split the 3 layers of 'layers' into 4 stages: every stage needs at"):
+        assemble_stage(Net(build("mlp")[:3]), config, ProcessLayout(4, 4, 3), CPU, transport)
+
+
+def test_a_measured_balance_needs_a_sample_input() -> None:
+    config = PipelineConfig(pipe_size=2, chunks=4, balance="flops")
+    transport = ThreadTransport.create(2)[0]
+    with pytest.raises(ValueError, match=r"balance='flops' measures the layers on a sample input: set"):
+        assemble_stage(Net(), config, ProcessLayout(2, 2, 1), CPU, transport)
