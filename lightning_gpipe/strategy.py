@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
 import logging
 import os
@@ -61,6 +62,7 @@ from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weig
 from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
 from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.plan.auto import AutoPlan, agreed_settings, auto_plan, plan_for_module
 from lightning_gpipe.relay import CallRelay
 from lightning_gpipe.schedule import Phase
 from lightning_gpipe.stage import Stage
@@ -115,6 +117,11 @@ class GPipeStrategy(ParallelStrategy):
             device synchronization per checked tensor; off by default.
         verify_batches: check at every step that all stages of a pipeline read the same batch (shapes and a
             checksum travel with the step header, so it costs no extra message); on by default.
+        plan: ``"auto"`` or an :class:`~lightning_gpipe.plan.AutoPlan`: at setup, global rank 0 plans K, M, the
+            balance, the checkpoint mode and the schedule with :func:`~lightning_gpipe.plan.plan` (the world size
+            as the device count, the device's memory or the plan's budget, ``example_input_array`` as the sample),
+            logs the plan's table, and every rank follows it. The five settings it chooses must be left at their
+            defaults; restrict its search with ``AutoPlan(pipe_sizes=..., chunks=..., ...)`` instead.
     """
 
     strategy_name = "gpipe"
@@ -140,6 +147,7 @@ class GPipeStrategy(ParallelStrategy):
         start_method: StartMethod = "popen",
         detect_anomalies: bool = False,
         verify_batches: bool = True,
+        plan: str | AutoPlan | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -163,6 +171,10 @@ class GPipeStrategy(ParallelStrategy):
             verify_batches=verify_batches,
         )
         config = self.config
+        # Settled in setup, by _follow_plan; refused here beside the settings it would choose.
+        self._auto_plan = auto_plan(
+            plan, pipe_size=pipe_size, chunks=chunks, balance=balance, checkpoint=checkpoint, schedule=schedule
+        )
         self._pipe_size = config.pipe_size
         self._chunks = config.chunks
         self._balance = config.balance
@@ -278,6 +290,8 @@ class GPipeStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._layout = None
+        if self._auto_plan is not None:
+            return  # K is known once the plan is made, in setup (_follow_plan checks the layout then)
         layout = self.layout  # validates world_size against pipe_size before anything starts
         if self.chunks < layout.pipe_size:
             warnings.warn(
@@ -302,6 +316,12 @@ class GPipeStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        if self._auto_plan is None:
+            self._new_groups()
+
+    def _new_groups(self) -> None:
+        """The groups of the layout: pipelines, replicas, links, objects and control (collective over the world)."""
+        backend = self._process_group_backend
         self._pipeline_group, self._replica_group, self._links = self.layout.new_groups(self._timeout)
         self._object_group = self._new_object_group()
         # A gloo group for checks that must give up after a while (monitored_barrier), whatever the backend.
@@ -348,6 +368,8 @@ class GPipeStrategy(ParallelStrategy):
                 "with parameter groups (e.g. torch.optim.AdamW([{'params': self.layers[:-1].parameters()}, "
                 "{'params': self.layers[-1].parameters(), 'lr': 1e-3}]))."
             )
+        if self._auto_plan is not None:
+            self._follow_plan(module)
         self._partition_model(module)
         self.precision_plugin.convert_module(self.model)  # type: ignore[arg-type]
         self.model_to_device()
@@ -359,6 +381,26 @@ class GPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._use_global_norm_clipping()
+
+    def _follow_plan(self, module: LightningModule) -> None:
+        """``plan="auto"``: plan on global rank 0, take its settings on every rank, then make the groups they need."""
+        request = self._auto_plan
+        assert request is not None
+        _, sequence = find_sequence(module, self._module_name)
+        settings = agreed_settings(
+            lambda: plan_for_module(
+                request, sequence, module.example_input_array, devices=self.world_size, device=self.root_device
+            ),
+            rank=self.global_rank,
+            broadcast=self.broadcast,
+            report=rank_zero_info,
+        )
+        self.config = dataclasses.replace(self.config, **settings)
+        self._pipe_size, self._chunks, self._balance = settings["pipe_size"], settings["chunks"], settings["balance"]
+        self._checkpoint, self._schedule = settings["checkpoint"], settings["schedule"]
+        self._auto_plan = None
+        self.set_world_ranks()
+        self._new_groups()
 
     def _partition_model(self, module: LightningModule) -> None:
         layout = self.layout
