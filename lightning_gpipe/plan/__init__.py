@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_BANDWIDTH",
     "DEFAULT_LATENCY",
     "DEFAULT_MICROBATCH_OVERHEAD",
+    "DEFAULT_REMATERIALIZATION_OVERHEAD",
     "AutoPlan",
     "Candidate",
     "InfeasiblePlanError",
@@ -50,11 +51,16 @@ DEFAULT_BANDWIDTH = {"cuda": 20e9, "cpu": 2e9, "meta": 20e9}
 """Bytes per second across a stage boundary when none is given: NVLink/PCIe-class on CUDA, gloo loopback on CPU."""
 DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 100e-6, "meta": 20e-6}
 """Seconds of fixed cost per message across a stage boundary when none is given."""
-DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 0.0, "cpu": 0.0, "meta": 0.0}
+DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 7e-5, "cpu": 7e-5, "meta": 0.0}
 """Seconds the engine adds to each stage per micro-batch (forward and backward together) beyond its layers' own
 times: Python, the step's bookkeeping and the calls that post messages. Layers are profiled alone, so a prediction
-without it underestimates configurations of many micro-batches. Measured by ``python -m
-benchmarks.plan_calibration.overhead``; ``meta`` profiles describe no device and get none."""
+without it underestimates configurations of many micro-batches. Measured on the CPU by ``python -m
+benchmarks.plan_calibration.overhead`` (70 µs on this project's 2-core CPU machines); the engine's host-side Python is
+the same code on CUDA, so the CPU figure stands in there until that command is run with ``--device cuda``. ``meta``
+profiles describe no device and get none."""
+DEFAULT_REMATERIALIZATION_OVERHEAD = {"cuda": 3.5e-4, "cpu": 3.5e-4, "meta": 0.0}
+"""Seconds a re-materialized micro-batch adds on top (the checkpoint wrapper, the random state it saves and
+restores, the replayed forward's Python), measured alike (350 µs)."""
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
 _UNITS.update({"g": GiB, "gb": GiB, "gib": GiB, "t": 2**40, "tb": 2**40, "tib": 2**40})
 
@@ -257,7 +263,9 @@ def evaluate(
 
     ``batch_size`` is the whole mini-batch; each of ``replicas`` pipelines gets its share. ``balance`` defaults to the
     one that best balances the stages' pass times. ``overhead`` is the engine's seconds per micro-batch and stage
-    (default by device type: :data:`DEFAULT_MICROBATCH_OVERHEAD`), split evenly between forward and backward.
+    (default by device type: :data:`DEFAULT_MICROBATCH_OVERHEAD`), split evenly between forward and backward; a
+    re-materialized micro-batch adds :data:`DEFAULT_REMATERIALIZATION_OVERHEAD` (scaled alike when ``overhead`` is
+    given).
     """
     K, M = pipe_size, chunks
     per_replica = math.ceil(batch_size / replicas)
@@ -273,12 +281,15 @@ def evaluate(
     rate = bandwidth if bandwidth is not None else DEFAULT_BANDWIDTH.get(kind, 2e9)
     delay = latency if latency is not None else DEFAULT_LATENCY.get(kind, 1e-4)
     engine = overhead if overhead is not None else DEFAULT_MICROBATCH_OVERHEAD.get(kind, 0.0)
+    # Scaled alike when an overhead is given: the re-materialized share keeps its measured ratio to the plain one.
+    base = DEFAULT_MICROBATCH_OVERHEAD.get(kind, 0.0)
+    replay = DEFAULT_REMATERIALIZATION_OVERHEAD.get(kind, 0.0) * (engine / base if base > 0 else 0.0)
     bounds = cell_bounds(balance)
     stage_f = [sum(forward[i] for i in cell) + engine / 2 for cell in bounds]
     stage_b = [sum(backward[i] for i in cell) + engine / 2 for cell in bounds]
     transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
-    # A re-materialized backward repeats the layers' forward, not the engine's per-micro-batch work.
-    recompute = [sum(forward[i] for i in cell) for cell in bounds]
+    # A re-materialized backward repeats the layers' forward and pays the checkpoint wrapper's own work.
+    recompute = [sum(forward[i] for i in cell) + replay for cell in bounds]
     step = simulate_step(schedule, stage_f, stage_b, M, transfer=transfer, recompute=recompute, checkpoint_stop=stop)
     memory = tuple(
         stage_memory(

@@ -13,6 +13,8 @@ from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe.plan import (
+    DEFAULT_MICROBATCH_OVERHEAD,
+    DEFAULT_REMATERIALIZATION_OVERHEAD,
     InfeasiblePlanError,
     LayerProfile,
     ModelProfile,
@@ -123,7 +125,9 @@ def test_1f1b_holds_fewer_micro_batches_than_fill_drain() -> None:
 
 
 def test_evaluate_predicts_the_bubble_of_balanced_stages() -> None:
-    candidate = evaluate(synthetic(), pipe_size=4, chunks=8, batch_size=32, checkpoint="never", latency=0.0)
+    candidate = evaluate(
+        synthetic(), pipe_size=4, chunks=8, batch_size=32, checkpoint="never", latency=0.0, overhead=0.0
+    )
     assert candidate.balance == (2, 2, 2, 2)
     # Transfers of 4 samples x 0.125 MiB at 2 GB/s are small but not zero: the bubble is a little above (K-1)/(M+K-1).
     assert 3 / 11 <= candidate.bubble < 3 / 11 + 0.02
@@ -393,3 +397,20 @@ def test_the_backward_needs_each_layers_workspace_when_the_later_layers_have_fre
     with counter:
         step()
     assert predicted.activations == pytest.approx(counter.peak, rel=0.03)
+
+
+def test_evaluate_adds_the_engines_cost_per_micro_batch() -> None:
+    # Layers are profiled alone; what the engine adds per micro-batch (Python, bookkeeping, the re-materialization
+    # wrapper) grows with M, which a sum of layer times misses: the prediction underestimated large M.
+    profile = synthetic()
+    options: dict[str, Any] = {"pipe_size": 1, "chunks": 8, "batch_size": 32, "latency": 0.0}
+    bare = evaluate(profile, checkpoint="never", overhead=0.0, **options)
+    engine = evaluate(profile, checkpoint="never", overhead=2e-3, **options)
+    assert engine.step_time - bare.step_time == pytest.approx(8 * 2e-3)
+    replayed = evaluate(profile, checkpoint="always", overhead=2e-3, **options)
+    plain_replay = evaluate(profile, checkpoint="always", overhead=0.0, **options)
+    ratio = DEFAULT_REMATERIALIZATION_OVERHEAD["cpu"] / DEFAULT_MICROBATCH_OVERHEAD["cpu"]
+    assert replayed.step_time - plain_replay.step_time == pytest.approx(8 * 2e-3 * (1 + ratio))
+    assert evaluate(profile, checkpoint="never", **options).step_time == pytest.approx(
+        bare.step_time + 8 * DEFAULT_MICROBATCH_OVERHEAD["cpu"]
+    )
