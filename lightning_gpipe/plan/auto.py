@@ -180,7 +180,7 @@ def plan_for_module(
         options["checkpoints"] = list(request.checkpoints)
     if request.schedules is not None:
         options["schedules"] = list(request.schedules)
-    return plan(
+    chosen = plan(
         sequence,
         sample,
         devices=devices,
@@ -193,6 +193,9 @@ def plan_for_module(
         per_pipeline_batch=True,
         **options,
     )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the profiled copies' blocks, before this rank's stage is allocated
+    return chosen
 
 
 def agreed_settings(
