@@ -20,13 +20,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_gpipe.measure import leaf_input, preserved_state
 
 __all__ = [
     "COST_SOURCES",
@@ -141,7 +142,7 @@ def flops_cost(layers: Iterable[nn.Module], sample: Any) -> list[float]:
     """
     layers = list(layers)
     costs: list[float] = []
-    with _preserved_state(layers, sample), torch.no_grad():
+    with preserved_state(layers, sample), torch.no_grad():
         # A copy, so that an in-place first layer (ReLU(inplace=True)) cannot change the caller's tensor.
         x = _map_tensors(sample, lambda t: t.clone())
         for layer in layers:
@@ -177,7 +178,7 @@ def time_cost(layers: Iterable[nn.Module], sample: Any, *, repeats: int = 5, war
     _refuse_meta(layers, sample)
 
     runs: list[list[float]] = [[] for _ in layers]
-    with _preserved_state(layers, sample), torch.enable_grad():
+    with preserved_state(layers, sample), torch.enable_grad():
         inputs = _layer_inputs(layers, sample)
         for run in range(warmup + repeats):
             for index, layer in enumerate(layers):
@@ -188,7 +189,7 @@ def time_cost(layers: Iterable[nn.Module], sample: Any, *, repeats: int = 5, war
 
 
 def _forward_backward_seconds(layer: nn.Module, value: Any) -> float:
-    leaves, x = _leaf_input(value)
+    leaves, x = leaf_input(value)
     params = [param for param in layer.parameters() if param.requires_grad]
     devices = _cuda_devices(layer, value)
     _synchronize(devices)
@@ -234,7 +235,7 @@ def memory_cost(layers: Iterable[nn.Module], sample: Any, *, optimizer_slots: fl
     state_storages = {_storage_key(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
     seen: set[int] = set()
     costs: list[float] = []
-    with _preserved_state(layers, sample):
+    with preserved_state(layers, sample):
         inputs = _layer_inputs(layers, sample)
         for index, layer in enumerate(layers):
             activation = _saved_activation_bytes(layer, inputs[index], state_storages)
@@ -265,7 +266,7 @@ def _saved_activation_bytes(layer: nn.Module, value: Any, state_storages: set[tu
             sizes[key] = t.untyped_storage().nbytes()
         return t
 
-    _, x = _leaf_input(value)
+    _, x = leaf_input(value)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x)
     return float(sum(sizes.values()))
@@ -290,24 +291,6 @@ def _layer_inputs(layers: list[nn.Module], sample: Any) -> list[Any]:
             # Clone: an in-place layer would otherwise overwrite the input just recorded.
             x = _map_tensors(layer(_map_tensors(x, lambda t: t.clone())), lambda t: t.detach())
     return inputs
-
-
-def _leaf_input(value: Any) -> tuple[list[Tensor], Any]:
-    """Return fresh leaves (float tensors that require grad) and a copy of ``value`` computed from them.
-
-    The layer gets the copy, not the leaves: an in-place first operation (``ReLU(inplace=True)``) is an error on a
-    leaf that requires grad, and must not corrupt the recorded input for the next run either.
-    """
-    leaves: list[Tensor] = []
-
-    def prepare(t: Tensor) -> Tensor:
-        if t.is_floating_point() or t.is_complex():
-            leaf = t.detach().requires_grad_()
-            leaves.append(leaf)
-            return leaf.clone()
-        return t.clone()
-
-    return leaves, _map_tensors(value, prepare)
 
 
 def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -353,28 +336,3 @@ def _cuda_devices(layer: nn.Module, value: Any) -> set[torch.device]:
 def _synchronize(devices: set[torch.device]) -> None:
     for device in devices:
         torch.cuda.synchronize(device)
-
-
-@contextmanager
-def _preserved_state(layers: list[nn.Module], sample: Any) -> Iterator[None]:
-    """Restore every buffer and the torch random number generators when profiling is done.
-
-    Profiling runs training-mode forwards, which move BatchNorm running statistics and draw dropout masks; a cost
-    estimate must not change the model it measures, nor the random stream the training run will see. Buffers are
-    restored in place and re-registered, so a layer that replaced one (``self.buf = new``) gets the original back.
-    """
-    snapshot: list[tuple[nn.Module, str, Tensor, Tensor]] = []
-    for layer in layers:
-        for module in layer.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                snapshot.append((module, name, buffer, buffer.detach().clone()))
-    tensors = [t for layer in layers for t in (*layer.parameters(), *layer.buffers())] + _tensors(sample)
-    cuda_indices = sorted({t.get_device() for t in tensors if t.is_cuda})
-    with torch.random.fork_rng(devices=cuda_indices, device_type="cuda"):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for module, name, buffer, saved in snapshot:
-                    buffer.copy_(saved)
-                    setattr(module, name, buffer)

@@ -108,6 +108,9 @@ class Pipeline:
                         # Under the guard: a random loss draws from this stage's stream, as in a process of its own.
                         with self._guard():
                             losses[mb.index] = loss_fn(output, mb.value) * mb.weight
+                    # The loss keeps what its backward needs: a reference here would keep the last stage's output (a
+                    # language model's logits) alive through the backward passes that follow.
+                    del output
                 else:
                     run.backward(mb.index, losses.get(mb.index))
             run.end()

@@ -56,8 +56,9 @@ from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_g
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights, step_extras
-from lightning_gpipe.partitioned import Partition
+from lightning_gpipe.partitioned import Partition, find_sequence
 from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.plan.auto import AutoPlan, agreed_settings, auto_plan, plan_for_module
 from lightning_gpipe.relay import CallRelay
 from lightning_gpipe.schedule import Phase
 from lightning_gpipe.stage import Stage
@@ -112,6 +113,11 @@ class GPipeStrategy(ParallelStrategy):
             device synchronization per checked tensor; off by default.
         verify_batches: check at every step that all stages of a pipeline read the same batch (shapes and a
             checksum travel with the step header, so it costs no extra message); on by default.
+        plan: ``"auto"`` or an :class:`~lightning_gpipe.plan.AutoPlan`: at setup, global rank 0 plans K, M, the
+            balance, the checkpoint mode and the schedule with :func:`~lightning_gpipe.plan.plan` (the world size
+            as the device count, the device's memory or the plan's budget, ``example_input_array`` as the sample),
+            logs the plan's table, and every rank follows it. The five settings it chooses must be left at their
+            defaults; restrict its search with ``AutoPlan(pipe_sizes=..., chunks=..., ...)`` instead.
     """
 
     strategy_name = "gpipe"
@@ -137,6 +143,7 @@ class GPipeStrategy(ParallelStrategy):
         start_method: StartMethod = "popen",
         detect_anomalies: bool = False,
         verify_batches: bool = True,
+        plan: str | AutoPlan | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -159,19 +166,11 @@ class GPipeStrategy(ParallelStrategy):
             detect_anomalies=detect_anomalies,
             verify_batches=verify_batches,
         )
-        config = self.config
-        self._pipe_size = config.pipe_size
-        self._chunks = config.chunks
-        self._balance = config.balance
-        self._checkpoint = config.checkpoint
-        self._schedule = config.schedule
-        self._module_name = config.module_name
-        self._deferred_batch_norm = config.deferred_batch_norm
-        self._detect_anomalies = config.detect_anomalies
-        self._verify_batches = config.verify_batches
-        self._process_group_backend = config.process_group_backend  # resolved from the device in setup_environment
-        self._timeout = config.timeout
-        self._start_method = config.start_method
+        # Settled in setup, by _follow_plan; refused here beside the settings it would choose.
+        self._auto_plan = auto_plan(
+            plan, pipe_size=pipe_size, chunks=chunks, balance=balance, checkpoint=checkpoint, schedule=schedule
+        )
+        self._process_group_backend = self.config.process_group_backend  # resolved from the device in setup_environment
         self._num_nodes = 1
         self._layout: ProcessLayout | None = None
         self._pipeline_group: dist.ProcessGroup | None = None
@@ -232,12 +231,12 @@ class GPipeStrategy(ParallelStrategy):
     @property
     def pipe_size(self) -> int:
         """K, the number of stages per pipeline."""
-        return self._pipe_size if self._pipe_size is not None else self.world_size
+        return self.config.pipe_size if self.config.pipe_size is not None else self.world_size
 
     @property
     def chunks(self) -> int:
         """M, the number of micro-batches per mini-batch."""
-        return self._chunks if self._chunks is not None else 4 * self.pipe_size
+        return self.config.chunks if self.config.chunks is not None else 4 * self.pipe_size
 
     @property
     @override
@@ -261,10 +260,10 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
+        if self.config.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.config.start_method)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's global rank and the world size."""
@@ -273,6 +272,8 @@ class GPipeStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._layout = None
+        if self._auto_plan is not None:
+            return  # K is known once the plan is made, in setup (_follow_plan checks the layout then)
         layout = self.layout  # validates world_size against pipe_size before anything starts
         if self.chunks < layout.pipe_size:
             warnings.warn(
@@ -280,11 +281,11 @@ class GPipeStrategy(ParallelStrategy):
                 f"{layout.pipe_size} stages can work at once. Use chunks >= {4 * layout.pipe_size} for a small bubble.",
                 stacklevel=2,
             )
-        if isinstance(self._balance, list) and len(self._balance) != layout.pipe_size:
+        if isinstance(self.config.balance, list) and len(self.config.balance) != layout.pipe_size:
             raise ValueError(
-                f"balance={self._balance} has {len(self._balance)} stages but the pipelines have "
-                f"{layout.pipe_size} (world_size={self.world_size}, pipe_size={self._pipe_size}); give one number of "
-                "layers per stage"
+                f"balance={self.config.balance} has {len(self.config.balance)} stages but the pipelines have "
+                f"{layout.pipe_size} (world_size={self.world_size}, pipe_size={self.config.pipe_size}); give one "
+                "number of layers per stage"
             )
 
     @override
@@ -296,12 +297,18 @@ class GPipeStrategy(ParallelStrategy):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        self._pipeline_group, self._replica_group, self._links = self.layout.new_groups(self._timeout)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout, device_id=device_id)
+        if self._auto_plan is None:
+            self._new_groups()
+
+    def _new_groups(self) -> None:
+        """The groups of the layout: pipelines, replicas, links, objects and control (collective over the world)."""
+        backend = self._process_group_backend
+        self._pipeline_group, self._replica_group, self._links = self.layout.new_groups(self.config.timeout)
         self._object_group = self._new_object_group()
         # A gloo group for checks that must give up after a while (monitored_barrier), whatever the backend.
         self._control_group = (
-            dist.new_group(backend="gloo", timeout=self._timeout) if backend != "gloo" else dist.group.WORLD
+            dist.new_group(backend="gloo", timeout=self.config.timeout) if backend != "gloo" else dist.group.WORLD
         )
 
     def _new_object_group(self) -> dist.ProcessGroup | None:
@@ -315,7 +322,7 @@ class GPipeStrategy(ParallelStrategy):
             return self._pipeline_group
         mine = None
         for replica in range(self.layout.num_replicas):
-            group = dist.new_group(self.layout.pipeline_ranks(replica), backend="gloo", timeout=self._timeout)
+            group = dist.new_group(self.layout.pipeline_ranks(replica), backend="gloo", timeout=self.config.timeout)
             if replica == self.layout.replica:
                 mine = group
         return mine
@@ -343,6 +350,8 @@ class GPipeStrategy(ParallelStrategy):
                 "with parameter groups (e.g. torch.optim.AdamW([{'params': self.layers[:-1].parameters()}, "
                 "{'params': self.layers[-1].parameters(), 'lr': 1e-3}]))."
             )
+        if self._auto_plan is not None:
+            self._follow_plan(module)
         self._partition_model(module)
         self.precision_plugin.convert_module(self.model)  # type: ignore[arg-type]
         self.model_to_device()
@@ -355,12 +364,30 @@ class GPipeStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self._use_global_norm_clipping()
 
+    def _follow_plan(self, module: LightningModule) -> None:
+        """``plan="auto"``: plan on global rank 0, take its settings on every rank, then make the groups they need."""
+        request = self._auto_plan
+        assert request is not None
+        _, sequence = find_sequence(module, self.config.module_name)
+        settings = agreed_settings(
+            lambda: plan_for_module(
+                request, sequence, module.example_input_array, devices=self.world_size, device=self.root_device
+            ),
+            rank=self.global_rank,
+            broadcast=self.broadcast,
+            report=rank_zero_info,
+        )
+        self.config = dataclasses.replace(self.config, **settings)
+        self._auto_plan = None
+        self.set_world_ranks()
+        self._new_groups()
+
     def _partition_model(self, module: LightningModule) -> None:
         if self._partition is not None:  # a second fit/validate on the same module
             return
         layout = self.layout
         links = None if self._links_on_world else self._links
-        transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self._timeout, links=links)
+        transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self.config.timeout, links=links)
         config = dataclasses.replace(self.config, pipe_size=self.pipe_size, chunks=self.chunks)
         self._assembled = assembled = assemble_stage(
             module,
@@ -539,7 +566,7 @@ class GPipeStrategy(ParallelStrategy):
                 "use a batch size of at least pipe_size (and drop_last=True if the last batch is smaller)"
             )
         # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
-        fingerprint = batch_fingerprint(batch) if self._verify_batches and self.layout.pipe_size > 1 else None
+        fingerprint = batch_fingerprint(batch) if self.config.verify_batches and self.layout.pipe_size > 1 else None
         training = hook == "training_step"
         self._run = run = self._pipeline.begin(batch, training=training, fingerprint=fingerprint)
         recorder = LogRecorder(module, step_values=training)
@@ -572,15 +599,15 @@ class GPipeStrategy(ParallelStrategy):
                 f"training_step returned {type(output).__name__}; under GPipeStrategy it must return the loss "
                 "tensor or a dict with a 'loss' tensor for every batch"
             )
-        if self._detect_anomalies:
+        if self.config.detect_anomalies:
             check_finite(self.layout.stage, mb.index, "the loss", loss)
         if not early:
             return loss
         if isinstance(output, Mapping) and "loss_weight" in output:
             raise ValueError(
-                f"training_step returned 'loss_weight' under schedule={self._schedule!r}, which runs the backward of "
-                "micro-batch 0 before the forward of the last one, before the weights of all micro-batches are known. "
-                "Use schedule='gpipe' for a loss averaged over something other than samples."
+                f"training_step returned 'loss_weight' under schedule={self.config.schedule!r}, which runs the "
+                "backward of micro-batch 0 before the forward of the last one, before the weights of all micro-batches "
+                "are known. Use schedule='gpipe' for a loss averaged over something other than samples."
             )
         return loss * mb.weight
 
@@ -799,7 +826,7 @@ class GPipeStrategy(ParallelStrategy):
         """
         if self.layout.pipe_size == 1 or self._control_group is None:
             return
-        wait = min(self._timeout, _SAVE_ARRIVAL_TIMEOUT)
+        wait = min(self.config.timeout, _SAVE_ARRIVAL_TIMEOUT)
         try:
             dist.monitored_barrier(self._control_group, timeout=wait, wait_all_ranks=True)
         except RuntimeError as error:

@@ -1,6 +1,6 @@
 """Calibrate :func:`lightning_gpipe.plan`: predicted against measured peak memory per stage and step time.
 
-``python -m benchmarks.plan_calibration.run [--quick] [--no-docs] [--device cuda]``
+``python -m benchmarks.plan_calibration.run [--quick] [--memory-only] [--no-docs] [--device cuda]``
 
 For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm ResNet) and each configuration (K in
 {1, 2}, M in {1, 4}, checkpoint modes, both schedules), one job of two processes (one thread each, gloo on loopback):
@@ -16,7 +16,9 @@ For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm
    are dropped when enough quiet ones remain.
 
 Prints a table and the headlines ``plan_memory_error`` and ``plan_time_error``: the worst relative error over all
-stages and configurations (``|predicted - measured| / measured``).
+stages and configurations (``|predicted - measured| / measured``). ``--memory-only`` skips the timed rounds (memory
+counts do not depend on the machine's load, so they can be taken on a busy machine) and writes its own block of the
+page.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = ["CONFIGS", "MODELS", "Config", "main"]
 
 PAGE = REPO / "docs" / "benchmarks" / "plan.md"
 BEGIN, END = "<!-- plan-calibration:begin -->", "<!-- plan-calibration:end -->"
+MEMORY_BEGIN, MEMORY_END = "<!-- plan-memory:begin -->", "<!-- plan-memory:end -->"
 MAX_FOREIGN = 0.3  # cores of other processes' load above which a round is dropped (if enough quiet ones remain)
 BATCH = 16
 SEQUENCE = 64
@@ -140,7 +143,7 @@ def _job(
     from lightning_gpipe.partition import split
     from lightning_gpipe.pipeline import Pipeline
     from lightning_gpipe.plan import evaluate
-    from lightning_gpipe.plan.profile import _LiveBytes, profile_layers
+    from lightning_gpipe.plan.profile import LiveTensorBytes, profile_layers
     from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
 
     device = torch.device(device_name)
@@ -154,8 +157,14 @@ def _job(
         # Both ranks profile (rank 1's result is dropped), so neither waits in a collective for the other's profile
         # longer than the process group's timeout on a loaded machine.
         sizes = sorted({-(-BATCH // c.chunks) for c in CONFIGS} | {BATCH})
+        timed = rounds > 0  # without timed rounds, one untimed pass per size is enough (the bytes are exact)
         profile = profile_layers(
-            module.layers, input_fn(batch), microbatch_sizes=sizes, loss_fn=profile_loss, repeats=5, warmup=2
+            module.layers,
+            input_fn(batch),
+            microbatch_sizes=sizes,
+            loss_fn=profile_loss,
+            repeats=5 if timed else 1,
+            warmup=2 if timed else 0,
         )
         predictions = [
             [
@@ -209,7 +218,7 @@ def _job(
             step(run)  # gradients and optimizer state come to exist
             state = [*cell.parameters(), *cell.buffers(), *(p.grad for p in parameters if p.grad is not None)]
             state += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-            counter = _LiveBytes()
+            counter = LiveTensorBytes()
             with counter:
                 step(run)
             batch_tensors = [batch] if torch.is_tensor(batch) else list(batch)
@@ -257,12 +266,17 @@ def _median_time(times: list[float], loads: list[float]) -> float:
     return statistics.median(quiet if len(quiet) >= 3 else times)
 
 
-def _report(merged: dict[str, Any]) -> tuple[list[str], float, float]:
+def _report(merged: dict[str, Any], timed: bool = True) -> tuple[list[str], float, float]:
     rows = [
         "| model | configuration | peak per stage, predicted / measured (MiB) | worst memory error | step time, "
         "predicted / measured (ms) | time error |",
         "|---|---|---|---|---|---|",
     ]
+    if not timed:
+        rows = [
+            "| model | configuration | peak per stage, predicted / measured (MiB) | worst memory error |",
+            "|---|---|---|---|",
+        ]
     worst_memory = worst_time = 0.0
     for name, result in merged.items():
         for index, label in enumerate(result["configs"]):
@@ -270,9 +284,12 @@ def _report(merged: dict[str, Any]) -> tuple[list[str], float, float]:
             measured = result["measured_memory"][index]
             errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
             pairs = ", ".join(f"{p / 2**20:.1f} / {m / 2**20:.1f}" for p, m in zip(predicted, measured, strict=True))
+            worst_memory = max(worst_memory, *errors)
+            if not timed:
+                rows.append(f"| {name} | {label} | {pairs} | {max(errors):.2f} |")
+                continue
             measured_time = _median_time(result["times"][index], result["loads"])
             time_error = abs(result["predicted_time"][index] - measured_time) / measured_time
-            worst_memory = max(worst_memory, *errors)
             worst_time = max(worst_time, time_error)
             rows.append(
                 f"| {name} | {label} | {pairs} | {max(errors):.2f} | "
@@ -289,13 +306,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-docs", action="store_true", help="leave docs/ alone")
     parser.add_argument("--device", default="cpu", help="where the stages run (cuda: both ranks on one GPU)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument(
+        "--memory-only", action="store_true", help="count memory only (load-independent); no timed rounds"
+    )
     args = parser.parse_args(argv)
     rounds, steps = (3, 2) if args.quick else (7, 3)
+    if args.memory_only:
+        rounds = 0
     started = time.monotonic()
     with Launcher(["torch", "zoo", "lightning_gpipe.plan", __name__]) as launcher:
         per_rank = launcher.run(_job, (tuple(args.models), rounds, steps, args.device), 2, timeout=3000, label="plan")
     merged = _merge(per_rank)
-    rows, worst_memory, worst_time = _report(merged)
+    rows, worst_memory, worst_time = _report(merged, timed=rounds > 0)
+    if rounds == 0:
+        context = [
+            "",
+            f"- command: `python -m benchmarks.plan_calibration.run --memory-only"
+            f"{' --device ' + args.device if args.device != 'cpu' else ''}` "
+            f"({(time.monotonic() - started) / 60:.1f} min)",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            "",
+            f"Worst relative memory error: {worst_memory:.2f} (target 0.10).",
+        ]
+        print("\n".join(rows + context))
+        if not args.no_docs:
+            write_block(PAGE, MEMORY_BEGIN, MEMORY_END, "\n".join(rows + context))
+        print()
+        print(f"plan_memory_error={worst_memory:.2f}")
+        return
     loads = [load for result in merged.values() for load in result["loads"]]
     context = [
         "",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import pathlib
 import time
 from typing import Any
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 import zoo
 from benchmarks.docs_page import write_block
+from lightning_gpipe.partition import balance_by_cost
 from lightning_gpipe.plan import ModelProfile, evaluate, profile_layers
 
 __all__ = ["main"]
@@ -137,17 +137,44 @@ def table2() -> list[str]:
     return rows
 
 
-def _fits(profile: ModelProfile, K: int, batch: int, budget: float, naive: bool) -> tuple[bool, float]:
+def _thriftiest(profile: ModelProfile, K: int, batch: int, naive: bool, smallest: int = 1) -> float:
+    """The smallest predicted peak per device for Naive-1 or Pipeline-K.
+
+    Naive-1 keeps every activation of the whole batch. Pipeline-K re-materializes, and its thriftiest M is the
+    largest, micro-batches of ``smallest`` samples (2 where BatchNorm meets 1x1 maps): each micro-batch in flight
+    keeps only its boundary (the batch's boundaries add up to the same bytes for any M), while the one being rebuilt
+    and its workspace shrink with the micro-batch. Both balances are weighed: by time (what the planner prefers) and
+    by the bytes each layer holds.
+    """
     if naive:
-        c = evaluate(profile, pipe_size=1, chunks=1, batch_size=batch, checkpoint="never", optimizer_slots=1)
-        return c.peak <= budget, c.peak
-    best = math.inf
-    for M in (1, 2, 4, 8, 16, 32, 64, 128):
-        if batch < M:
-            break
-        c = evaluate(profile, pipe_size=K, chunks=M, batch_size=batch, checkpoint="always", optimizer_slots=1)
-        best = min(best, c.peak)
-    return best <= budget, best
+        return evaluate(profile, pipe_size=1, chunks=1, batch_size=batch, checkpoint="never", optimizer_slots=1).peak
+    options: dict[str, Any] = {
+        "chunks": batch // smallest,
+        "batch_size": batch,
+        "checkpoint": "always",
+        "optimizer_slots": 1,
+    }
+    by_time = evaluate(profile, pipe_size=K, **options)
+    if K == 1:
+        return by_time.peak
+    held = [
+        layer.param_bytes + layer.buffer_bytes + layer.trainable_bytes * 2 + layer.output_bytes
+        for layer in profile.layers
+    ]
+    by_bytes = evaluate(profile, pipe_size=K, balance=balance_by_cost(held, K), **options)
+    return min(by_time.peak, by_bytes.peak)
+
+
+def _largest(fits: Any, low: int, high: int, step: int) -> int:
+    """The largest value in ``low, low + step, ..., high`` for which ``fits`` holds (``low`` is taken to fit)."""
+    low, high = low // step, high // step
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid * step):
+            low = mid
+        else:
+            high = mid - 1
+    return low * step
 
 
 def table1_transformer() -> list[str]:
@@ -155,21 +182,29 @@ def table1_transformer() -> list[str]:
         "| setting (16 GB each) | deepest L simulated | parameters | paper L | paper parameters |",
         "|---|---|---|---|---|",
     ]
+    low = 0
     for setting, (paper_layers, paper_params) in PAPER_TRANSFORMER.items():
         K = 1 if setting == "Naive-1" else int(setting.split("-")[1])
-        low, high = 0, 4096
-        while low < high:  # the largest L that fits
-            mid = (low + high + 1) // 2
-            if (
-                mid >= K - 1
-                and _fits(transformer_profile(mid, [1, 2, 4, 8, 16, 32]), K, 32, 16 * GB, setting == "Naive-1")[0]
-            ):
-                low = mid
-            else:
-                high = mid - 1
-        params = 50_358_336 * low + 131_104_000
-        rows.append(f"| {setting} | {low} | {params / 1e9:.2f}B | {paper_layers} | {paper_params} |")
+        naive = setting == "Naive-1"
+
+        def fits(layers: int, K: int = K, naive: bool = naive) -> bool:
+            profile = transformer_profile(layers, [1])
+            return layers + 2 >= K and _thriftiest(profile, K, 32, naive) <= 16 * GB
+
+        # More stages hold at least as many layers: the previous setting's answer is a lower bound (not Naive's).
+        start = max(low if not naive else 0, K)
+        found = _largest(fits, start, 4096, 1) if fits(start) else 0
+        low = found if not naive else 0
+        params = 50_358_336 * found + 131_104_000
+        rows.append(f"| {setting} | {found} | {params / 1e9:.2f}B | {paper_layers} | {paper_params} |")
+        print(rows[-1], flush=True)
     return rows
+
+
+@functools.cache
+def _amoebanet_peak(filters: int, K: int, naive: bool) -> tuple[float, int]:
+    profile, count = amoebanet_profile(18, filters, [2])  # BatchNorm on 1x1 maps needs two samples
+    return _thriftiest(profile, K, 128, naive, smallest=2), count
 
 
 def table1_amoebanet() -> list[str]:
@@ -177,19 +212,22 @@ def table1_amoebanet() -> list[str]:
         "| setting (8 GB each) | largest (18, D) simulated | parameters | paper (L, D) | paper parameters |",
         "|---|---|---|---|---|",
     ]
+    low = 8
     for setting, (paper_size, paper_params) in PAPER_AMOEBA.items():
         K = 1 if setting == "Naive-1" else int(setting.split("-")[1])
-        low, high, params = 8, 1536, 0
-        while low < high:  # the largest D (a multiple of 8) that fits
-            mid = ((low + high) // 2 + 7) // 8 * 8
-            if mid >= high:
-                mid = high
-            profile, count = amoebanet_profile(18, mid, [2, 4, 16, 128])
-            if _fits(profile, K, 128, 8 * GB, setting == "Naive-1")[0]:
-                low, params = mid, count
-            else:
-                high = mid - 8
-        rows.append(f"| {setting} | (18, {low}) | {params / 1e6:.0f}M | {paper_size} | {paper_params} |")
+        naive = setting == "Naive-1"
+
+        def fits(filters: int, K: int = K, naive: bool = naive) -> bool:
+            return _amoebanet_peak(filters, K, naive)[0] <= 8 * GB
+
+        # Coarse steps of 32 filters, then 8 within the last step.
+        start = low if not naive else 8
+        coarse = max(start, _largest(fits, start, 2048, 32)) if fits(start) else 0
+        found = _largest(fits, coarse, coarse + 24, 8) if coarse else 0
+        low = found if not naive else 8
+        count = _amoebanet_peak(found, K, naive)[1] if found else 0
+        rows.append(f"| {setting} | (18, {found}) | {count / 1e6:.0f}M | {paper_size} | {paper_params} |")
+        print(rows[-1], flush=True)
     return rows
 
 

@@ -21,12 +21,18 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpipe.checkpoint import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
 from lightning_gpipe.partition import balance_by_cost, cell_bounds
+from lightning_gpipe.plan.auto import AutoPlan
 from lightning_gpipe.plan.memory import StageMemory, stage_memory
 from lightning_gpipe.plan.profile import LayerProfile, ModelProfile, profile_layers
 from lightning_gpipe.schedule import SCHEDULES, validate_schedule
 from lightning_gpipe.simulate import simulate_step
 
 __all__ = [
+    "DEFAULT_BANDWIDTH",
+    "DEFAULT_LATENCY",
+    "DEFAULT_MICROBATCH_OVERHEAD",
+    "DEFAULT_REMATERIALIZATION_OVERHEAD",
+    "AutoPlan",
     "Candidate",
     "InfeasiblePlanError",
     "LayerProfile",
@@ -45,6 +51,16 @@ DEFAULT_BANDWIDTH = {"cuda": 20e9, "cpu": 2e9, "meta": 20e9}
 """Bytes per second across a stage boundary when none is given: NVLink/PCIe-class on CUDA, gloo loopback on CPU."""
 DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 100e-6, "meta": 20e-6}
 """Seconds of fixed cost per message across a stage boundary when none is given."""
+DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 7e-5, "cpu": 7e-5, "meta": 0.0}
+"""Seconds the engine adds to each stage per micro-batch (forward and backward together) beyond its layers' own
+times: Python, the step's bookkeeping and the calls that post messages. Layers are profiled alone, so a prediction
+without it underestimates configurations of many micro-batches. Measured on the CPU by ``python -m
+benchmarks.plan_calibration.overhead`` (70 µs on this project's 2-core CPU machines); the engine's host-side Python is
+the same code on CUDA, so the CPU figure stands in there until that command is run with ``--device cuda``. ``meta``
+profiles describe no device and get none."""
+DEFAULT_REMATERIALIZATION_OVERHEAD = {"cuda": 3.5e-4, "cpu": 3.5e-4, "meta": 0.0}
+"""Seconds a re-materialized micro-batch adds on top (the checkpoint wrapper, the random state it saves and
+restores, the replayed forward's Python), measured alike (350 µs)."""
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
 _UNITS.update({"g": GiB, "gb": GiB, "gib": GiB, "t": 2**40, "tb": 2**40, "tib": 2**40})
 
@@ -84,6 +100,12 @@ class Candidate:
     bubble: float
     stage_memory: tuple[StageMemory, ...]
     stage_busy: tuple[float, ...]  # seconds each stage computes per step
+    samples: int = 0  # samples per optimizer step over all replicas
+
+    @property
+    def time_per_sample(self) -> float:
+        """Predicted seconds per sample: what the planner minimizes (the step time when the batch is fixed)."""
+        return self.step_time / max(1, self.samples)
 
     @property
     def peak(self) -> float:
@@ -109,6 +131,7 @@ class Plan:
     reasons: tuple[str, ...]
     candidates: tuple[Candidate, ...] = field(repr=False, default=())
     profile: ModelProfile | None = field(repr=False, default=None)
+    per_pipeline_batch: bool = False  # batch_size is each pipeline's, not the whole step's
 
     @property
     def pipe_size(self) -> int:
@@ -168,7 +191,8 @@ class Plan:
 
         best = self.best
         head = Text(
-            f"{self.devices} device(s) x {_gib(self.memory_per_device)}, batch {self.batch_size}: "
+            f"{self.devices} device(s) x {_gib(self.memory_per_device)}, batch {self.batch_size}"
+            f"{' per pipeline' if self.per_pipeline_batch else ''}: "
             f"K={best.pipe_size} stages x {best.replicas} replica(s), M={best.chunks} micro-batches of "
             f"{best.microbatch_size}, checkpoint={best.checkpoint!r}, schedule={best.schedule!r}\n"
             f"predicted step {best.step_time * 1e3:.1f} ms, bubble {best.bubble:.0%}, "
@@ -233,11 +257,15 @@ def evaluate(
     optimizer_slots: float = 2.0,
     bandwidth: float | None = None,
     latency: float | None = None,
+    overhead: float | None = None,
 ) -> Candidate:
     """Predict one configuration: step time, bubble and per-stage memory for a mini-batch of ``batch_size`` samples.
 
     ``batch_size`` is the whole mini-batch; each of ``replicas`` pipelines gets its share. ``balance`` defaults to the
-    one that best balances the stages' pass times.
+    one that best balances the stages' pass times. ``overhead`` is the engine's seconds per micro-batch and stage
+    (default by device type: :data:`DEFAULT_MICROBATCH_OVERHEAD`), split evenly between forward and backward; a
+    re-materialized micro-batch adds :data:`DEFAULT_REMATERIALIZATION_OVERHEAD` (scaled alike when ``overhead`` is
+    given).
     """
     K, M = pipe_size, chunks
     per_replica = math.ceil(batch_size / replicas)
@@ -252,11 +280,17 @@ def evaluate(
     kind = profile.device.split(":")[0]
     rate = bandwidth if bandwidth is not None else DEFAULT_BANDWIDTH.get(kind, 2e9)
     delay = latency if latency is not None else DEFAULT_LATENCY.get(kind, 1e-4)
+    engine = overhead if overhead is not None else DEFAULT_MICROBATCH_OVERHEAD.get(kind, 0.0)
+    # Scaled alike when an overhead is given: the re-materialized share keeps its measured ratio to the plain one.
+    base = DEFAULT_MICROBATCH_OVERHEAD.get(kind, 0.0)
+    replay = DEFAULT_REMATERIALIZATION_OVERHEAD.get(kind, 0.0) * (engine / base if base > 0 else 0.0)
     bounds = cell_bounds(balance)
-    stage_f = [sum(forward[i] for i in cell) for cell in bounds]
-    stage_b = [sum(backward[i] for i in cell) for cell in bounds]
+    stage_f = [sum(forward[i] for i in cell) + engine / 2 for cell in bounds]
+    stage_b = [sum(backward[i] for i in cell) + engine / 2 for cell in bounds]
     transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
-    step = simulate_step(schedule, stage_f, stage_b, M, transfer=transfer, checkpoint_stop=stop)
+    # A re-materialized backward repeats the layers' forward and pays the checkpoint wrapper's own work.
+    recompute = [sum(forward[i] for i in cell) + replay for cell in bounds]
+    step = simulate_step(schedule, stage_f, stage_b, M, transfer=transfer, recompute=recompute, checkpoint_stop=stop)
     memory = tuple(
         stage_memory(
             profile,
@@ -288,6 +322,7 @@ def evaluate(
         step.bubble,
         memory,
         step.busy,
+        batch_size,
     )
 
 
@@ -300,12 +335,15 @@ def _search(
     checkpoints: Sequence[CheckpointMode],
     schedules: Sequence[str],
     smallest: int = 1,
+    per_pipeline: bool = False,
     **options: Any,
 ) -> list[Candidate]:
     found: list[Candidate] = []
     for K in pipe_sizes:
         replicas = devices // K
-        per_replica = math.ceil(batch_size / replicas)
+        # A pipeline's batch is fixed (a DataLoader's batch_size under the strategy): replicas add samples per step.
+        total = batch_size * replicas if per_pipeline else batch_size
+        per_replica = math.ceil(total / replicas)
         for M in _microbatch_counts(per_replica, chunks, smallest):
             for mode in checkpoints:
                 for schedule in schedules:
@@ -313,7 +351,7 @@ def _search(
                         profile,
                         pipe_size=K,
                         chunks=M,
-                        batch_size=batch_size,
+                        batch_size=total,
                         checkpoint=mode,
                         schedule=schedule,
                         replicas=replicas,
@@ -321,7 +359,7 @@ def _search(
                     )
                     found.append(by_time)
                     if K > 1:
-                        found.append(_memory_balanced(profile, by_time, batch_size, options))
+                        found.append(_memory_balanced(profile, by_time, total, options))
     return found
 
 
@@ -350,10 +388,10 @@ def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, op
 
 
 def _key(candidate: Candidate) -> tuple[float, float, int]:
-    # The fastest; among equally fast ones (within 1%), the one with the most memory to spare, then the one that
-    # recomputes least (at M = 1 "except_last" is "never" under another name).
+    # The fastest per sample (per step when the batch is fixed); among equally fast ones (within 1%), the one with the
+    # most memory to spare, then the one that recomputes least (at M = 1 "except_last" is "never" by another name).
     recompute = ("never", "except_last", "always").index(candidate.checkpoint)
-    return (round(math.log(max(candidate.step_time, 1e-12)) / math.log(1.01)), candidate.peak, recompute)
+    return (round(math.log(max(candidate.time_per_sample, 1e-15)) / math.log(1.01)), candidate.peak, recompute)
 
 
 def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], budget: float) -> list[str]:
@@ -370,7 +408,10 @@ def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], 
             least = min((c for c in every if c.pipe_size == K), key=lambda c: c.peak)
             reasons.append(f"K={K} does not fit: at best {_gib(least.peak)} per device > {_gib(budget)}")
         else:
-            reasons.append(f"K={K} fits but is slower: {fits.step_time * 1e3:.1f} ms per step ({fits.label()})")
+            reasons.append(
+                f"K={K} fits but is slower: {fits.step_time * 1e3:.1f} ms per step of {fits.samples} samples "
+                f"({fits.label()})"
+            )
     same_k = [c for c in every if c.pipe_size == best.pipe_size and c.schedule == best.schedule]
     for mode in CHECKPOINT_MODES:
         if mode == best.checkpoint:
@@ -429,8 +470,11 @@ def plan(
     schedules: Sequence[str] = SCHEDULES,
     bandwidth: float | None = None,
     latency: float | None = None,
+    overhead: float | None = None,
     flops_per_second: float | None = None,
     profile: ModelProfile | None = None,
+    pipe_sizes: Sequence[int] | None = None,
+    per_pipeline_batch: bool = False,
 ) -> Plan:
     """Choose K, M, balance, checkpoint mode and schedule for training ``model`` on ``devices`` devices.
 
@@ -448,8 +492,13 @@ def plan(
         schedules: the schedules to consider (``GPipeStrategy`` runs ``"gpipe"``; the engine runs both).
         bandwidth: bytes per second across a stage boundary (default by device type: ``DEFAULT_BANDWIDTH``).
         latency: seconds per boundary message (default by device type: ``DEFAULT_LATENCY``).
+        overhead: the engine's seconds per micro-batch and stage (default: ``DEFAULT_MICROBATCH_OVERHEAD``).
         flops_per_second: time layers from their FLOPs at this rate instead of measuring them.
         profile: a profile made earlier with :func:`profile_layers` (skips profiling).
+        pipe_sizes: the K values to consider (each must divide ``devices``); default every divisor.
+        per_pipeline_batch: ``batch_size`` is what each pipeline reads per step (a DataLoader's ``batch_size`` under
+            :class:`~lightning_gpipe.GPipeStrategy`, where ``devices / K`` replicas read that many each), not the
+            whole step's; configurations are then ranked by time per sample.
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the smallest device count and memory that would.
@@ -464,13 +513,21 @@ def plan(
     kinds = [validate_schedule(name) for name in schedules]
     layers = _layers_of(model)
     L = len(layers)
-    pipe_sizes = [K for K in range(1, min(devices, L) + 1) if devices % K == 0]
+    divisors = [K for K in range(1, min(devices, L) + 1) if devices % K == 0]
+    if pipe_sizes is not None:
+        wrong = [K for K in pipe_sizes if K not in divisors]
+        if wrong or not pipe_sizes:
+            raise ValueError(
+                f"pipe_sizes={list(pipe_sizes)!r}: each K must divide devices={devices} and be at most the {L} "
+                f"layers; choose among {divisors}"
+            )
+        divisors = sorted(set(pipe_sizes))
     smallest = _smallest_microbatch(layers)
     if profile is None:
         sizes: set[int] = set()
-        for K in range(1, max(devices, 1) + 1):
-            replicas = max(1, devices // K)
-            per_replica = math.ceil(batch_size / replicas)
+        for K in divisors:
+            replicas = devices // K
+            per_replica = batch_size if per_pipeline_batch else math.ceil(batch_size / replicas)
             sizes |= {math.ceil(per_replica / m) for m in _microbatch_counts(per_replica, chunks, smallest)}
         profile = profile_layers(
             layers,
@@ -480,15 +537,17 @@ def plan(
             loss_fn=loss_fn,
             flops_per_second=flops_per_second,
         )
-    options = {"optimizer_slots": optimizer_slots, "bandwidth": bandwidth, "latency": latency}
-    every = _search(profile, pipe_sizes, devices, batch_size, chunks, modes, kinds, smallest, **options)
+    options = {"optimizer_slots": optimizer_slots, "bandwidth": bandwidth, "latency": latency, "overhead": overhead}
+    every = _search(
+        profile, divisors, devices, batch_size, chunks, modes, kinds, smallest, per_pipeline_batch, **options
+    )
     fitting = [c for c in every if c.peak <= budget]
     if not fitting:
         raise _infeasible(profile, devices, budget, batch_size, chunks, modes, kinds, every, smallest, options)
     best = min(fitting, key=_key)
     reasons = _reasons(best, fitting, every, budget)
     ranked = tuple(sorted(fitting, key=_key)[:10])
-    return Plan(best, devices, budget, batch_size, tuple(reasons), ranked, profile)
+    return Plan(best, devices, budget, batch_size, tuple(reasons), ranked, profile, per_pipeline_batch)
 
 
 def _infeasible(

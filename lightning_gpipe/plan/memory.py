@@ -4,10 +4,12 @@ A stage holds, for the whole step, its model state (parameters, gradients, optim
 mini-batch every stage is handed. On top, each micro-batch whose forward has run and whose backward has not keeps:
 
 - re-materialized (:func:`~lightning_gpipe.checkpoint.checkpoint_stop`): its boundary input and output only;
-- otherwise: every activation its layers saved for backward, and its output.
+- otherwise: every activation its layers saved for backward, its boundary input and its output.
 
-The backward pass of a re-materialized micro-batch first rebuilds its activations; any backward pass then needs its
-incoming gradient and the largest layer's transient workspace. Walking the stage's actions
+:func:`stage_bytes` counts those per sample, following every tensor that crosses a layer boundary by identity (a
+tensor saved by several layers, or passed on unchanged, counts once). A backward pass first rebuilds a
+re-materialized micro-batch's activations, then runs the loss's backward (last stage) and the layers' from the last to
+the first: each layer needs its workspace on top of what the layers before it still hold. Walking the stage's actions
 (:func:`~lightning_gpipe.schedule.stage_actions`) in order gives the peak, which is how fill-drain (all M
 micro-batches in flight) and 1F1B (at most ``K - j`` on stage ``j``) differ. The optimizer step adds, at its own
 moment when activations are gone, temporaries of about one copy of the trainable parameters (``foreach`` kernels).
@@ -19,10 +21,10 @@ import math
 from dataclasses import dataclass
 
 from lightning_gpipe.checkpoint import CheckpointMode, checkpoint_stop
-from lightning_gpipe.plan.profile import ModelProfile
+from lightning_gpipe.plan.profile import LayerProfile, ModelProfile
 from lightning_gpipe.schedule import Phase, stage_actions
 
-__all__ = ["StageMemory", "stage_memory"]
+__all__ = ["StageBytes", "StageMemory", "stage_bytes", "stage_memory"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,102 @@ class StageMemory:
     def peak(self) -> float:
         """The stage's predicted peak bytes."""
         return self.state + self.batch + max(self.activations, self.optimizer)
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """Per sample, what one micro-batch of a stage holds, each tensor counted once (see :func:`stage_bytes`)."""
+
+    saved: float  # every activation the stage's layers save for backward
+    received: float  # the stage's input from the previous stage (0 on the first)
+    output: float  # the stage's output
+    forward_end: float  # alive as a forward without re-materialization ends: the saved activations and the output
+    kept: float  # held until backward without re-materialization: the saved activations and the output sent on
+    kept_rematerialized: float  # held until backward with it: the boundary input and the output sent on
+    rebuilt: float  # what a re-materialized backward recomputes: the saved activations not already held
+    backward: float | None = None  # the peak of this micro-batch's backward through the layers (None: not known)
+
+
+def stage_bytes(profile: ModelProfile, cell: range, *, last: bool) -> StageBytes:
+    """Per-sample bytes of one micro-batch on the stage that holds layers ``cell``, each tensor counted once.
+
+    With per-leaf profiles (:func:`~lightning_gpipe.plan.profile.profile_layers` records which input and output
+    leaves each layer saves, and which outputs are inputs passed on unchanged), every tensor that crosses a layer
+    boundary is followed through the stage by an identity: a tensor saved by several layers (an AmoebaNet cell's
+    input, which the cell two layers on uses again), saved and also sent on, or received and passed on to the
+    output, counts once. Without them (a hand-made profile), a layer's saved input and the previous layer's saved
+    output are taken to be one tensor, and nothing else is shared.
+    """
+    layers = [profile.layers[i] for i in cell]
+    before = profile.layers[cell.start - 1] if cell.start > 0 else None
+    received = before.output_bytes if before is not None else 0.0
+    output = layers[-1].output_bytes
+    tracked = _tracked(layers, before, last)
+    if tracked is not None:
+        return StageBytes(tracked[0], received, output, *tracked[1:])
+    overlap = sum(min(b.saved_input_bytes, a.saved_output_bytes) for a, b in zip(layers, layers[1:], strict=False))
+    saved = sum(layer.saved_bytes for layer in layers) - overlap
+    sent = 0.0 if last else output
+    return StageBytes(saved, received, output, saved + output, saved + sent, received + sent, saved)
+
+
+def _tracked(layers: list[LayerProfile], before: LayerProfile | None, last: bool) -> tuple[float, ...] | None:
+    """(saved, forward_end, kept, kept_rematerialized, rebuilt, backward) from the per-leaf records, or ``None``
+    when some layer has none or they do not line up (a layer's input leaves are not its predecessor's outputs).
+
+    The engine keeps a stage's received input until its backward (to send its gradient back), and the output it sent
+    until the gradient comes back, whatever the layers save. ``backward`` walks the layers from the last to the first:
+    when a layer's backward runs, the layers after it have freed what only they saved, and it needs its own
+    workspace (its profiled transient, which includes the gradient arriving from above) on top of what is left.
+    """
+    first = before.output_leaves if before is not None else layers[0].saved_input_leaves
+    if not first or not all(layer.output_leaves for layer in layers):
+        return None
+    size: dict[int, float] = dict(enumerate(first))  # bytes per sample of each tensor, by identity
+    ids = list(range(len(first)))  # the identities of the current layer's input leaves
+    inputs = set(ids) if before is not None else set()
+    saved: dict[int, float] = {}
+    internal = 0.0  # saved tensors that are neither a layer's input nor its output
+    upto: list[tuple[float, set[int]]] = []  # after each layer: the internal bytes and the ids saved so far
+    for layer in layers:
+        if len(layer.saved_input_leaves) != len(ids) or len(layer.passthrough) != len(layer.output_leaves):
+            return None
+        for i, nbytes in enumerate(layer.saved_input_leaves):
+            if nbytes:
+                saved[ids[i]] = max(saved.get(ids[i], 0.0), nbytes)
+        out: list[int] = []
+        for j, source in enumerate(layer.passthrough):
+            if source >= 0:
+                out.append(ids[source])
+            else:
+                out.append(len(size))
+                size[len(size)] = layer.output_leaves[j]
+        for j, nbytes in enumerate(layer.saved_output_leaves):
+            if nbytes:
+                saved[out[j]] = max(saved.get(out[j], 0.0), nbytes)
+        internal += max(0.0, layer.saved_bytes - sum(layer.saved_input_leaves) - sum(layer.saved_output_leaves))
+        upto.append((internal, set(saved)))
+        ids = out
+
+    def total(group: set[int]) -> float:
+        return sum(saved.get(i, size[i]) for i in group)
+
+    outputs, held = set(ids), set(saved)
+    sent = set() if last else outputs
+    engine = inputs | sent  # what the engine holds for the boundary, saved or not
+    gradient = 0.0 if last else total(outputs)  # the gradient received for the output, alive through the backward
+    backward = max(
+        kept + total(ids_so_far | engine) + layer.transient_bytes + (gradient if k < len(layers) - 1 else 0.0)
+        for k, (layer, (kept, ids_so_far)) in enumerate(zip(layers, upto, strict=True))
+    )
+    return (
+        internal + total(held),
+        internal + total(held | outputs | inputs),
+        internal + total(held | engine),
+        total(engine),
+        internal + total(held - engine),
+        backward,
+    )
 
 
 def stage_memory(
@@ -71,37 +169,39 @@ def stage_memory(
     n = microbatch_size
     trainable = sum(layer.trainable_bytes for layer in layers)
     state = sum(layer.param_bytes + layer.buffer_bytes for layer in layers) + trainable * (1.0 + optimizer_slots)
-    # A layer that saves its input and a previous layer that saved its output hold one tensor: count it once.
-    overlap = sum(min(b.saved_input_bytes, a.saved_output_bytes) for a, b in zip(layers, layers[1:], strict=False))
-    saved = n * (sum(layer.saved_bytes for layer in layers) - overlap)
-    received = n * (profile.layers[cell.start - 1].output_bytes if cell.start > 0 else 0.0)
-    output = n * layers[-1].output_bytes
-    widest = n * max(layer.output_bytes for layer in layers)
-    workspace = n * max(layer.transient_bytes for layer in layers)
     stop = checkpoint_stop(checkpoint, num_microbatches)
     last = stage == num_stages - 1
+    each = stage_bytes(profile, cell, last=last)
+    received = n * each.received
+    widest = n * max(layer.output_bytes for layer in layers)
+    workspace = n * max(layer.transient_bytes for layer in layers)
     loss = n * profile.loss_saved_bytes if last else 0.0
     if last:
         workspace = max(workspace, n * profile.loss_transient_bytes)
 
     # The last stage hands its output to the loss, which keeps what it needs (``loss``); other stages keep the output
     # they sent until its gradient comes back.
-    sent = 0.0 if last else output
-
     def kept(i: int) -> float:
-        return loss + (received + sent if i < stop else saved + sent)
+        return loss + n * (each.kept_rematerialized if i < stop else each.kept)
 
     live = peak = 0.0
     for action in stage_actions(schedule, stage, num_stages, num_microbatches):
         i = action.microbatch
         if action.phase is Phase.FORWARD:
             # A re-materialized forward still builds each layer's output from the one before.
-            peak = max(peak, live + loss + (received + 2 * widest if i < stop else saved + output))
+            peak = max(peak, live + loss + (received + 2 * widest if i < stop else n * each.forward_end))
             live += kept(i)
-        else:
-            rebuilt = saved if i < stop else 0.0
-            gradient = 0.0 if last else output
+        elif each.backward is None:
+            rebuilt = n * each.rebuilt if i < stop else 0.0
+            gradient = 0.0 if last else n * each.output
             peak = max(peak, live + rebuilt + gradient + workspace)
+            live -= kept(i)
+        else:
+            # The loss's backward runs first, with all of this micro-batch held; then the layers', last to first
+            # (a re-materialized micro-batch is rebuilt when its cell's backward begins).
+            others = live - kept(i)
+            loss_backward = kept(i) + n * profile.loss_transient_bytes if last else 0.0
+            peak = max(peak, others + loss_backward, others + n * each.backward)
             live -= kept(i)
     assert math.isclose(live, 0.0, abs_tol=1e-6 * max(peak, 1.0)), "every micro-batch's backward frees what it kept"
     optimizer = float(trainable) if optimizer_slots > 0 else 0.0

@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_gpipe.cost import _leaf_input, _preserved_state
-from lightning_gpipe.structure import map_tensors
+from lightning_gpipe.measure import leaf_input, preserved_state
+from lightning_gpipe.structure import flatten, map_tensors
 
 __all__ = ["LayerProfile", "LiveTensorBytes", "ModelProfile", "profile_layers"]
 
@@ -53,6 +53,12 @@ class LayerProfile:
     flops: float  # per sample, forward
     saved_input_bytes: float = 0.0  # per sample: the part of saved_bytes that is the layer's input itself
     saved_output_bytes: float = 0.0  # per sample: the part of saved_bytes that is the layer's output itself
+    # Per tensor leaf of the layer's input and output (flattened in container order), per sample, so that a tensor
+    # that several layers save, or that a layer passes on unchanged, is counted once (see plan.memory.stage_bytes):
+    saved_input_leaves: tuple[float, ...] = ()  # bytes of each input leaf the layer saves (0: not saved)
+    output_leaves: tuple[float, ...] = ()  # bytes of each output leaf
+    saved_output_leaves: tuple[float, ...] = ()  # bytes of each output leaf the layer saves (0: not saved)
+    passthrough: tuple[int, ...] = ()  # for each output leaf, the input leaf it is (the same storage), or -1
 
 
 @dataclass(frozen=True)
@@ -196,11 +202,24 @@ def _storage_bytes(value: Any) -> int:
     return sum(seen.values())
 
 
+def _on(layer: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``layer`` holds data on ``device`` (a model still on the CPU when the
+    target is a GPU does not)."""
+    # "cuda" names the current device: an index on one side only is taken to match.
+    return all(
+        t.device.type == device.type and None in (t.device.index, device.index) or t.device == device
+        for t in (*layer.parameters(), *layer.buffers())
+    )
+
+
 def _materialized(layer: nn.Module, device: torch.device) -> nn.Module:
-    """``layer`` itself when it holds data, else a copy on ``device`` filled with small random values."""
+    """``layer`` itself when it holds data on ``device``; a copy there when it holds data elsewhere; else (meta) a copy
+    on ``device`` filled with small random values."""
     tensors = [*layer.parameters(), *layer.buffers()]
-    if not any(t.is_meta for t in tensors):
+    if _on(layer, device):
         return layer
+    if not any(t.is_meta for t in tensors):
+        return copy.deepcopy(layer).to(device)
     real = copy.deepcopy(layer).to_empty(device=device)
     with torch.no_grad():
         for t in (*real.parameters(), *real.buffers()):
@@ -220,7 +239,7 @@ def _input(value: Any, first: bool) -> tuple[list[Tensor], Any]:
     """The layer's input as training sees it: the model's input (first layer) needs no gradient, a boundary does."""
     if first:
         return [], map_tensors(lambda t: t.clone(), value)
-    return _leaf_input(value)
+    return leaf_input(value)
 
 
 def _pass_seconds(
@@ -258,9 +277,49 @@ def _state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
     return params, trainable, buffers
 
 
-def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], first: bool = False) -> tuple[float, ...]:
-    """Bytes of one forward plus backward of ``run`` on ``value`` (not per sample): saved, output, transient, and
-    the parts of the saved bytes that are the input's and the output's own storages."""
+@dataclass(frozen=True)
+class _Bytes:
+    """What :func:`_activation_bytes` counts, for the whole sample (not per sample)."""
+
+    saved: float
+    output: float
+    transient: float
+    saved_input: float
+    saved_output: float
+    saved_input_leaves: tuple[float, ...]
+    output_leaves: tuple[float, ...]
+    saved_output_leaves: tuple[float, ...]
+    passthrough: tuple[int, ...]
+
+
+def _leaf_bytes(x: Any, output: Any, saved: dict[int, int]) -> dict[str, tuple[Any, ...]]:
+    """Per leaf of the input and the output: the bytes the layer saved of it, its size, and which input an output
+    leaf is (the same storage, passed on unchanged). A storage that two leaves share counts at its first leaf only."""
+
+    def keys(value: Any) -> list[int | None]:
+        return [_key(t) if isinstance(t, Tensor) else None for t in flatten(value)[0]]
+
+    def first_saved(found: list[int | None], skip: Sequence[int]) -> tuple[float, ...]:
+        return tuple(
+            float(saved.get(k, 0)) if k is not None and k not in found[:i] and i not in skip else 0.0
+            for i, k in enumerate(found)
+        )
+
+    inputs, outputs = keys(x), keys(output)
+    passthrough = tuple(inputs.index(k) if k is not None and k in inputs else -1 for k in outputs)
+    sizes = tuple(float(t.untyped_storage().nbytes()) if isinstance(t, Tensor) else 0.0 for t in flatten(output)[0])
+    return {
+        "saved_input_leaves": first_saved(inputs, ()),
+        "output_leaves": sizes,
+        # A passed-on input that the layer saves is counted with the input already.
+        "saved_output_leaves": first_saved(outputs, [j for j, p in enumerate(passthrough) if p >= 0]),
+        "passthrough": passthrough,
+    }
+
+
+def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], first: bool = False) -> _Bytes:
+    """Bytes of one forward plus backward of ``run`` on ``value`` (not per sample): saved, output, transient, the
+    parts of the saved bytes that are the input's and the output's own storages, and the same per leaf."""
     saved: dict[int, int] = {}
 
     def pack(t: Tensor) -> Tensor:
@@ -281,7 +340,8 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], fi
         out_bytes = _storage_bytes(output)
         # No storage to watch on meta: the backward holds the output's gradient and the input's.
         transient = float(2 * max(out_bytes, _storage_bytes(x)))
-        return float(sum(saved.values())), float(out_bytes), transient, shared(x), shared(output)
+        leaves_of = _leaf_bytes(x, output, saved)
+        return _Bytes(float(sum(saved.values())), float(out_bytes), transient, shared(x), shared(output), **leaves_of)
     counter = LiveTensorBytes()
     with torch.enable_grad(), counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = run(x)
@@ -291,7 +351,10 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], fi
         if outputs:
             torch.autograd.grad(outputs, outputs + leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
     transient = float(max(0, counter.peak - after_forward))
-    return float(sum(saved.values())), float(_storage_bytes(output)), transient, shared(x), shared(output)
+    total = float(sum(saved.values()))
+    return _Bytes(
+        total, float(_storage_bytes(output)), transient, shared(x), shared(output), **_leaf_bytes(x, output, saved)
+    )
 
 
 def profile_layers(
@@ -339,7 +402,7 @@ def profile_layers(
         )
     sample = map_tensors(lambda t: t.to(target), sample)
     rows = sizes[0]
-    with _preserved_state(layers, sample):
+    with preserved_state(layers, sample):
         # Each layer's input at the smallest size, computed layer by layer (meta layers materialized one at a time).
         base = _resized(sample, rows)
         seen: set[int] = set()
@@ -349,7 +412,7 @@ def profile_layers(
             real = layer if meta else _materialized(layer, target)
             params, trainable, buffers = _state_bytes(layer, seen)
             state_keys = {_key(t) for t in (*real.parameters(), *real.buffers())}
-            saved, out, transient, saved_in, saved_out = _activation_bytes(real, x, state_keys, first=index == 0)
+            counted = _activation_bytes(real, x, state_keys, first=index == 0)
             flops = _forward_flops(real, x)
             name = type(layer).__name__
             results.append(
@@ -358,12 +421,16 @@ def profile_layers(
                     params,
                     trainable,
                     buffers,
-                    saved / rows,
-                    out / rows,
-                    transient / rows,
+                    counted.saved / rows,
+                    counted.output / rows,
+                    counted.transient / rows,
                     flops / rows,
-                    saved_in / rows,
-                    saved_out / rows,
+                    counted.saved_input / rows,
+                    counted.saved_output / rows,
+                    tuple(b / rows for b in counted.saved_input_leaves),
+                    tuple(b / rows for b in counted.output_leaves),
+                    tuple(b / rows for b in counted.saved_output_leaves),
+                    counted.passthrough,
                 )
             )
             with torch.no_grad():
@@ -372,7 +439,8 @@ def profile_layers(
         # micro-batch whatever the checkpoint mode, so they are kept apart from the last layer's.
         loss_saved = loss_transient = 0.0
         if loss_fn is not None:
-            loss_saved, _, loss_transient, _, _ = _activation_bytes(loss_fn, x, set())
+            loss_bytes = _activation_bytes(loss_fn, x, set())
+            loss_saved, loss_transient = loss_bytes.saved, loss_bytes.transient
         times = (
             _flop_times(results, sizes, flops_per_second)
             if flops_per_second is not None
@@ -420,9 +488,10 @@ def _measured_times(
     repeats: int,
     warmup: int,
 ) -> dict[int, tuple[tuple[float, ...], tuple[float, ...]]]:
-    # Real layers are timed round-robin, so that a burst of load on a shared machine spreads over all layers instead
-    # of inflating one; meta layers one after the other, so that only one materialized copy exists at a time.
-    round_robin = not any(t.is_meta for layer in layers for t in (*layer.parameters(), *layer.buffers()))
+    # Layers on the device are timed round-robin, so that a burst of load on a shared machine spreads over all layers
+    # instead of inflating one; meta layers (and real ones elsewhere, e.g. on the CPU for a GPU) one after the other,
+    # so that only one copy exists on the device at a time.
+    round_robin = all(_on(layer, device) for layer in layers)
     last = len(layers) - 1
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
     for n in sizes:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_gpipe
 from helpers.models import IN, OUT, build
 from helpers.stream_order import impose_stream_order
+from lightning_gpipe.plan import AutoPlan
 
 SAMPLES, BATCH = 64, 16
 
@@ -86,6 +87,8 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
             checkpoint=run.get("checkpoint", "except_last"),
             deferred_batch_norm=run.get("deferred_batch_norm", False),
             balance=run.get("balance"),
+            plan=AutoPlan(**run["plan"]) if "plan" in run else None,  # AutoPlan's arguments, e.g. a budget
+            schedule=run.get("schedule", "gpipe"),
             **run.get("options", {}),  # further GPipeStrategy arguments, e.g. {"detect_anomalies": true}
         )
         # The single-world-group P2P wiring that NCCL's stream order deadlocks (kept for the regression test).
@@ -118,6 +121,9 @@ def fit(run: dict[str, Any], root: Path) -> SequentialModule:
     module = SequentialModule(run.get("model", "mlp"), run.get("batch_norm", False), run.get("meta", False))
     module.fail_rank = run.get("fail_rank")
     module.sync_dist = run.get("sync_dist", False)
+    if "plan" in run:  # plan="auto" profiles the sequence on one batch of its input
+        rows = run.get("batch", BATCH)
+        module.example_input_array = torch.randn(rows, IN, generator=torch.Generator().manual_seed(1))
     if run.get("stream_order"):  # every process group runs its operations in issue order, as on NCCL
         impose_stream_order()
     if run.get("freeze_first"):  # a frozen backbone: its first layers, with an optimizer over the rest
@@ -135,10 +141,17 @@ def fit(run: dict[str, Any], root: Path) -> SequentialModule:
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     root = Path(config_path).parent
+    chosen: list[dict[str, Any]] = []  # the settings each fit ran with (what plan="auto" chose)
     for index, run in enumerate(config["runs"]):
+        if "settings_of" in run:  # the settings an earlier fit's plan chose, given explicitly
+            run = {key: value for key, value in run.items() if key != "settings_of"} | chosen[run["settings_of"]]
         module = fit(run, root)
+        settings = getattr(module.trainer.strategy, "config", None)  # a PipelineConfig under GPipeStrategy
+        names = ("pipe_size", "chunks", "balance", "checkpoint", "schedule")
+        chosen.append({name: getattr(settings, name) for name in names} if settings is not None else {})
         (root / f"local-parameters-{index}-rank{module.global_rank}.txt").write_text(str(module.local_parameters))
         if module.global_rank == 0:
+            (root / f"settings-{index}.json").write_text(json.dumps(chosen[-1]))
             torch.save(module.state_dict(), root / f"result-{index}.pt")
             logged = {key: value.detach().cpu() for key, value in module.trainer.callback_metrics.items()}
             torch.save(logged, root / f"metrics-{index}.pt")

@@ -1,0 +1,228 @@
+"""``GPipeStrategy(plan="auto")``: the planner run at setup, on rank 0, and its settings agreed by every rank.
+
+:class:`AutoPlan` is the request: the memory budget (on CUDA, the device's own by default), the batch each pipeline
+reads, the sample input of the pipelined sequence, and optional restrictions of the search. :func:`auto_plan`
+validates the strategy's ``plan=`` argument against the explicit settings it would override; :func:`plan_for_module`
+plans a LightningModule's sequence; :func:`agreed_settings` runs that on global rank 0 only (measured times differ
+between processes, and so could the plans) and hands every rank the same keyword arguments, or the same error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_gpipe.checkpoint import validate_mode
+from lightning_gpipe.schedule import validate_schedule
+
+if TYPE_CHECKING:
+    from lightning_gpipe.plan import Plan
+
+# The planner's own names are imported where they are used: the package exports AutoPlan, so it imports this module
+# while it is itself being imported.
+
+__all__ = ["DEVICE_MEMORY_SHARE", "AutoPlan", "agreed_settings", "auto_plan", "plan_for_module"]
+
+DEVICE_MEMORY_SHARE = 0.9
+"""The share of a CUDA device's total memory a plan may fill when no budget is given: the CUDA context, the caching
+allocator's rounding and the communication buffers take the rest."""
+
+_PLANNED = ("pipe_size", "chunks", "balance", "checkpoint", "schedule")
+_DEFAULTS: dict[str, Any] = {"checkpoint": "except_last", "schedule": "gpipe"}
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What ``GPipeStrategy(plan=AutoPlan(...))`` plans for; ``plan="auto"`` is ``AutoPlan()``.
+
+    Args:
+        memory_per_device: the budget of each device, bytes or a string such as ``"16GB"``. Default on CUDA:
+            :data:`DEVICE_MEMORY_SHARE` of the device's total memory. Required on the CPU, which has no such figure.
+        batch_size: samples each pipeline reads per step (the DataLoader's ``batch_size``); default: the sample's
+            rows. With ``devices / K`` data-parallel replicas, a step trains on that many times more.
+        sample: one input of the pipelined sequence with a batch dimension; default: the LightningModule's
+            ``example_input_array``.
+        optimizer_slots: parameter-sized optimizer tensors per parameter: 2 for Adam, 1 for SGD with momentum.
+        pipe_sizes, chunks, checkpoints, schedules: restrict the search to these K, M, re-materialization modes and
+            schedules (default: all of them). This is how to fix one setting and plan the others.
+    """
+
+    memory_per_device: float | str | None = None
+    batch_size: int | None = None
+    sample: Any = field(default=None, repr=False)
+    optimizer_slots: float = 2.0
+    pipe_sizes: Sequence[int] | None = None
+    chunks: Sequence[int] | None = None
+    checkpoints: Sequence[str] | None = None
+    schedules: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        from lightning_gpipe.plan import parse_bytes
+
+        if self.memory_per_device is not None:
+            parse_bytes(self.memory_per_device)
+        size = self.batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"AutoPlan(batch_size={size!r}) must be an int >= 1: the samples each pipeline reads")
+        slots = self.optimizer_slots
+        if isinstance(slots, bool) or not isinstance(slots, (int, float)) or not (0 <= slots < math.inf):
+            raise ValueError(
+                f"AutoPlan(optimizer_slots={slots!r}) must be a number >= 0: 2 for Adam, 1 for SGD with momentum"
+            )
+        for name in ("pipe_sizes", "chunks"):
+            values = getattr(self, name)
+            if values is not None and (
+                isinstance(values, (str, int)) or not values or not all(_positive_int(v) for v in values)
+            ):
+                raise ValueError(f"AutoPlan({name}={values!r}) must be a non-empty list of ints >= 1, or None")
+        for mode in self.checkpoints or ():
+            validate_mode(mode)
+        for name in self.schedules or ():
+            validate_schedule(name)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def auto_plan(value: object, **explicit: Any) -> AutoPlan | None:
+    """The request behind the strategy's ``plan=`` argument, refusing it beside settings it would choose itself.
+
+    ``explicit`` holds the strategy's ``pipe_size``, ``chunks``, ``balance``, ``checkpoint`` and ``schedule``
+    arguments; with a plan each must be left at its default.
+
+    Raises:
+        TypeError: ``value`` is neither ``None``, ``"auto"`` nor an :class:`AutoPlan`.
+        ValueError: ``value`` is another string, or a plan comes with a setting it chooses.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"plan={value!r} is not a plan; use plan='auto', plan=AutoPlan(...) or None")
+        value = AutoPlan()
+    if not isinstance(value, AutoPlan):
+        raise TypeError(
+            f"plan={value!r} must be 'auto' or a lightning_gpipe.plan.AutoPlan(...), not {type(value).__name__}"
+        )
+    given = {
+        name: explicit[name]
+        for name in _PLANNED
+        if name in explicit and explicit[name] is not None and explicit[name] != _DEFAULTS.get(name)
+    }
+    if given:
+        settings = ", ".join(f"{name}={setting!r}" for name, setting in given.items())
+        restrict = {"pipe_size": "pipe_sizes", "chunks": "chunks", "checkpoint": "checkpoints", "schedule": "schedules"}
+        hints = [f"{restrict[name]}=[{setting!r}]" for name, setting in given.items() if name in restrict]
+        how = f"plan=AutoPlan({', '.join(hints)})" if hints else "the balance the plan finds"
+        raise ValueError(
+            f"plan chooses pipe_size, chunks, balance, checkpoint and schedule, but {settings} "
+            f"{'was' if len(given) == 1 else 'were'} given as well. "
+            f"HINT: drop {settings} to let the plan choose, restrict the plan instead ({how}), or drop plan= and set "
+            "them all yourself."
+        )
+    return value
+
+
+def _rows(sample: Any) -> int:
+    sizes = {t.shape[0] for t in tree_leaves(sample) if isinstance(t, Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"plan='auto' takes the batch size from the sample's rows, but its tensors have batch sizes "
+            f"{sorted(sizes)}; pass plan=AutoPlan(batch_size=...) (the DataLoader's batch_size)"
+        )
+    return sizes.pop()
+
+
+def _budget(request: AutoPlan, device: torch.device) -> float:
+    from lightning_gpipe.plan import parse_bytes
+
+    if request.memory_per_device is not None:
+        return parse_bytes(request.memory_per_device)
+    if device.type == "cuda":
+        return DEVICE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
+    raise ValueError(
+        f"plan='auto' needs a memory budget per device on {device.type!r}, which has no memory size to read; "
+        "HINT: pass plan=AutoPlan(memory_per_device='4GB') (bytes, or a string with a unit)"
+    )
+
+
+def plan_for_module(
+    request: AutoPlan, sequence: nn.Module, example: Any, *, devices: int, device: torch.device
+) -> Plan:
+    """Plan the pipelined ``sequence`` for ``devices`` processes on ``device`` as ``request`` asks.
+
+    ``example`` is the LightningModule's ``example_input_array``, used when the request has no ``sample``.
+
+    Raises:
+        ValueError: no sample, no budget on a device without a memory size, or a sample of mixed batch sizes.
+        InfeasiblePlanError: nothing fits (the message names what would).
+    """
+    from lightning_gpipe.plan import plan
+
+    sample = request.sample if request.sample is not None else example
+    if sample is None:
+        raise ValueError(
+            "plan='auto' profiles the pipelined sequence on a sample input, but there is none. HINT: set "
+            "`self.example_input_array` in the LightningModule to one batch of the sequence's input (as many rows as "
+            "the DataLoader's batch_size), or pass plan=AutoPlan(sample=..., batch_size=...)"
+        )
+    budget = _budget(request, device)
+    batch = request.batch_size if request.batch_size is not None else _rows(sample)
+    options: dict[str, Any] = {}
+    if request.checkpoints is not None:
+        options["checkpoints"] = list(request.checkpoints)
+    if request.schedules is not None:
+        options["schedules"] = list(request.schedules)
+    chosen = plan(
+        sequence,
+        sample,
+        devices=devices,
+        memory_per_device=budget,
+        batch_size=batch,
+        device=device,
+        optimizer_slots=request.optimizer_slots,
+        chunks=request.chunks,
+        pipe_sizes=request.pipe_sizes,
+        per_pipeline_batch=True,
+        **options,
+    )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the profiled copies' blocks, before this rank's stage is allocated
+    return chosen
+
+
+def agreed_settings(
+    make: Callable[[], Plan],
+    *,
+    rank: int,
+    broadcast: Callable[[Any], Any],
+    report: Callable[[str], None],
+) -> dict[str, Any]:
+    """Run ``make`` on rank 0, ``report`` its table there, and return its strategy keyword arguments on every rank.
+
+    ``broadcast(obj)`` must hand rank 0's ``obj`` to every rank (every rank calls it once). When planning fails on
+    rank 0, rank 0 raises the error and every other rank a ``ValueError`` that quotes it, so that no rank waits for
+    a plan that will not come.
+    """
+    outcome: tuple[str, Any] | None = None
+    if rank == 0:
+        try:
+            chosen = make()
+        except Exception as error:
+            broadcast(("error", f"{type(error).__name__}: {error}"))
+            raise
+        settings = chosen.strategy_kwargs()
+        explicit = ", ".join(f"{name}={value!r}" for name, value in settings.items())
+        report(f"GPipe plan (plan='auto'); the same without planning: GPipeStrategy({explicit})\n{chosen}")
+        outcome = ("plan", settings)
+    kind, payload = broadcast(outcome)
+    if kind == "error":
+        raise ValueError(f"global rank 0 could not plan the pipeline, so this rank stops too: {payload}")
+    return dict(payload)
