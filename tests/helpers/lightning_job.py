@@ -88,8 +88,8 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
             deferred_batch_norm=run.get("deferred_batch_norm", False),
             balance=run.get("balance"),
             plan=AutoPlan(**run["plan"]) if "plan" in run else None,  # AutoPlan's arguments, e.g. a budget
-            schedule=run.get("schedule", "gpipe"),
-            **run.get("options", {}),  # further GPipeStrategy arguments, e.g. {"detect_anomalies": true}
+            # further GPipeStrategy arguments, e.g. {"detect_anomalies": true}; a top-level "schedule" is a plan's
+            **{"schedule": run.get("schedule", "gpipe"), **run.get("options", {})},
         )
         # The single-world-group P2P wiring that NCCL's stream order deadlocks (kept for the regression test).
         strategy._links_on_world = run.get("links_on_world", False)
