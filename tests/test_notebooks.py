@@ -2,7 +2,8 @@
 
 Each notebook runs in a fresh Jupyter kernel from this environment with its own folder as the working directory; a
 cell that raises fails the test with the cell's traceback. The time limit per notebook is the tutorials' promise to
-readers (under three minutes on a 2-core CPU) with a margin for a loaded CI machine.
+readers (under three minutes on an idle 2-core CPU) with a margin for a loaded CI machine (a notebook measured 329 s
+under a load average of 5).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from helpers.runif import RunIf
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-CELL_TIMEOUT = 180  # seconds, any one cell
-NOTEBOOK_TIMEOUT = 300  # seconds, the whole notebook
+CELL_TIMEOUT = 300  # seconds, any one cell
+NOTEBOOK_TIMEOUT = 480  # seconds, the whole notebook
 
 
 def test_there_are_tutorials() -> None:
