@@ -58,7 +58,7 @@ class Phase:
 
 
 # Full: the pretraining task is large, the fine-tuning task small (where pretrained features pay off the most).
-FULL = {"pretrain": Phase(4000, 500, 4), "finetune": Phase(1000, 500, 5)}
+FULL = {"pretrain": Phase(3000, 250, 4), "finetune": Phase(1000, 250, 4)}
 QUICK = {"pretrain": Phase(256, 128, 1), "finetune": Phase(128, 128, 1)}
 
 
