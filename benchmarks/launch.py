@@ -14,13 +14,14 @@ import multiprocessing
 import os
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-__all__ = ["JobError", "JobTimeoutError", "Launcher", "RankFn", "free_port"]
+__all__ = ["JobError", "JobTimeoutError", "Launcher", "RankFn", "free_port", "importing_package_from"]
 
 RankFn = Callable[..., Any]
 """What a rank runs: ``fn(rank, world_size, *args)``; with ``world_size > 1`` a gloo group on loopback is up."""
@@ -41,6 +42,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def importing_package_from(checkout: str | None) -> tuple[str, dict[str, str]]:
+    """The working directory and environment of a ``python -m benchmarks...`` subprocess that imports
+    ``lightning_gpipe`` from ``checkout`` (``None``: this repository) and everything else from this repository.
+
+    ``-m`` puts the working directory first on ``sys.path``, before ``PYTHONPATH``: started from this repository, the
+    subprocess would import this repository's package whatever ``PYTHONPATH`` says. It starts instead in a directory
+    holding only a link to the checkout's package, with this repository on ``PYTHONPATH`` for the rest.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if checkout is None:
+        return root, env
+    shadow = tempfile.mkdtemp(prefix="baseline-")
+    os.symlink(os.path.join(os.path.abspath(checkout), "lightning_gpipe"), os.path.join(shadow, "lightning_gpipe"))
+    env["PYTHONPATH"] = os.pathsep.join(path for path in (root, env.get("PYTHONPATH")) if path)
+    return shadow, env
 
 
 def _rank_main(

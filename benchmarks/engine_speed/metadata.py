@@ -1,6 +1,7 @@
 """What per-micro-batch shapes cost: `ours` steps with and without a layout message per micro-batch, alternated.
 
-Usage: ``python -m benchmarks.engine_speed.metadata [--workload transformer|small] [--steps N] [--chunks M]``.
+Usage: ``python -m benchmarks.engine_speed.metadata [--workload transformer|small] [--steps N] [--chunks M]
+[--baseline DIR [--rounds R]]``.
 
 Two ranks forked from this process train the engine workload's two halves (``checkpoint="never"``, as `ours` in
 ``run.py``), alternating step by step between the common path (one header per step, a control message per
@@ -8,14 +9,21 @@ micro-batch) and the *described* path that shapes varying per micro-batch take (
 each receive posted when its layout arrives). Alternating steps in the same processes compares the two side by side
 under the same load; the arithmetic is identical. The last line is ``shape_metadata_ratio=R``: described throughput
 over common-path throughput (median step times of rank 0, the sender).
+
+``--baseline DIR`` measures what the common path's control messages cost against the engine before them: rounds
+alternate a run of the common path alone with this checkout's ``lightning_gpipe`` and one importing it from ``DIR``
+(each a fresh process forking its two ranks), and the last line is ``shape_metadata_vs_baseline_ratio=R``, this
+checkout's throughput over the baseline's (the median over rounds of each run's median step of rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -25,14 +33,14 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.engine_speed.workloads import WORKLOADS, K
-from benchmarks.launch import free_port
+from benchmarks.launch import free_port, importing_package_from
 from lightning_gpipe.pipeline import Pipeline
 from lightning_gpipe.transport import ProcessGroupTransport
 
 __all__ = ["main"]
 
 
-def _rank(rank: int, workload: str, chunks: int, steps: int, port: int, results: Any) -> None:
+def _rank(rank: int, workload: str, chunks: int, steps: int, port: int, results: Any, alternate: bool) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=K)
@@ -47,8 +55,8 @@ def _rank(rank: int, workload: str, chunks: int, steps: int, port: int, results:
     outbox = pipeline.stage._outbox
     times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for step in range(2 * steps + 2):
-        described = step % 2 == 1
-        if outbox is not None:
+        described = alternate and step % 2 == 1
+        if outbox is not None and alternate:
             outbox._ragged = described  # the header of the step tells the receiver which path it takes
         dist.barrier()
         wall, cpu = time.perf_counter(), time.process_time()
@@ -61,17 +69,13 @@ def _rank(rank: int, workload: str, chunks: int, steps: int, port: int, results:
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="transformer")
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps of each path")
-    args = parser.parse_args(argv)
+def _run_ranks(workload: str, chunks: int, steps: int, alternate: bool) -> dict[int, Any]:
+    """Fork the two ranks from this process; rank -> {described: [(wall, cpu) per step]}."""
     port = free_port()
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     ranks = [
-        context.Process(target=_rank, args=(rank, args.workload, args.chunks, args.steps, port, results))
+        context.Process(target=_rank, args=(rank, workload, chunks, steps, port, results, alternate))
         for rank in range(K)
     ]
     for process in ranks:
@@ -79,6 +83,46 @@ def main(argv: list[str] | None = None) -> None:
     collected = dict(results.get(timeout=1800) for _ in ranks)
     for process in ranks:
         process.join(timeout=30)
+    return collected
+
+
+def _compare_with_baseline(args: argparse.Namespace) -> None:
+    """Common path only, this checkout against ``args.baseline``, in alternating rounds of fresh processes."""
+    runs: dict[str, list[float]] = {"ours": [], "baseline": []}
+    places = {"ours": importing_package_from(None), "baseline": importing_package_from(args.baseline)}
+    for round_ in range(args.rounds):
+        for name in runs:
+            cwd, env = places[name]
+            command = [sys.executable, "-m", "benchmarks.engine_speed.metadata", "--common-json"]
+            command += ["--workload", args.workload, "--chunks", str(args.chunks), "--steps", str(args.steps)]
+            output = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800, check=True)
+            wall = json.loads(output.stdout.splitlines()[-1])["wall"]
+            runs[name].append(wall)
+            print(f"round {round_ + 1} {name}: {1e3 * wall:.1f} ms per step")
+    ours, baseline = statistics.median(runs["ours"]), statistics.median(runs["baseline"])
+    print(f"{WORKLOADS[args.workload].title}, K = {K}, M = {args.chunks}, common path, median of {args.rounds} rounds:")
+    print(f"| engine | step, wall (ms) |\n|---|---:|\n| this checkout | {1e3 * ours:.1f} |")
+    print(f"| baseline ({args.baseline}) | {1e3 * baseline:.1f} |")
+    print(f"shape_metadata_vs_baseline_ratio={baseline / ours:.3f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="transformer")
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps of each path")
+    parser.add_argument("--baseline", help="a checkout whose lightning_gpipe the common path is compared with")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the comparison with --baseline")
+    parser.add_argument("--common-json", action="store_true", help=argparse.SUPPRESS)  # one run of a comparison
+    args = parser.parse_args(argv)
+    if args.baseline:
+        _compare_with_baseline(args)
+        return
+    if args.common_json:
+        steps = _run_ranks(args.workload, args.chunks, args.steps, alternate=False)[0][False]
+        print(json.dumps({"wall": statistics.median(w for w, _ in steps)}))
+        return
+    collected = _run_ranks(args.workload, args.chunks, args.steps, alternate=True)
     print(f"{WORKLOADS[args.workload].title}, K = {K}, M = {args.chunks}, {args.steps} steps of each path, rank 0:")
     print("| path | step, wall (ms) | step, CPU (ms) |")
     print("|---|---:|---:|")

@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.launch import free_port
+from benchmarks.launch import free_port, importing_package_from
 
 WARMUP, STEPS, BATCH = 20, 150, 16
 CONFIGS = ("ddp", "gpipe", "gpipe_never", "gpipe_m1")
@@ -87,8 +87,9 @@ def _rank(rank: int, config: str, port: int, profile: bool, results: Any) -> Non
     data = TensorDataset(torch.randn(BATCH * total, 16, generator=generator), torch.randint(0, 4, (BATCH * total,)))
     strategy: Any = "ddp"
     if config.startswith("gpipe"):
-        mode = "except_last" if config in ("gpipe", "gpipe_baseline") else "never"
-        strategy = GPipeStrategy(pipe_size=2, chunks=1 if config == "gpipe_m1" else 8, checkpoint=mode)
+        chunks, mode = (1, "never") if config == "gpipe_m1" else (8, "except_last")
+        mode = "never" if config == "gpipe_never" else mode
+        strategy = GPipeStrategy(pipe_size=2, chunks=chunks, checkpoint=mode)  # type: ignore[arg-type]
     clock = Clock()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -135,15 +136,12 @@ def worker(config: str, profile: bool) -> dict[str, Any]:
 
 
 def _run(config: str, baseline: str | None, profile: bool) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    name = config
-    if config == "gpipe_baseline":
-        assert baseline is not None
-        env["PYTHONPATH"] = os.pathsep.join([baseline, env.get("PYTHONPATH", "")])
-        name = "gpipe"
+    # The baseline's lightning_gpipe, and this checkout's benchmark (a PYTHONPATH alone would not do: see the helper).
+    cwd, env = importing_package_from(baseline if config == "gpipe_baseline" else None)
+    name = "gpipe" if config == "gpipe_baseline" else config
     command = [sys.executable, "-m", "benchmarks.strategy_overhead.tiny", "--worker", name]
     output = subprocess.run(
-        command + (["--profile"] if profile else []), env=env, capture_output=True, text=True, timeout=900
+        command + (["--profile"] if profile else []), cwd=cwd, env=env, capture_output=True, text=True, timeout=900
     )
     lines = [line for line in output.stdout.splitlines() if line.startswith("{")]
     if output.returncode != 0 or not lines:
