@@ -40,9 +40,10 @@ bench: env  ## every benchmark, full (about 2 hours on 2 CPU cores); results and
 bench-quick: env  ## the paper's Tables 1 and 2 and the bubble, quick (under 15 minutes); ends with the headline lines
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks --quick
 
-bench-engine: env  ## engine throughput vs torch.distributed.pipelining (K=2 processes, one thread each)
+bench-engine: env  ## engine throughput vs torch.distributed.pipelining (K=2 processes, one thread each); BASELINE=DIR also compares the common path with another checkout
 	$(RUN) python -m benchmarks.engine_speed.run
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.engine_speed.metadata
+	$(if $(BASELINE),OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.engine_speed.metadata --baseline $(BASELINE))
 
 bench-overhead: env  ## GPipeStrategy with K=1, M=1 against strategy="auto"; then K=2 on a tiny model against DDP
 	$(RUN) python -m benchmarks.strategy_overhead.run
