@@ -1,6 +1,6 @@
 """Every tutorial in ``notebooks/`` runs top to bottom, offline, and is committed without outputs.
 
-Each notebook runs in a fresh Jupyter kernel from this environment with its own folder as the working directory; a
+The tutorials on the engine and the strategy run here, the zoo's in ``test_notebooks_zoo.py``. Each notebook runs in a fresh Jupyter kernel from this environment with its own folder as the working directory; a
 cell that raises fails the test with the cell's traceback. The time limit per notebook is the tutorials' promise to
 readers (under three minutes on an idle 2-core CPU) with a margin for a loaded CI machine (a notebook measured 329 s
 under a load average of 5).
@@ -12,12 +12,8 @@ import pathlib
 
 import nbformat
 import pytest
+from helpers.notebooks import NOTEBOOK_TIMEOUT, NOTEBOOKS, ZOO_NOTEBOOKS, run_notebook
 from helpers.runif import RunIf
-from nbclient import NotebookClient
-
-NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-CELL_TIMEOUT = 300  # seconds, any one cell
-NOTEBOOK_TIMEOUT = 480  # seconds, the whole notebook
 
 
 def test_there_are_tutorials() -> None:
@@ -36,21 +32,11 @@ def test_committed_without_outputs(path: pathlib.Path) -> None:
     assert not stale, f"{path.name}: cells {stale} carry outputs; clear them before committing"
 
 
+ENGINE_NOTEBOOKS = [path for path in NOTEBOOKS if path not in ZOO_NOTEBOOKS]  # the zoo's: test_notebooks_zoo.py
+
+
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+@pytest.mark.parametrize("path", ENGINE_NOTEBOOKS, ids=[path.stem for path in ENGINE_NOTEBOOKS])
 def test_notebook_runs(path: pathlib.Path) -> None:
-    notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        notebook,
-        timeout=CELL_TIMEOUT,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
-    )
-    before = _files(path.parent)
-    client.execute()  # raises CellExecutionError, with the failing cell and its traceback
-    assert _files(path.parent) == before, "the notebook left files in notebooks/: write to a temporary directory"
-
-
-def _files(folder: pathlib.Path) -> set[pathlib.Path]:
-    return {item for item in folder.rglob("*") if ".ipynb_checkpoints" not in item.parts}
+    run_notebook(path)
