@@ -1,9 +1,10 @@
 """Every tutorial in ``notebooks/`` runs top to bottom, offline, and is committed without outputs.
 
-The tutorials on the engine and the strategy run here, the zoo's in ``test_notebooks_zoo.py``. Each notebook runs in a fresh Jupyter kernel from this environment with its own folder as the working directory; a
-cell that raises fails the test with the cell's traceback. The time limit per notebook is the tutorials' promise to
-readers (under three minutes on an idle 2-core CPU) with a margin for a loaded CI machine (a notebook measured 329 s
-under a load average of 5).
+The tutorials on the engine and the strategy run here, the zoo's in ``test_notebooks_zoo.py``. Each notebook runs in
+a fresh Jupyter kernel from this environment with its own folder as the working directory; a cell that raises fails
+the test with the cell's traceback. The time limit per notebook is the tutorials' promise to readers (under three
+minutes on an idle 2-core CPU) with a margin for a loaded CI machine (a notebook measured 329 s under a load average
+of 5).
 """
 
 from __future__ import annotations
