@@ -2,10 +2,11 @@
 
 :func:`simulate_step` replays a schedule's actions (:func:`~lightning_gpipe.schedule.stage_actions`) on a machine
 where stage ``j``'s forward of one micro-batch takes ``forward[j]`` seconds and its backward ``backward[j]`` (plus
-``recompute[j]`` for a re-materialized micro-batch), and where a boundary value or its gradient takes ``transfer[j]``
-seconds to cross from stage ``j`` to ``j + 1``. Every action starts as soon as its stage is free and its inputs have
-arrived, which is what the engine does with asynchronous sends. No devices are involved, so it answers "what would K
-stages and M micro-batches give?" for models far larger than the machine it runs on.
+``recompute[j]`` for a re-materialized micro-batch), where a boundary value or its gradient takes ``transfer[j]``
+seconds to cross from stage ``j`` to ``j + 1``, and where each stage ends the step with its optimizer's step,
+``update[j]`` seconds. Every action starts as soon as its stage is free and its inputs have arrived, which is what the
+engine does with asynchronous sends. No devices are involved, so it answers "what would K stages and M micro-batches
+give?" for models far larger than the machine it runs on.
 
 With equal stages and free transfers the fill-drain makespan is ``(M + K - 1)·(f + b)`` and the bubble is
 ``(K - 1)/(M + K - 1)``, the paper's figure; unequal stages, recomputation and transfers move both, which is what the
@@ -41,6 +42,7 @@ class SimulatedStep:
     num_microbatches: int
     spans: tuple[tuple[Span, ...], ...]  # per stage, in the stage's order
     makespan: float
+    updates: tuple[float, ...] = ()  # per stage: the optimizer step's seconds after its last action
 
     @property
     def num_stages(self) -> int:
@@ -49,8 +51,12 @@ class SimulatedStep:
 
     @property
     def busy(self) -> tuple[float, ...]:
-        """Seconds each stage spends computing (the sum of its spans)."""
-        return tuple(sum(span.end - span.start for span in spans) for spans in self.spans)
+        """Seconds each stage spends computing (the sum of its spans and its optimizer step)."""
+        updates = self.updates or (0.0,) * len(self.spans)
+        return tuple(
+            sum(span.end - span.start for span in spans) + update
+            for spans, update in zip(self.spans, updates, strict=True)
+        )
 
     @property
     def bubble(self) -> float:
@@ -91,6 +97,7 @@ def simulate_step(
     transfer: float | Sequence[float] = 0.0,
     recompute: Sequence[float] | None = None,
     checkpoint_stop: int = 0,
+    update: Sequence[float] | None = None,
 ) -> SimulatedStep:
     """Simulate one training step of a ``len(forward)``-stage pipeline.
 
@@ -104,6 +111,8 @@ def simulate_step(
         recompute: seconds the re-materialized forward adds to a backward pass, per stage; defaults to ``forward``.
         checkpoint_stop: micro-batches ``i < checkpoint_stop`` are re-materialized (see
             :func:`~lightning_gpipe.checkpoint.checkpoint_stop`); 0 for none.
+        update: seconds of each stage's optimizer step, which follows its last backward pass; the step ends when
+            the last stage to finish has stepped (in fill-drain that is stage 0, whose backward ends the step).
 
     Raises:
         ValueError: unknown schedule, mismatched lengths, or negative or non-finite times.
@@ -116,6 +125,7 @@ def simulate_step(
     bwd = _per_stage("backward", backward, K)
     extra = fwd if recompute is None else _per_stage("recompute", recompute, K)
     links = _per_stage("transfer", transfer, K - 1)
+    updates = [0.0] * K if update is None else _per_stage("update", update, K)
     M = num_microbatches
     orders = [stage_actions(schedule, j, K, M) for j in range(K)]
 
@@ -145,5 +155,5 @@ def simulate_step(
             spans[j].append(Span(j, action, start, end))
             ready.extend(n for n in (j - 1, j + 1) if 0 <= n < K and n not in ready)
     assert all(len(done) == len(order) for done, order in zip(spans, orders, strict=True)), "schedule deadlocked"
-    makespan = max(stage[-1].end for stage in spans)
-    return SimulatedStep(schedule, M, tuple(tuple(stage) for stage in spans), makespan)
+    makespan = max(stage[-1].end + updates[j] for j, stage in enumerate(spans))
+    return SimulatedStep(schedule, M, tuple(tuple(stage) for stage in spans), makespan, tuple(updates))

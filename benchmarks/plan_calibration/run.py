@@ -147,6 +147,10 @@ def _job(
     from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
 
     device = torch.device(device_name)
+    # Our processes, whose CPU time is not foreign load: both ranks and the launcher.
+    ranks: list[Any] = [None] * world_size
+    dist.all_gather_object(ranks, os.getpid())
+    ours = [*ranks, os.getppid()]
     results: dict[str, Any] = {}
     for name in names:
         torch.manual_seed(0)
@@ -227,7 +231,7 @@ def _job(
         times: list[list[float]] = [[] for _ in runs]
         loads: list[float] = []
         for _ in range(rounds):
-            start = snapshot([os.getpid(), os.getppid()])
+            start = snapshot(ours)
             for index, run in enumerate(runs):
                 step(run)  # a warm-up step, so the previous configuration's caches do not count here
                 dist.barrier()
@@ -239,7 +243,7 @@ def _job(
                 elapsed = torch.tensor([(time.perf_counter() - begin) / steps])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[index].append(float(elapsed))
-            loads.append(foreign_cores(start, snapshot([os.getpid(), os.getppid()])))
+            loads.append(foreign_cores(start, snapshot(ours)))
         results[name] = {
             "configs": [run[0].label() for run in runs],
             "predicted_time": [run[1].step_time for run in runs],

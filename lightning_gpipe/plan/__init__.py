@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -23,7 +24,7 @@ from lightning_gpipe.checkpoint import CHECKPOINT_MODES, CheckpointMode, checkpo
 from lightning_gpipe.partition import balance_by_cost, cell_bounds
 from lightning_gpipe.plan.auto import AutoPlan
 from lightning_gpipe.plan.memory import StageMemory, stage_memory
-from lightning_gpipe.plan.profile import LayerProfile, ModelProfile, profile_layers
+from lightning_gpipe.plan.profile import LayerProfile, ModelProfile, OptimizerFactory, profile_layers
 from lightning_gpipe.schedule import SCHEDULES, validate_schedule
 from lightning_gpipe.simulate import simulate_step
 
@@ -47,10 +48,14 @@ __all__ = [
 ]
 
 GiB = 2**30
-DEFAULT_BANDWIDTH = {"cuda": 20e9, "cpu": 2e9, "meta": 20e9}
-"""Bytes per second across a stage boundary when none is given: NVLink/PCIe-class on CUDA, gloo loopback on CPU."""
-DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 100e-6, "meta": 20e-6}
-"""Seconds of fixed cost per message across a stage boundary when none is given."""
+DEFAULT_BANDWIDTH = {"cuda": 20e9, "cpu": 4e9, "meta": 20e9}
+"""Bytes per second across a stage boundary when none is given: NVLink/PCIe-class on CUDA; on CPU, gloo on loopback
+through the engine, as ``python -m benchmarks.plan_calibration.link`` measures it (3.4-5.8 GB/s on this project's
+2-core CPU machines)."""
+DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 400e-6, "meta": 20e-6}
+"""Seconds of fixed cost per message across a stage boundary when none is given: the transport's calls, the
+control message and the Python on both sides. On CPU measured by ``python -m benchmarks.plan_calibration.link``
+(320-450 µs on this project's 2-core CPU machines)."""
 DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 7e-5, "cpu": 7e-5, "meta": 0.0}
 """Seconds the engine adds to each stage per micro-batch (forward and backward together) beyond its layers' own
 times: Python, the step's bookkeeping and the calls that post messages. Layers are profiled alone, so a prediction
@@ -288,9 +293,15 @@ def evaluate(
     stage_f = [sum(forward[i] for i in cell) + engine / 2 for cell in bounds]
     stage_b = [sum(backward[i] for i in cell) + engine / 2 for cell in bounds]
     transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
-    # A re-materialized backward repeats the layers' forward and pays the checkpoint wrapper's own work.
-    recompute = [sum(forward[i] for i in cell) + replay for cell in bounds]
-    step = simulate_step(schedule, stage_f, stage_b, M, transfer=transfer, recompute=recompute, checkpoint_stop=stop)
+    extra = profile.recompute_times(n)
+    if extra is not None:  # measured: the replayed forward and the checkpoint's hooks on every saved tensor
+        recompute = [sum(extra[i] for i in cell) + profile.recompute_call for cell in bounds]
+    else:  # a re-materialized backward repeats the layers' forward and pays the checkpoint wrapper's own work
+        recompute = [sum(forward[i] for i in cell) + replay for cell in bounds]
+    update = [profile.stage_update(cell) for cell in bounds]
+    step = simulate_step(
+        schedule, stage_f, stage_b, M, transfer=transfer, recompute=recompute, checkpoint_stop=stop, update=update
+    )
     memory = tuple(
         stage_memory(
             profile,
@@ -475,6 +486,7 @@ def plan(
     profile: ModelProfile | None = None,
     pipe_sizes: Sequence[int] | None = None,
     per_pipeline_batch: bool = False,
+    optimizer: OptimizerFactory | None = torch.optim.Adam,
 ) -> Plan:
     """Choose K, M, balance, checkpoint mode and schedule for training ``model`` on ``devices`` devices.
 
@@ -487,6 +499,9 @@ def plan(
         device: where to profile; defaults to the sample's device.
         loss_fn: ``loss_fn(last_output) -> scalar``, profiled with the last layer (the loss's own activations).
         optimizer_slots: parameter-sized optimizer tensors per parameter: 2 for Adam, 1 for SGD with momentum.
+        optimizer: builds the optimizer whose step is timed per layer (on copies), from a list of parameters: give
+            the one training will use (``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``), ``None`` to
+            leave the step out of the predicted step time.
         chunks: the M values to consider; default the powers of two up to the per-replica batch.
         checkpoints: the re-materialization modes to consider.
         schedules: the schedules to consider (``GPipeStrategy`` runs ``"gpipe"``; the engine runs both).
@@ -536,6 +551,8 @@ def plan(
             device=device,
             loss_fn=loss_fn,
             flops_per_second=flops_per_second,
+            rematerialized=any(mode != "never" for mode in modes),
+            optimizer=optimizer,
         )
     options = {"optimizer_slots": optimizer_slots, "bandwidth": bandwidth, "latency": latency, "overhead": overhead}
     every = _search(

@@ -6,6 +6,9 @@ records, per layer:
 - forward and backward seconds at each size (medians of round-robin repeats, as
   :func:`~lightning_gpipe.cost.time_cost` does), or, with ``flops_per_second``, the analytic time of its FLOPs
   (backward = twice forward), which works on the meta device and for models far larger than the machine;
+- when measured: what re-materializing the layer adds at each size (the engine's own checkpoint wrapper, run on the
+  layer: its hooks on every saved tensor cost as much as the replayed forward on models of many small operators),
+  and the seconds of one optimizer step over its parameters;
 - parameter, trainable and buffer bytes (gradients and optimizer state follow from the trainable bytes);
 - per sample: the activations autograd saves, the output, and the transient peak of the backward pass above them.
 
@@ -22,7 +25,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,12 +34,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_gpipe.checkpoint import checkpointed
 from lightning_gpipe.measure import leaf_input, preserved_state
 from lightning_gpipe.structure import flatten, map_tensors
 
 __all__ = ["LayerProfile", "LiveTensorBytes", "ModelProfile", "profile_layers"]
 
 LossFn = Callable[[Any], Tensor]
+OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+"""Builds the optimizer whose step is timed from a list of parameters, e.g. ``torch.optim.Adam`` or
+``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +72,13 @@ class LayerProfile:
 class ModelProfile:
     """A profiled sequence of layers: bytes per layer and pass times per micro-batch size.
 
-    ``times[n]`` holds ``(forward, backward)`` seconds per layer for micro-batches of ``n`` samples. Sizes that were
-    not measured are interpolated linearly between the nearest measured ones (a fixed launch cost plus a per-sample
-    cost), and extrapolated proportionally to the samples beyond them.
+    ``times[n]`` holds ``(forward, backward)`` seconds per layer for micro-batches of ``n`` samples, and
+    ``recompute[n]`` what re-materializing each layer adds to them (empty when not measured: the planner then charges
+    the forward again). Sizes that were not measured are interpolated linearly between the nearest measured ones (a
+    fixed launch cost plus a per-sample cost), and extrapolated proportionally to the samples beyond them.
+
+    The checkpoint wrapper and the optimizer step also cost something once per call, whatever the layers:
+    ``recompute_call`` and ``update_call``, which a stage pays once and which ``recompute`` and ``updates`` leave out.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -76,6 +87,10 @@ class ModelProfile:
     device: str = "cpu"
     loss_saved_bytes: float = 0.0  # per sample: what the loss keeps for backward, on the last stage
     loss_transient_bytes: float = 0.0  # per sample: the loss's backward peak above that
+    recompute: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
+    recompute_call: float = 0.0  # seconds per re-materialized micro-batch and stage
+    updates: tuple[float, ...] = ()  # per layer: seconds of one optimizer step over its parameters; () unmeasured
+    update_call: float = 0.0  # seconds per optimizer step and stage
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -83,50 +98,65 @@ class ModelProfile:
     def pass_times(self, samples: int) -> tuple[list[float], list[float]]:
         """Forward and backward seconds of every layer for a micro-batch of ``samples`` samples.
 
-        With three or more measured sizes each layer's times are fitted as ``a + b·samples`` by Theil-Sen (the median
-        of the pairwise slopes): one size measured during a burst of load on a shared machine then moves the fit
-        little, where interpolating between neighbours would copy the burst. With fewer, the nearest measurement is
-        scaled (one size) or the two are interpolated.
+        A measured size gives its measurement. Otherwise, with three or more measured sizes each layer's times are
+        fitted as ``a + b·samples`` by Theil-Sen (the median of the pairwise slopes); with fewer, the nearest
+        measurement is scaled (one size) or the two are interpolated.
         """
         if not self.times:
             raise ValueError("this profile has no times; profile with microbatch_sizes or flops_per_second")
-        sizes = sorted(self.times)
-        if len(sizes) >= 3:
-            return self._fitted(sizes, 0, samples), self._fitted(sizes, 1, samples)
-        if samples in self.times:
-            forward, backward = self.times[samples]
-            return list(forward), list(backward)
-        if len(sizes) == 2 and sizes[0] < samples < sizes[1]:
-            share = (samples - sizes[0]) / (sizes[1] - sizes[0])
-            low, high = self.times[sizes[0]], self.times[sizes[1]]
-            mixed = [[a + (b - a) * share for a, b in zip(low[k], high[k], strict=True)] for k in (0, 1)]
-            return mixed[0], mixed[1]
-        nearest = min(sizes, key=lambda n: abs(n - samples))
-        forward, backward = self.times[nearest]
-        return [t * samples / nearest for t in forward], [t * samples / nearest for t in backward]
+        forward = _at_size({n: f for n, (f, _) in self.times.items()}, samples)
+        backward = _at_size({n: b for n, (_, b) in self.times.items()}, samples)
+        return forward, backward
 
-    def _fitted(self, sizes: list[int], phase: int, samples: int) -> list[float]:
-        fitted: list[float] = []
-        for layer in range(len(self.layers)):
-            points = [(n, self.times[n][phase][layer]) for n in sizes]
-            slopes = [(tb - ta) / (nb - na) for i, (na, ta) in enumerate(points) for nb, tb in points[i + 1 :]]
-            slope = max(0.0, statistics.median(slopes))
-            intercept = max(0.0, statistics.median(t - slope * n for n, t in points))
-            fitted.append(intercept + slope * samples)
-        return fitted
+    def recompute_times(self, samples: int) -> list[float] | None:
+        """Seconds re-materialization adds to each layer for a micro-batch of ``samples`` samples (as
+        :meth:`pass_times` fits them), without the wrapper's per-call ``recompute_call``; ``None`` if not measured."""
+        return _at_size(self.recompute, samples) if self.recompute else None
+
+    def stage_update(self, cell: range) -> float:
+        """Seconds of the optimizer step of a stage that holds the layers ``cell`` (0 when not measured)."""
+        if not self.updates:
+            return 0.0
+        trainable = any(self.layers[i].trainable_bytes for i in cell)
+        return sum(self.updates[i] for i in cell) + (self.update_call if trainable else 0.0)
 
     def scaled(self, *, layers: int | None = None) -> ModelProfile:
         """This profile with its layers repeated (cyclically) to ``layers`` entries: a deeper model of the same kind."""
         if layers is None or layers == len(self.layers):
             return self
-        pick = [self.layers[i % len(self.layers)] for i in range(layers)]
-        times = {
-            n: (tuple(f[i % len(f)] for i in range(layers)), tuple(b[i % len(b)] for i in range(layers)))
-            for n, (f, b) in self.times.items()
-        }
-        return ModelProfile(
-            tuple(pick), self.input_bytes, times, self.device, self.loss_saved_bytes, self.loss_transient_bytes
+
+        def repeat(values: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(values[i % len(values)] for i in range(layers)) if values else ()
+
+        return replace(
+            self,
+            layers=repeat(self.layers),
+            times={n: (repeat(f), repeat(b)) for n, (f, b) in self.times.items()},
+            recompute={n: repeat(r) for n, r in self.recompute.items()},
+            updates=repeat(self.updates),
         )
+
+
+def _at_size(table: dict[int, tuple[float, ...]], samples: int) -> list[float]:
+    """Per-layer seconds at ``samples`` from seconds measured at the sizes ``table`` holds (see
+    :meth:`ModelProfile.pass_times`)."""
+    sizes = sorted(table)
+    if samples in table:
+        return list(table[samples])
+    if len(sizes) >= 3:
+        fitted: list[float] = []
+        for layer in range(len(table[sizes[0]])):
+            points = [(n, table[n][layer]) for n in sizes]
+            slopes = [(tb - ta) / (nb - na) for i, (na, ta) in enumerate(points) for nb, tb in points[i + 1 :]]
+            slope = max(0.0, statistics.median(slopes))
+            intercept = max(0.0, statistics.median(t - slope * n for n, t in points))
+            fitted.append(intercept + slope * samples)
+        return fitted
+    if len(sizes) == 2 and sizes[0] < samples < sizes[1]:
+        share = (samples - sizes[0]) / (sizes[1] - sizes[0])
+        return [a + (b - a) * share for a, b in zip(table[sizes[0]], table[sizes[1]], strict=True)]
+    nearest = min(sizes, key=lambda n: abs(n - samples))
+    return [t * samples / nearest for t in table[nearest]]
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -367,6 +397,8 @@ def profile_layers(
     flops_per_second: float | None = None,
     repeats: int = 3,
     warmup: int = 1,
+    rematerialized: bool = True,
+    optimizer: OptimizerFactory | None = torch.optim.Adam,
 ) -> ModelProfile:
     """Profile ``layers`` for training on ``device``.
 
@@ -382,6 +414,10 @@ def profile_layers(
             (backward = 2 × forward), e.g. for a device you do not have.
         repeats: timed runs per layer and size (the median is kept).
         warmup: untimed runs first (lazy initialisation, allocator growth, kernel selection).
+        rematerialized: also time each layer under the engine's checkpoint wrapper (what re-materialization adds);
+            skip it when no checkpoint mode but ``"never"`` will be weighed.
+        optimizer: the optimizer whose step is timed over each layer's parameters (zero-filled copies: the model is
+            not changed); ``None`` leaves the step out. Neither is timed with ``flops_per_second``.
 
     Raises:
         ValueError: no micro-batch size, a meta sample without ``flops_per_second``, or bad counts.
@@ -437,26 +473,35 @@ def profile_layers(
                 x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
         # The loss runs after the last stage's cell, outside its re-materialization: its activations stay per
         # micro-batch whatever the checkpoint mode, so they are kept apart from the last layer's.
-        loss_saved = loss_transient = 0.0
+        loss_bytes = (0.0, 0.0)  # per sample: saved, transient
         if loss_fn is not None:
-            loss_bytes = _activation_bytes(loss_fn, x, set())
-            loss_saved, loss_transient = loss_bytes.saved, loss_bytes.transient
-        times = (
-            _flop_times(results, sizes, flops_per_second)
-            if flops_per_second is not None
-            else _measured_times(layers, loss_fn, sample, sizes, target, repeats, warmup)
-        )
+            counted = _activation_bytes(loss_fn, x, set())
+            loss_bytes = (counted.saved / rows, counted.transient / rows)
+        if flops_per_second is not None:
+            times = _flop_times(results, sizes, flops_per_second)
+            return ModelProfile(tuple(results), _storage_bytes(base) / rows, times, str(target), *loss_bytes)
+        measured = _measured_times(layers, loss_fn, sample, sizes, target, repeats, warmup, rematerialized)
+        updates, update_call = _update_times(layers, optimizer, target, repeats, warmup)
     return ModelProfile(
-        tuple(results), _storage_bytes(base) / rows, times, str(target), loss_saved / rows, loss_transient / rows
+        tuple(results),
+        _storage_bytes(base) / rows,
+        measured.times,
+        str(target),
+        *loss_bytes,
+        recompute=measured.recompute,
+        recompute_call=measured.recompute_call,
+        updates=updates,
+        update_call=update_call,
     )
 
 
-def _with_loss(layer: nn.Module, loss_fn: LossFn | None) -> Callable[[Any], Any]:
-    if loss_fn is None:
-        return layer
+def _runner(layer: nn.Module, loss_fn: LossFn | None, rematerialized: bool, first: bool) -> Callable[[Any], Any]:
+    """The layer's forward as a stage runs it: under the engine's checkpoint wrapper if ``rematerialized`` (copying a
+    received input, as the engine does), then the loss if it is the last layer (outside the wrapper)."""
 
     def run(x: Any) -> Any:
-        return loss_fn(layer(x))
+        output = checkpointed(layer, x, copy_input=not first) if rematerialized else layer(x)
+        return loss_fn(output) if loss_fn is not None else output
 
     return run
 
@@ -479,6 +524,13 @@ def _flop_times(
     }
 
 
+@dataclass(frozen=True)
+class _Measured:
+    times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
+    recompute: dict[int, tuple[float, ...]]
+    recompute_call: float
+
+
 def _measured_times(
     layers: list[nn.Module],
     loss_fn: LossFn | None,
@@ -487,54 +539,121 @@ def _measured_times(
     device: torch.device,
     repeats: int,
     warmup: int,
-) -> dict[int, tuple[tuple[float, ...], tuple[float, ...]]]:
+    rematerialized: bool,
+) -> _Measured:
     # Layers on the device are timed round-robin, so that a burst of load on a shared machine spreads over all layers
     # instead of inflating one; meta layers (and real ones elsewhere, e.g. on the CPU for a GPU) one after the other,
-    # so that only one copy exists on the device at a time.
+    # so that only one copy exists on the device at a time. Each layer is timed plain and, if asked, re-materialized.
     round_robin = all(_on(layer, device) for layer in layers)
     last = len(layers) - 1
+    variants = (False, True) if rematerialized else (False,)
+    call = _wrapper_seconds(device, repeats + warmup) if rematerialized else 0.0
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+    recompute: dict[int, tuple[float, ...]] = {}
     for n in sizes:
-        runs: list[list[tuple[float, float]]] = [[] for _ in layers]
+        # runs[variant][layer]: (forward, backward) seconds of every timed run
+        runs: list[list[list[tuple[float, float]]]] = [[[] for _ in layers] for _ in variants]
         x = _resized(sample, n)
         inputs: list[Any] = []
-        for layer in layers:
+        for index, layer in enumerate(layers):
             inputs.append(x)
             with torch.no_grad():
                 real = _materialized(layer, device)
                 x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
-                if not round_robin:
-                    index = len(inputs) - 1
-                    run_fn = _with_loss(real, loss_fn if index == last else None)
-                    _time_layer(real, run_fn, inputs[-1], device, runs[index], repeats, warmup, index == 0)
-                del real
+            if not round_robin:
+                for _ in range(warmup + repeats):
+                    _time_variants(real, index, inputs[index], variants, runs, loss_fn, last, device)
+            del real
         if round_robin:
-            for run in range(warmup + repeats):
+            for _ in range(warmup + repeats):
                 for index, layer in enumerate(layers):
-                    with torch.enable_grad():
-                        run_fn = _with_loss(layer, loss_fn if index == last else None)
-                        seconds = _pass_seconds(run_fn, layer, inputs[index], device, first=index == 0)
-                    if run >= warmup:
-                        runs[index].append(seconds)
+                    _time_variants(layer, index, inputs[index], variants, runs, loss_fn, last, device)
+        keep = [[layer_runs[warmup:] for layer_runs in variant_runs] for variant_runs in runs]
         times[n] = (
-            tuple(statistics.median(f for f, _ in layer_runs) for layer_runs in runs),
-            tuple(statistics.median(b for _, b in layer_runs) for layer_runs in runs),
+            tuple(statistics.median(f for f, _ in layer_runs) for layer_runs in keep[0]),
+            tuple(statistics.median(b for _, b in layer_runs) for layer_runs in keep[0]),
         )
-    return times
+        if rematerialized:
+            plain = [statistics.median(f + b for f, b in layer_runs) for layer_runs in keep[0]]
+            again = [statistics.median(f + b for f, b in layer_runs) for layer_runs in keep[1]]
+            recompute[n] = tuple(max(0.0, a - p - call) for a, p in zip(again, plain, strict=True))
+    return _Measured(times, recompute, call)
 
 
-def _time_layer(
+def _time_variants(
     layer: nn.Module,
-    run: Callable[[Any], Any],
+    index: int,
     value: Any,
+    variants: Sequence[bool],
+    runs: list[list[list[tuple[float, float]]]],
+    loss_fn: LossFn | None,
+    last: int,
     device: torch.device,
-    into: list[tuple[float, float]],
+) -> None:
+    """One timed pass of ``layer`` per variant (plain, re-materialized), appended to ``runs[variant][index]``."""
+    for variant, rematerialized in enumerate(variants):
+        run = _runner(layer, loss_fn if index == last else None, rematerialized, first=index == 0)
+        with torch.enable_grad():
+            runs[variant][index].append(_pass_seconds(run, layer, value, device, first=index == 0))
+
+
+def _wrapper_seconds(device: torch.device, runs: int) -> float:
+    """What the checkpoint wrapper costs per call whatever it wraps (saving and restoring the random state, its
+    hooks' set-up): a re-materialized pass of a one-element ``Linear`` less its plain pass, the median of ``runs``."""
+    tiny = nn.Linear(1, 1).to(device)
+    value = torch.ones(1, 1, device=device)
+    samples = []
+    for _ in range(max(runs, 5)):
+        plain = _pass_seconds(_runner(tiny, None, False, first=False), tiny, value, device)
+        again = _pass_seconds(_runner(tiny, None, True, first=False), tiny, value, device)
+        samples.append(sum(again) - sum(plain))
+    return max(0.0, statistics.median(samples))
+
+
+def _step_seconds(
+    optimizer: OptimizerFactory,
+    shapes: Sequence[tuple[torch.Size, torch.dtype]],
+    device: torch.device,
     repeats: int,
     warmup: int,
-    first: bool,
-) -> None:
-    with torch.enable_grad():
-        for index in range(warmup + repeats):
-            seconds = _pass_seconds(run, layer, value, device, first)
-            if index >= warmup:
-                into.append(seconds)
+) -> float:
+    """The median seconds of one ``optimizer`` step over zero-filled parameters (with gradients) of ``shapes``."""
+    params = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for shape, dtype in shapes]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    stepper = optimizer(params)
+    samples = []
+    for index in range(warmup + repeats):
+        _sync(device)
+        start = time.perf_counter()
+        stepper.step()
+        _sync(device)
+        if index >= warmup:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _update_times(
+    layers: list[nn.Module], optimizer: OptimizerFactory | None, device: torch.device, repeats: int, warmup: int
+) -> tuple[tuple[float, ...], float]:
+    """Per layer, the seconds of one optimizer step over its trainable parameters less the step's fixed cost, and
+    that fixed cost (the intercept of one step over one and over two one-element parameters), which a stage pays
+    once. A parameter shared by several layers (tied weights) is stepped with the first. ``((), 0.0)`` without an
+    optimizer."""
+    if optimizer is None:
+        return (), 0.0
+    one = (torch.Size([1]), torch.get_default_dtype())
+    single = _step_seconds(optimizer, [one], device, max(repeats, 5), max(warmup, 1))
+    double = _step_seconds(optimizer, [one, one], device, max(repeats, 5), max(warmup, 1))
+    call = max(0.0, 2 * single - double)
+    seen: set[int] = set()
+    updates = []
+    for layer in layers:
+        shapes = []
+        for param in layer.parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                shapes.append((param.shape, param.dtype))
+        step = _step_seconds(optimizer, shapes, device, repeats, max(warmup, 1)) if shapes else 0.0
+        updates.append(max(0.0, step - call) if shapes else 0.0)
+    return tuple(updates), call

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,52 @@ def test_profile_counts_bytes_alike_on_cpu_and_meta() -> None:
     assert real.layers[0].flops == 2 * 32 * 64
     assert meta.pass_times(4)[0][0] == pytest.approx(4 * 2 * 32 * 64 / 1e9)
     assert all(t > 0 for t in real.pass_times(3)[1])
+
+
+def test_profile_times_rematerialization_and_the_optimizer_step_without_changing_the_model() -> None:
+    torch.manual_seed(0)
+    first, second = nn.Linear(16, 16), nn.Linear(16, 16)
+    second.weight = first.weight  # tied: stepped with the first layer only
+    layers = nn.Sequential(first, nn.ReLU(), second)
+    before = [t.detach().clone() for t in layers.state_dict().values()]
+    profile = profile_layers(layers, torch.randn(4, 16), microbatch_sizes=[2, 4], repeats=2, warmup=1)
+    assert all(a.equal(b) for a, b in zip(before, layers.state_dict().values(), strict=True))
+    assert profile.updates[0] > 0
+    assert profile.updates[1] == 0.0
+    assert profile.stage_update(range(1, 2)) == 0.0  # nor does a stage of it pay the step's call
+    assert profile.stage_update(range(3)) == pytest.approx(sum(profile.updates) + profile.update_call)
+    extra = profile.recompute_times(4)
+    assert extra is not None
+    assert len(extra) == 3
+    assert all(t >= 0 for t in extra)
+    plain = profile_layers(layers, torch.randn(4, 16), microbatch_sizes=[4], rematerialized=False, optimizer=None)
+    assert plain.recompute_times(4) is None
+    assert plain.updates == ()
+    assert plain.stage_update(range(3)) == 0.0
+
+
+def test_measured_rematerialization_and_optimizer_steps_enter_the_step_time() -> None:
+    base = synthetic(4)
+    never = evaluate(base, pipe_size=1, chunks=4, batch_size=16, checkpoint="never")
+    # Measured: re-materializing each layer adds 5 ms per micro-batch, the wrapper 1 ms once per stage; each layer's
+    # optimizer step takes 2 ms, and 3 ms once per stage.
+    measured = replace(
+        base,
+        recompute=dict.fromkeys(base.times, (0.005,) * 4),
+        recompute_call=1e-3,
+        updates=(2e-3,) * 4,
+        update_call=3e-3,
+    )
+    stepped = evaluate(measured, pipe_size=1, chunks=4, batch_size=16, checkpoint="never")
+    assert stepped.step_time == pytest.approx(never.step_time + 4 * 2e-3 + 3e-3)
+    always = evaluate(measured, pipe_size=1, chunks=4, batch_size=16, checkpoint="always")
+    assert always.step_time == pytest.approx(stepped.step_time + 4 * (4 * 5e-3 + 1e-3))
+    # Unmeasured (FLOP-rate profiles): the forward again, plus the wrapper's default cost.
+    unmeasured = evaluate(base, pipe_size=1, chunks=4, batch_size=16, checkpoint="always")
+    forward = sum(base.pass_times(4)[0])
+    assert unmeasured.step_time == pytest.approx(
+        never.step_time + 4 * (forward + DEFAULT_REMATERIALIZATION_OVERHEAD["cpu"])
+    )
 
 
 def test_plan_of_a_real_model_trains_with_its_settings() -> None:

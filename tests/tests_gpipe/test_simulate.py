@@ -47,6 +47,17 @@ def test_recomputation_lengthens_the_checkpointed_backwards_only() -> None:
     assert simulate_step("gpipe", [1], [2], 2, recompute=[0.5], checkpoint_stop=2).makespan == 7.0
 
 
+def test_each_stage_steps_its_optimizer_after_its_last_backward() -> None:
+    # K=2, M=2, f=1, b=2, free links: stage 1's last backward ends at 7, stage 0's at 9 (fill-drain ends on stage 0).
+    assert simulate_step("gpipe", [1, 1], [2, 2], 2).makespan == 9.0
+    # Stage 0's step lengthens the step; stage 1's hides behind stage 0's last backward until it is longer than it.
+    assert simulate_step("gpipe", [1, 1], [2, 2], 2, update=[0.5, 1.0]).makespan == 9.5
+    assert simulate_step("gpipe", [1, 1], [2, 2], 2, update=[0.0, 3.0]).makespan == 10.0
+    assert simulate_step("gpipe", [1, 1], [2, 2], 2, update=[0.5, 1.0]).busy == (6.5, 7.0)
+    with pytest.raises(ValueError, match="update has 1 entries"):
+        simulate_step("gpipe", [1, 1], [2, 2], 2, update=[0.5])
+
+
 @pytest.mark.parametrize(("K", "M"), [(1, 1), (2, 4), (4, 2), (4, 8), (8, 8)])
 def test_in_flight_micro_batches(K: int, M: int) -> None:
     assert [in_flight("gpipe", j, K, M) for j in range(K)] == [M] * K
