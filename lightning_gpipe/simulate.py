@@ -98,6 +98,7 @@ def simulate_step(
     recompute: Sequence[float] | None = None,
     checkpoint_stop: int = 0,
     update: Sequence[float] | None = None,
+    checkpoint_forward: Sequence[float] | None = None,
 ) -> SimulatedStep:
     """Simulate one training step of a ``len(forward)``-stage pipeline.
 
@@ -113,6 +114,8 @@ def simulate_step(
             :func:`~lightning_gpipe.checkpoint.checkpoint_stop`); 0 for none.
         update: seconds of each stage's optimizer step, which follows its last backward pass; the step ends when
             the last stage to finish has stepped (in fill-drain that is stage 0, whose backward ends the step).
+        checkpoint_forward: seconds re-materialization adds to the forward pass of a re-materialized micro-batch,
+            per stage (the checkpoint wrapper's work in the first pass); none by default.
 
     Raises:
         ValueError: unknown schedule, mismatched lengths, or negative or non-finite times.
@@ -126,13 +129,15 @@ def simulate_step(
     extra = fwd if recompute is None else _per_stage("recompute", recompute, K)
     links = _per_stage("transfer", transfer, K - 1)
     updates = [0.0] * K if update is None else _per_stage("update", update, K)
+    wrapped = [0.0] * K if checkpoint_forward is None else _per_stage("checkpoint_forward", checkpoint_forward, K)
     M = num_microbatches
     orders = [stage_actions(schedule, j, K, M) for j in range(K)]
 
     def duration(j: int, action: Action) -> float:
+        rematerialized = action.microbatch < checkpoint_stop
         if action.phase is Phase.FORWARD:
-            return fwd[j]
-        return bwd[j] + (extra[j] if action.microbatch < checkpoint_stop else 0.0)
+            return fwd[j] + (wrapped[j] if rematerialized else 0.0)
+        return bwd[j] + (extra[j] if rematerialized else 0.0)
 
     def arrival(j: int, dep: tuple[int, Action], end: float) -> float:
         # A value produced on another stage crosses the link between the two before it can be used.

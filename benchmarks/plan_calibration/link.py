@@ -1,81 +1,132 @@
-"""What a stage boundary costs per message in the engine: the figures behind ``DEFAULT_LATENCY`` and
-``DEFAULT_BANDWIDTH``.
+"""What a stage boundary costs in the engine: the figures behind ``DEFAULT_LATENCY``, ``DEFAULT_BANDWIDTH`` and
+``DEFAULT_BOUNDARY_OVERHEAD``.
 
-``python -m benchmarks.plan_calibration.link [--device cuda] [--repeats 7]``
+``python -m benchmarks.plan_calibration.link [--device cuda] [--repeats 15]``
 
-Two stages (two processes, the process-group transport) each hold one layer that scales its input by a learned
-scalar, so almost nothing but the boundary costs time. At M = 1 a step sends one activation forward and one gradient
-back, and each message lies on the step's critical path; the step time, less the layers' profiled passes and the
-engine's per-micro-batch overhead on both stages, is two messages. Measured for a small and a large boundary, the two
-give the fixed cost per message (latency: the transport's calls, the control message, Python on both sides) and the
-bytes per second. Each figure is the minimum over ``--repeats`` measurements: load on a shared machine only ever adds
-time. Prints ``link_latency=SECONDS`` and ``link_bandwidth=BYTES_PER_SECOND``.
+Two stages (two processes, the process-group transport, one thread each) each hold one layer that scales its input by
+a learned scalar, so almost nothing but the boundary costs time:
+
+- **Boundary overhead**: what a stage's own thread spends per micro-batch on a boundary (describing, posting,
+  sending and receiving a micro-batch's tensors, which one stage alone, ``benchmarks.plan_calibration.overhead``,
+  never does): the slope of each stage's thread CPU time per step from M = 1 to M = 33 micro-batches, less the
+  layer's profiled passes and the engine's ``DEFAULT_MICROBATCH_OVERHEAD``, averaged over the two stages. CPU time,
+  not the step's wall time: with nothing to compute, a stage that waits for each message measures the messages'
+  latency, which layers that compute hide; the thread's CPU time is what they cannot hide.
+- **Latency and bandwidth**: at M = 1 a step sends one activation forward and one gradient back, each on the step's
+  critical path; the step time less both layers' passes and both stages' per-micro-batch costs is two messages.
+  Measured for a small and a large boundary, the two give the fixed cost per message and the bytes per second.
+
+Every configuration is timed once per round, in interleaved rounds, and each figure comes from the medians over
+``--repeats`` rounds: the planner predicts a typical step, and the minimum would predict the luckiest one. Prints
+``link_latency=SECONDS``, ``link_bandwidth=BYTES_PER_SECOND`` and ``boundary_overhead=SECONDS``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
 __all__ = ["main"]
 
 SMALL, LARGE = 256, 1 << 20  # elements per boundary: 1 KiB and 4 MiB of float32
+MANY = 33  # micro-batches of the steps that give the boundary overhead
+STEPS = 5  # timed steps per configuration and round
+IDLE = 0.005  # seconds each pass of the layers that time the messages sleeps
+Passes = tuple[list[float], list[float]]  # per stage: forward and backward seconds of one micro-batch
 
 
-def _job(rank: int, world_size: int, device_name: str, repeats: int) -> dict[str, float]:
+def _job(rank: int, world_size: int, device_name: str, repeats: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch import nn
 
     from lightning_gpipe.pipeline import Pipeline
-    from lightning_gpipe.plan import DEFAULT_MICROBATCH_OVERHEAD
     from lightning_gpipe.plan.profile import profile_layers
     from lightning_gpipe.transport import ProcessGroupTransport
 
+    class Idle(torch.autograd.Function):
+        """Sleeps ``IDLE`` seconds in both passes: a stage whose host waits, as it does for a GPU or a peer."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(IDLE)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            time.sleep(IDLE)
+            return grad
+
     class Scale(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, idle: bool) -> None:
             super().__init__()
             self.weight = nn.Parameter(torch.ones(()))
+            self.idle = idle
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.weight
+            # After the weight: its gradient needs the backward, so the profile's passes sleep as the stage's do.
+            return Idle.apply(x * self.weight) if self.idle else x * self.weight
 
-    torch.set_num_threads(1)
     device = torch.device(device_name)
-    overhead = DEFAULT_MICROBATCH_OVERHEAD.get(device.type, 0.0)
-    found: dict[str, float] = {}
-    for elements in (SMALL, LARGE):
-        layer = Scale().to(device)
-        sample = torch.randn(1, elements, device=device)
+    plain, idle = nn.Sequential(Scale(idle=False).to(device)), nn.Sequential(Scale(idle=True).to(device))
+    transport = ProcessGroupTransport([0, 1], device)
+    # (layers, boundary elements, M): the plain layer for the threads' CPU time, the idle one for the messages.
+    configurations = {"cpu_1": (plain, SMALL, 1), "cpu_many": (plain, SMALL, MANY)}
+    configurations.update({"small": (idle, SMALL, 1), "large": (idle, LARGE, 1)})
+    passes: dict[str, Passes] = {}
+    for key, (layers, elements, _) in configurations.items():
         profile = profile_layers(
-            nn.Sequential(layer), sample, microbatch_sizes=[1], repeats=9, warmup=2, rematerialized=False
+            layers,
+            torch.randn(1, elements, device=device),
+            microbatch_sizes=[1],
+            repeats=9,
+            warmup=2,
+            rematerialized=False,
+            optimizer=None,
         )
         forward, backward = profile.pass_times(1)
-        own = torch.tensor([sum(forward) + sum(backward)])
-        dist.all_reduce(own)  # both stages' layers lie on the critical path at M = 1
-        pipeline = Pipeline(nn.Sequential(layer), ProcessGroupTransport([0, 1], device), chunks=1)
-        batch = (sample, torch.zeros((), device=device))
+        stages: list[Any] = [None] * world_size
+        dist.all_gather_object(stages, (forward[0], backward[0]))
+        passes[key] = ([f for f, _ in stages], [b for _, b in stages])
+    pipelines = {
+        key: (
+            Pipeline(layers, transport, chunks=chunks),
+            (torch.randn(chunks, elements, device=device), torch.zeros(chunks, device=device)),
+        )
+        for key, (layers, elements, chunks) in configurations.items()
+    }
 
-        def loss_fn(output: torch.Tensor, value: Any) -> torch.Tensor:
-            return output.mean()
+    def loss_fn(output: torch.Tensor, value: Any) -> torch.Tensor:
+        return output.mean()
 
-        best = float("inf")
-        for _ in range(repeats):
+    steps: dict[str, list[float]] = {key: [] for key in pipelines}
+    cpu: dict[str, list[float]] = {key: [] for key in pipelines}
+    for _ in range(repeats):
+        for key, (pipeline, batch) in pipelines.items():
             pipeline.train_step(batch, loss_fn)  # warm-up
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            for _ in range(10):
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            for _ in range(STEPS):
                 pipeline.train_step(batch, loss_fn)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            elapsed = torch.tensor([(time.perf_counter() - start) / 10])
+            elapsed = torch.tensor([(time.perf_counter() - start) / STEPS])
+            cpu[key].append((time.thread_time() - start_cpu) / STEPS)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            best = min(best, float(elapsed))
-        found[f"message_{elements}"] = max(0.0, (best - float(own) - 2 * overhead) / 2)
-    return found
+            steps[key].append(float(elapsed))
+    # Per stage: its thread's CPU seconds per further micro-batch.
+    slope = (statistics.median(cpu["cpu_many"]) - statistics.median(cpu["cpu_1"])) / (MANY - 1)
+    slopes: list[Any] = [None] * world_size
+    dist.all_gather_object(slopes, slope)
+    return {
+        "passes": passes,
+        "steps": {key: statistics.median(values) for key, values in steps.items()},
+        "cpu_per_microbatch": slopes,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,20 +134,36 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m benchmarks.plan_calibration.link", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
     from benchmarks.launch import Launcher
+    from lightning_gpipe.plan import DEFAULT_MICROBATCH_OVERHEAD
 
     with Launcher(["torch", "lightning_gpipe.plan", __name__]) as launcher:
-        per_rank = launcher.run(_job, (args.device, args.repeats), 2, timeout=600, label="link")
-    small, large = per_rank[0][f"message_{SMALL}"], per_rank[0][f"message_{LARGE}"]
-    bytes_between = (LARGE - SMALL) * 4
-    bandwidth = bytes_between / (large - small) if large > small else float("inf")
-    latency = max(0.0, small - SMALL * 4 / bandwidth)
-    print(f"message_seconds_{SMALL * 4}B={small:.6f}")
-    print(f"message_seconds_{LARGE * 4}B={large:.6f}")
+        result = launcher.run(_job, (args.device, args.repeats), 2, timeout=900, label="link")[0]
+    passes, steps = result["passes"], result["steps"]
+    engine = DEFAULT_MICROBATCH_OVERHEAD.get(args.device.split(":")[0], 0.0)
+    forward, backward = passes["cpu_1"]
+    boundary = max(
+        0.0,
+        statistics.mean(
+            cpu - f - b - engine for cpu, f, b in zip(result["cpu_per_microbatch"], forward, backward, strict=True)
+        ),
+    )
+
+    def message(key: str) -> float:
+        """One message's seconds at M = 1: the step less both stages' passes and per-micro-batch costs, halved."""
+        return max(0.0, (steps[key] - sum(map(sum, passes[key])) - 2 * (engine + boundary)) / 2)
+
+    latency = message("small")
+    extra = message("large") - latency  # the large boundary's time beyond the small one's: the extra bytes
+    bandwidth = (LARGE - SMALL) * 4 / extra if extra > 0 else float("inf")
+    for key, seconds in steps.items():
+        print(f"step_seconds_{key}={seconds:.6f}")
+    print("stage_cpu_seconds_per_microbatch=" + ",".join(f"{cpu:.6f}" for cpu in result["cpu_per_microbatch"]))
     print(f"link_latency={latency:.6f}")
     print(f"link_bandwidth={bandwidth:.3e}")
+    print(f"boundary_overhead={boundary:.6f}")
 
 
 if __name__ == "__main__":

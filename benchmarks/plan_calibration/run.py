@@ -10,13 +10,18 @@ For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm
 2. each configuration is built with that balance and trained with :class:`~lightning_gpipe.Pipeline` and Adam: one
    warm-up step, then one step whose peak is counted in exact tensor bytes (a ``TorchDispatchMode``, independent of
    the allocator and the machine's load), added to the stage's resident state and batch;
-3. the step time is measured in interleaved rounds (every configuration once per round, ``STEPS`` steps each) and
-   the median over rounds is kept, as ``reference/pipelining-notes.md`` prescribes for this shared 2-core machine;
-   each round's foreign load (other processes' CPU, from /proc) is recorded and rounds above ``MAX_FOREIGN`` cores
-   are dropped when enough quiet ones remain.
+3. the step time is measured in interleaved rounds, as ``reference/pipelining-notes.md`` prescribes for this shared
+   2-core machine: each round first profiles the model again on rank 0 (rank 1 waits, as the planner runs alone)
+   and predicts every configuration from that profile with the balance of step 1, then times every configuration
+   once (``STEPS`` steps each). A prediction and the measurement it is compared with are thus taken minutes, not
+   seconds, apart no more: the machine's speed drifts by up to 20% between runs, and a profile taken once before
+   all rounds carried that drift into every error. Each round's foreign load (other processes' CPU, from /proc)
+   is recorded and rounds above ``MAX_FOREIGN`` cores are dropped when enough quiet ones remain.
 
 Prints a table and the headlines ``plan_memory_error`` and ``plan_time_error``: the worst relative error over all
-stages and configurations (``|predicted - measured| / measured``). ``--memory-only`` skips the timed rounds (memory
+stages and configurations. A configuration's time error is the median over rounds of ``predicted / measured``,
+less one (the median of per-round ratios, the notes' statistic), its memory error ``|predicted - measured| /
+measured``. ``--memory-only`` skips the timed rounds (memory
 counts do not depend on the machine's load, so they can be taken on a busy machine) and writes its own block of the
 page.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import pathlib
 import platform
@@ -46,6 +52,7 @@ PAGE = REPO / "docs" / "benchmarks" / "plan.md"
 BEGIN, END = "<!-- plan-calibration:begin -->", "<!-- plan-calibration:end -->"
 MEMORY_BEGIN, MEMORY_END = "<!-- plan-memory:begin -->", "<!-- plan-memory:end -->"
 MAX_FOREIGN = 0.3  # cores of other processes' load above which a round is dropped (if enough quiet ones remain)
+ROUND_REPEATS = 3  # timed runs per layer and size in each round's profile (its median is what the planner uses)
 BATCH = 16
 SEQUENCE = 64
 
@@ -133,6 +140,41 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def _predict(
+    rank: int, layers: Any, sample: Any, loss_fn: Any, repeats: int, warmup: int, balances: list[Any] | None = None
+) -> list[Any]:
+    """Rank 0 profiles ``layers`` (the other rank waits, as the planner runs alone) and predicts every configuration;
+    every rank gets the predictions. ``balances`` keeps each configuration's balance; ``None`` lets the planner
+    choose."""
+    import torch.distributed as dist
+
+    from lightning_gpipe.plan import evaluate
+    from lightning_gpipe.plan.profile import profile_layers
+
+    predictions: list[Any] = [None]
+    if rank == 0:
+        sizes = sorted({-(-BATCH // c.chunks) for c in CONFIGS} | {BATCH})
+        profile = profile_layers(
+            layers, sample, microbatch_sizes=sizes, loss_fn=loss_fn, repeats=repeats, warmup=warmup
+        )
+        predictions = [
+            [
+                evaluate(
+                    profile,
+                    pipe_size=c.pipe_size,
+                    chunks=c.chunks,
+                    batch_size=BATCH,
+                    checkpoint=c.checkpoint,  # type: ignore[arg-type]
+                    schedule=c.schedule,
+                    balance=None if balances is None else balances[index],
+                )
+                for index, c in enumerate(CONFIGS)
+            ]
+        ]
+    dist.broadcast_object_list(predictions, src=0)
+    return list(predictions[0])
+
+
 def _job(
     rank: int, world_size: int, names: tuple[str, ...], rounds: int, steps: int, device_name: str
 ) -> dict[str, Any]:
@@ -142,8 +184,7 @@ def _job(
 
     from lightning_gpipe.partition import split
     from lightning_gpipe.pipeline import Pipeline
-    from lightning_gpipe.plan import evaluate
-    from lightning_gpipe.plan.profile import LiveTensorBytes, profile_layers
+    from lightning_gpipe.plan.profile import LiveTensorBytes
     from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
 
     device = torch.device(device_name)
@@ -158,36 +199,14 @@ def _job(
         module.train()
         batch = _batch(name, device)
         input_fn, loss_fn, profile_loss = _objective(name, module)
-        # Both ranks profile (rank 1's result is dropped), so neither waits in a collective for the other's profile
-        # longer than the process group's timeout on a loaded machine.
-        sizes = sorted({-(-BATCH // c.chunks) for c in CONFIGS} | {BATCH})
-        timed = rounds > 0  # without timed rounds, one untimed pass per size is enough (the bytes are exact)
-        profile = profile_layers(
-            module.layers,
-            input_fn(batch),
-            microbatch_sizes=sizes,
-            loss_fn=profile_loss,
-            repeats=5 if timed else 1,
-            warmup=2 if timed else 0,
-        )
-        predictions = [
-            [
-                evaluate(
-                    profile,
-                    pipe_size=c.pipe_size,
-                    chunks=c.chunks,
-                    batch_size=BATCH,
-                    checkpoint=c.checkpoint,  # type: ignore[arg-type]
-                    schedule=c.schedule,
-                )
-                for c in CONFIGS
-            ]
-        ]
-        if rank != 0:
-            predictions = [None]
-        dist.broadcast_object_list(predictions, src=0)
+
+        # The balances and the memory predictions; without timed rounds one untimed pass per size is enough (the
+        # bytes are exact).
+        timed = rounds > 0
+        predict = functools.partial(_predict, rank, module.layers, input_fn(batch), profile_loss)
+        first = predict(5 if timed else 1, 2 if timed else 0)
         runs = []
-        for config, predicted in zip(CONFIGS, predictions[0], strict=True):
+        for config, predicted in zip(CONFIGS, first, strict=True):
             active = rank < config.pipe_size
             if config.pipe_size == 1:
                 cell = module.layers
@@ -229,8 +248,12 @@ def _job(
             memory.append(_tensor_bytes(state) + _tensor_bytes(batch_tensors) + counter.peak)
 
         times: list[list[float]] = [[] for _ in runs]
+        predicted_times: list[list[float]] = [[] for _ in runs]
         loads: list[float] = []
+        balances = [run[1].balance for run in runs]
         for _ in range(rounds):
+            for index, predicted in enumerate(predict(ROUND_REPEATS, 1, balances)):
+                predicted_times[index].append(predicted.step_time)
             start = snapshot(ours)
             for index, run in enumerate(runs):
                 step(run)  # a warm-up step, so the previous configuration's caches do not count here
@@ -246,7 +269,7 @@ def _job(
             loads.append(foreign_cores(start, snapshot(ours)))
         results[name] = {
             "configs": [run[0].label() for run in runs],
-            "predicted_time": [run[1].step_time for run in runs],
+            "predicted_times": predicted_times,
             "predicted_memory": [[m.peak for m in run[1].stage_memory] for run in runs],
             "memory": memory,
             "times": times,
@@ -265,9 +288,21 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _median_time(times: list[float], loads: list[float]) -> float:
-    quiet = [t for t, load in zip(times, loads, strict=True) if load <= MAX_FOREIGN]
-    return statistics.median(quiet if len(quiet) >= 3 else times)
+def _quiet(values: list[float], loads: list[float]) -> list[float]:
+    """The values of the rounds whose foreign load stayed under ``MAX_FOREIGN``, if at least three did; else all."""
+    quiet = [value for value, load in zip(values, loads, strict=True) if load <= MAX_FOREIGN]
+    return quiet if len(quiet) >= 3 else values
+
+
+def _time_error(predicted: list[float], measured: list[float], loads: list[float]) -> tuple[float, float, float]:
+    """``(predicted, measured, error)``: the medians over the quiet rounds, and the median per-round ratio's distance
+    from one."""
+    ratios = _quiet([p / m for p, m in zip(predicted, measured, strict=True)], loads)
+    return (
+        statistics.median(_quiet(predicted, loads)),
+        statistics.median(_quiet(measured, loads)),
+        abs(statistics.median(ratios) - 1.0),
+    )
 
 
 def _report(merged: dict[str, Any], timed: bool = True) -> tuple[list[str], float, float]:
@@ -292,12 +327,13 @@ def _report(merged: dict[str, Any], timed: bool = True) -> tuple[list[str], floa
             if not timed:
                 rows.append(f"| {name} | {label} | {pairs} | {max(errors):.2f} |")
                 continue
-            measured_time = _median_time(result["times"][index], result["loads"])
-            time_error = abs(result["predicted_time"][index] - measured_time) / measured_time
+            predicted_time, measured_time, time_error = _time_error(
+                result["predicted_times"][index], result["times"][index], result["loads"]
+            )
             worst_time = max(worst_time, time_error)
             rows.append(
                 f"| {name} | {label} | {pairs} | {max(errors):.2f} | "
-                f"{result['predicted_time'][index] * 1e3:.1f} / {measured_time * 1e3:.1f} | {time_error:.2f} |"
+                f"{predicted_time * 1e3:.1f} / {measured_time * 1e3:.1f} | {time_error:.2f} |"
             )
     return rows, worst_memory, worst_time
 

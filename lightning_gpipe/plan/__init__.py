@@ -30,6 +30,7 @@ from lightning_gpipe.simulate import simulate_step
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
+    "DEFAULT_BOUNDARY_OVERHEAD",
     "DEFAULT_LATENCY",
     "DEFAULT_MICROBATCH_OVERHEAD",
     "DEFAULT_REMATERIALIZATION_OVERHEAD",
@@ -48,14 +49,15 @@ __all__ = [
 ]
 
 GiB = 2**30
-DEFAULT_BANDWIDTH = {"cuda": 20e9, "cpu": 4e9, "meta": 20e9}
+DEFAULT_BANDWIDTH = {"cuda": 20e9, "cpu": 1.3e9, "meta": 20e9}
 """Bytes per second across a stage boundary when none is given: NVLink/PCIe-class on CUDA; on CPU, gloo on loopback
-through the engine, as ``python -m benchmarks.plan_calibration.link`` measures it (3.4-5.8 GB/s on this project's
-2-core CPU machines)."""
-DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 400e-6, "meta": 20e-6}
+through the engine, as ``python -m benchmarks.plan_calibration.link`` measures it (the median of its rounds, 1.3 GB/s
+on this project's 2-core CPU machines; the minimum was 3.4-5.8 GB/s)."""
+DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 700e-6, "meta": 20e-6}
 """Seconds of fixed cost per message across a stage boundary when none is given: the transport's calls, the
-control message and the Python on both sides. On CPU measured by ``python -m benchmarks.plan_calibration.link``
-(320-450 µs on this project's 2-core CPU machines)."""
+control message and the wake-up of a stage that waited for it. On CPU measured by ``python -m
+benchmarks.plan_calibration.link`` between stages that sleep as they would wait for a peer (the median of its rounds,
+0.7 ms on this project's 2-core virtual machines, whose waiting cores wake late; 0.3-0.45 ms between busy ones)."""
 DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 7e-5, "cpu": 7e-5, "meta": 0.0}
 """Seconds the engine adds to each stage per micro-batch (forward and backward together) beyond its layers' own
 times: Python, the step's bookkeeping and the calls that post messages. Layers are profiled alone, so a prediction
@@ -66,6 +68,14 @@ profiles describe no device and get none."""
 DEFAULT_REMATERIALIZATION_OVERHEAD = {"cuda": 3.5e-4, "cpu": 3.5e-4, "meta": 0.0}
 """Seconds a re-materialized micro-batch adds on top (the checkpoint wrapper, the random state it saves and
 restores, the replayed forward's Python), measured alike (350 µs)."""
+DEFAULT_BOUNDARY_OVERHEAD = {"cuda": 1.1e-3, "cpu": 1.1e-3, "meta": 0.0}
+"""Seconds a stage spends per micro-batch at each of its stage boundaries beyond the message's time on the link:
+describing, posting, sending and receiving one micro-batch's activations and their gradients (Python and the
+transport's calls, which hold the stage's own thread). A middle stage pays it twice. ``DEFAULT_MICROBATCH_OVERHEAD``
+is measured on one stage, which has no boundary, so it leaves this out. Measured on the CPU by ``python -m
+benchmarks.plan_calibration.link`` as the stage thread's CPU time per further micro-batch (1.0-1.2 ms on this
+project's 2-core CPU machines: two gloo messages each way, each with torch.distributed's Python and a work object);
+the host-side code is the same on CUDA, where it stands in until measured there with ``--device cuda``."""
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
 _UNITS.update({"g": GiB, "gb": GiB, "gib": GiB, "t": 2**40, "tb": 2**40, "tib": 2**40})
 
@@ -263,6 +273,7 @@ def evaluate(
     bandwidth: float | None = None,
     latency: float | None = None,
     overhead: float | None = None,
+    boundary_overhead: float | None = None,
 ) -> Candidate:
     """Predict one configuration: step time, bubble and per-stage memory for a mini-batch of ``batch_size`` samples.
 
@@ -270,7 +281,8 @@ def evaluate(
     one that best balances the stages' pass times. ``overhead`` is the engine's seconds per micro-batch and stage
     (default by device type: :data:`DEFAULT_MICROBATCH_OVERHEAD`), split evenly between forward and backward; a
     re-materialized micro-batch adds :data:`DEFAULT_REMATERIALIZATION_OVERHEAD` (scaled alike when ``overhead`` is
-    given).
+    given). ``boundary_overhead`` is what a stage adds per micro-batch and stage boundary (default by device type:
+    :data:`DEFAULT_BOUNDARY_OVERHEAD`), split alike.
     """
     K, M = pipe_size, chunks
     per_replica = math.ceil(batch_size / replicas)
@@ -286,21 +298,38 @@ def evaluate(
     rate = bandwidth if bandwidth is not None else DEFAULT_BANDWIDTH.get(kind, 2e9)
     delay = latency if latency is not None else DEFAULT_LATENCY.get(kind, 1e-4)
     engine = overhead if overhead is not None else DEFAULT_MICROBATCH_OVERHEAD.get(kind, 0.0)
+    boundary = boundary_overhead if boundary_overhead is not None else DEFAULT_BOUNDARY_OVERHEAD.get(kind, 0.0)
     # Scaled alike when an overhead is given: the re-materialized share keeps its measured ratio to the plain one.
     base = DEFAULT_MICROBATCH_OVERHEAD.get(kind, 0.0)
     replay = DEFAULT_REMATERIALIZATION_OVERHEAD.get(kind, 0.0) * (engine / base if base > 0 else 0.0)
     bounds = cell_bounds(balance)
-    stage_f = [sum(forward[i] for i in cell) + engine / 2 for cell in bounds]
-    stage_b = [sum(backward[i] for i in cell) + engine / 2 for cell in bounds]
+    # Per micro-batch, each stage pays the engine's own cost and that of each of its boundaries (a middle stage two).
+    host = [engine + boundary * ((j > 0) + (j < K - 1)) for j in range(K)]
+    stage_f = [sum(forward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
+    stage_b = [sum(backward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
     transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
     extra = profile.recompute_times(n)
+    wrapped = [0.0] * K
     if extra is not None:  # measured: the replayed forward and the checkpoint's hooks on every saved tensor
-        recompute = [sum(extra[i] for i in cell) + profile.recompute_call for cell in bounds]
+        first = profile.recompute_forward_times(n)  # the hooks' share in the first forward
+        wrapped = [sum(first[i] for i in cell) for cell in bounds]
+        recompute = [
+            sum(extra[i] for i in cell) - share + profile.recompute_call
+            for cell, share in zip(bounds, wrapped, strict=True)
+        ]
     else:  # a re-materialized backward repeats the layers' forward and pays the checkpoint wrapper's own work
         recompute = [sum(forward[i] for i in cell) + replay for cell in bounds]
     update = [profile.stage_update(cell) for cell in bounds]
     step = simulate_step(
-        schedule, stage_f, stage_b, M, transfer=transfer, recompute=recompute, checkpoint_stop=stop, update=update
+        schedule,
+        stage_f,
+        stage_b,
+        M,
+        transfer=transfer,
+        recompute=recompute,
+        checkpoint_stop=stop,
+        update=update,
+        checkpoint_forward=wrapped,
     )
     memory = tuple(
         stage_memory(
@@ -482,6 +511,7 @@ def plan(
     bandwidth: float | None = None,
     latency: float | None = None,
     overhead: float | None = None,
+    boundary_overhead: float | None = None,
     flops_per_second: float | None = None,
     profile: ModelProfile | None = None,
     pipe_sizes: Sequence[int] | None = None,
@@ -508,6 +538,7 @@ def plan(
         bandwidth: bytes per second across a stage boundary (default by device type: ``DEFAULT_BANDWIDTH``).
         latency: seconds per boundary message (default by device type: ``DEFAULT_LATENCY``).
         overhead: the engine's seconds per micro-batch and stage (default: ``DEFAULT_MICROBATCH_OVERHEAD``).
+        boundary_overhead: a stage's seconds per micro-batch and boundary (default: ``DEFAULT_BOUNDARY_OVERHEAD``).
         flops_per_second: time layers from their FLOPs at this rate instead of measuring them.
         profile: a profile made earlier with :func:`profile_layers` (skips profiling).
         pipe_sizes: the K values to consider (each must divide ``devices``); default every divisor.
@@ -554,7 +585,13 @@ def plan(
             rematerialized=any(mode != "never" for mode in modes),
             optimizer=optimizer,
         )
-    options = {"optimizer_slots": optimizer_slots, "bandwidth": bandwidth, "latency": latency, "overhead": overhead}
+    options = {
+        "optimizer_slots": optimizer_slots,
+        "bandwidth": bandwidth,
+        "latency": latency,
+        "overhead": overhead,
+        "boundary_overhead": boundary_overhead,
+    }
     every = _search(
         profile, divisors, devices, batch_size, chunks, modes, kinds, smallest, per_pipeline_batch, **options
     )

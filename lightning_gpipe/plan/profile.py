@@ -74,8 +74,10 @@ class ModelProfile:
 
     ``times[n]`` holds ``(forward, backward)`` seconds per layer for micro-batches of ``n`` samples, and
     ``recompute[n]`` what re-materializing each layer adds to them (empty when not measured: the planner then charges
-    the forward again). Sizes that were not measured are interpolated linearly between the nearest measured ones (a
-    fixed launch cost plus a per-sample cost), and extrapolated proportionally to the samples beyond them.
+    the forward again), of which ``recompute_forward[n]`` falls in the forward pass: the checkpoint wrapper's hook on
+    every tensor autograd saves runs in the first forward too, not only in the replay. Sizes that were not measured
+    are interpolated linearly between the nearest measured ones (a fixed launch cost plus a per-sample cost), and
+    extrapolated proportionally to the samples beyond them.
 
     The checkpoint wrapper and the optimizer step also cost something once per call, whatever the layers:
     ``recompute_call`` and ``update_call``, which a stage pays once and which ``recompute`` and ``updates`` leave out.
@@ -89,6 +91,7 @@ class ModelProfile:
     loss_transient_bytes: float = 0.0  # per sample: the loss's backward peak above that
     recompute: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
     recompute_call: float = 0.0  # seconds per re-materialized micro-batch and stage
+    recompute_forward: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: the forward's share
     updates: tuple[float, ...] = ()  # per layer: seconds of one optimizer step over its parameters; () unmeasured
     update_call: float = 0.0  # seconds per optimizer step and stage
 
@@ -113,6 +116,13 @@ class ModelProfile:
         :meth:`pass_times` fits them), without the wrapper's per-call ``recompute_call``; ``None`` if not measured."""
         return _at_size(self.recompute, samples) if self.recompute else None
 
+    def recompute_forward_times(self, samples: int) -> list[float]:
+        """The part of :meth:`recompute_times` that a re-materialized micro-batch pays in its forward pass, per layer
+        (zeros when not measured: the whole cost then falls in the backward)."""
+        if not self.recompute_forward:
+            return [0.0] * len(self.layers)
+        return _at_size(self.recompute_forward, samples)
+
     def stage_update(self, cell: range) -> float:
         """Seconds of the optimizer step of a stage that holds the layers ``cell`` (0 when not measured)."""
         if not self.updates:
@@ -133,6 +143,7 @@ class ModelProfile:
             layers=repeat(self.layers),
             times={n: (repeat(f), repeat(b)) for n, (f, b) in self.times.items()},
             recompute={n: repeat(r) for n, r in self.recompute.items()},
+            recompute_forward={n: repeat(r) for n, r in self.recompute_forward.items()},
             updates=repeat(self.updates),
         )
 
@@ -490,6 +501,7 @@ def profile_layers(
         *loss_bytes,
         recompute=measured.recompute,
         recompute_call=measured.recompute_call,
+        recompute_forward=measured.recompute_forward,
         updates=updates,
         update_call=update_call,
     )
@@ -529,6 +541,7 @@ class _Measured:
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
     recompute: dict[int, tuple[float, ...]]
     recompute_call: float
+    recompute_forward: dict[int, tuple[float, ...]]
 
 
 def _measured_times(
@@ -550,6 +563,7 @@ def _measured_times(
     call = _wrapper_seconds(device, repeats + warmup) if rematerialized else 0.0
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
     recompute: dict[int, tuple[float, ...]] = {}
+    recompute_forward: dict[int, tuple[float, ...]] = {}
     for n in sizes:
         # runs[variant][layer]: (forward, backward) seconds of every timed run
         runs: list[list[list[tuple[float, float]]]] = [[[] for _ in layers] for _ in variants]
@@ -577,7 +591,12 @@ def _measured_times(
             plain = [statistics.median(f + b for f, b in layer_runs) for layer_runs in keep[0]]
             again = [statistics.median(f + b for f, b in layer_runs) for layer_runs in keep[1]]
             recompute[n] = tuple(max(0.0, a - p - call) for a, p in zip(again, plain, strict=True))
-    return _Measured(times, recompute, call)
+            # The forward's share, at most the whole: what the wrapped forward takes beyond the plain one.
+            first = [statistics.median(f for f, _ in layer_runs) for layer_runs in keep[1]]
+            recompute_forward[n] = tuple(
+                min(total, max(0.0, f - p)) for f, p, total in zip(first, times[n][0], recompute[n], strict=True)
+            )
+    return _Measured(times, recompute, call, recompute_forward)
 
 
 def _time_variants(

@@ -14,6 +14,7 @@ from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe.plan import (
+    DEFAULT_BOUNDARY_OVERHEAD,
     DEFAULT_MICROBATCH_OVERHEAD,
     DEFAULT_REMATERIALIZATION_OVERHEAD,
     InfeasiblePlanError,
@@ -127,7 +128,14 @@ def test_1f1b_holds_fewer_micro_batches_than_fill_drain() -> None:
 
 def test_evaluate_predicts_the_bubble_of_balanced_stages() -> None:
     candidate = evaluate(
-        synthetic(), pipe_size=4, chunks=8, batch_size=32, checkpoint="never", latency=0.0, overhead=0.0
+        synthetic(),
+        pipe_size=4,
+        chunks=8,
+        batch_size=32,
+        checkpoint="never",
+        latency=0.0,
+        overhead=0.0,
+        boundary_overhead=0.0,
     )
     assert candidate.balance == (2, 2, 2, 2)
     # Transfers of 4 samples x 0.125 MiB at 2 GB/s are small but not zero: the bubble is a little above (K-1)/(M+K-1).
@@ -229,6 +237,8 @@ def test_profile_times_rematerialization_and_the_optimizer_step_without_changing
     assert extra is not None
     assert len(extra) == 3
     assert all(t >= 0 for t in extra)
+    share = profile.recompute_forward_times(4)  # the part of it paid in the first forward
+    assert all(0 <= part <= total for part, total in zip(share, extra, strict=True))
     plain = profile_layers(layers, torch.randn(4, 16), microbatch_sizes=[4], rematerialized=False, optimizer=None)
     assert plain.recompute_times(4) is None
     assert plain.updates == ()
@@ -251,6 +261,12 @@ def test_measured_rematerialization_and_optimizer_steps_enter_the_step_time() ->
     assert stepped.step_time == pytest.approx(never.step_time + 4 * 2e-3 + 3e-3)
     always = evaluate(measured, pipe_size=1, chunks=4, batch_size=16, checkpoint="always")
     assert always.step_time == pytest.approx(stepped.step_time + 4 * (4 * 5e-3 + 1e-3))
+    # Where 2 ms of each layer's 5 fall in the first forward, one stage takes as long (where it falls matters only
+    # between stages: tests/tests_gpipe/test_simulate.py).
+    split = replace(measured, recompute_forward=dict.fromkeys(base.times, (0.002,) * 4))
+    assert split.recompute_forward_times(4) == [0.002] * 4
+    forwards = evaluate(split, pipe_size=1, chunks=4, batch_size=16, checkpoint="always")
+    assert forwards.step_time == pytest.approx(always.step_time)
     # Unmeasured (FLOP-rate profiles): the forward again, plus the wrapper's default cost.
     unmeasured = evaluate(base, pipe_size=1, chunks=4, batch_size=16, checkpoint="always")
     forward = sum(base.pass_times(4)[0])
@@ -460,4 +476,24 @@ def test_evaluate_adds_the_engines_cost_per_micro_batch() -> None:
     assert replayed.step_time - plain_replay.step_time == pytest.approx(8 * 2e-3 * (1 + ratio))
     assert evaluate(profile, checkpoint="never", **options).step_time == pytest.approx(
         bare.step_time + 8 * DEFAULT_MICROBATCH_OVERHEAD["cpu"]
+    )
+
+
+def test_evaluate_charges_each_stage_its_boundaries_per_micro_batch() -> None:
+    # A stage's own thread sends and receives every micro-batch at each of its boundaries, which a layer profiled
+    # alone, and the engine measured on one stage, never do: two-stage steps on the CPU were predicted 10-30% short.
+    options: dict[str, Any] = {"pipe_size": 3, "chunks": 8, "batch_size": 32, "checkpoint": "never"}
+    options.update(balance=[3, 2, 3], latency=0.0, overhead=0.0)
+    bare = evaluate(synthetic(), boundary_overhead=0.0, **options)
+    charged = evaluate(synthetic(), boundary_overhead=1e-3, **options)
+    added = [after - before for after, before in zip(charged.stage_busy, bare.stage_busy, strict=True)]
+    assert added == pytest.approx([8e-3, 16e-3, 8e-3])  # the middle stage has two boundaries
+    assert charged.step_time > bare.step_time
+    alone = {**options, "pipe_size": 1, "balance": None}
+    assert evaluate(synthetic(), boundary_overhead=1e-3, **alone).step_time == pytest.approx(
+        evaluate(synthetic(), boundary_overhead=0.0, **alone).step_time
+    )
+    # By default the CPU figure is charged.
+    assert evaluate(synthetic(), **options).stage_busy[1] - bare.stage_busy[1] == pytest.approx(
+        16 * DEFAULT_BOUNDARY_OVERHEAD["cpu"]
     )

@@ -47,6 +47,31 @@ def test_recomputation_lengthens_the_checkpointed_backwards_only() -> None:
     assert simulate_step("gpipe", [1], [2], 2, recompute=[0.5], checkpoint_stop=2).makespan == 7.0
 
 
+def test_the_checkpoint_wrappers_forward_share_delays_the_next_stage() -> None:
+    # The wrapper's hooks run in the first forward too. K=2, M=2, f=1, b=2, recompute 1: as a backward cost, stage 1
+    # starts at 1 and the step ends at 1 + 2 * (1 + 3) + 3 = 12. Half of it in the forward: stage 0's forwards take
+    # 1.5, stage 1's too (start 1.5, then 2 * (1.5 + 2.5)), and stage 0's last backward 2.5: 1.5 + 8 + 2.5 = 12 as
+    # well, where only the re-materialized micro-batches pay it ("except_last": stop = 1).
+    base = {"recompute": [1.0, 1.0], "checkpoint_stop": 2}
+    assert simulate_step("gpipe", [1, 1], [2, 2], 2, **base).makespan == 12.0
+    split = simulate_step(
+        "gpipe", [1, 1], [2, 2], 2, recompute=[0.5, 0.5], checkpoint_stop=2, checkpoint_forward=[0.5, 0.5]
+    )
+    assert split.makespan == 12.0
+    assert [span.end - span.start for span in split.spans[0][:2]] == [1.5, 1.5]
+    one = simulate_step(
+        "gpipe", [1, 1], [2, 2], 2, recompute=[0.5, 0.5], checkpoint_stop=1, checkpoint_forward=[0.5, 0.5]
+    )
+    assert [span.end - span.start for span in one.spans[0][:2]] == [1.5, 1.0]
+    # Stage 1's backwards are the long ones (4): stage 0's extra 2 hides behind them in its backwards (the step ends at
+    # 21 + 3 = 24), but in its forwards it delays every forward of stage 1 (stage 1 starts its backwards at 13: 30).
+    wrapped = {"checkpoint_stop": 4, "checkpoint_forward": [2, 0], "recompute": [0, 0]}
+    assert simulate_step("gpipe", [1, 1], [1, 4], 4, recompute=[2, 0], checkpoint_stop=4).makespan == 24.0
+    assert simulate_step("gpipe", [1, 1], [1, 4], 4, **wrapped).makespan == 30.0
+    with pytest.raises(ValueError, match="checkpoint_forward has 1 entries"):
+        simulate_step("gpipe", [1, 1], [2, 2], 2, checkpoint_forward=[0.5])
+
+
 def test_each_stage_steps_its_optimizer_after_its_last_backward() -> None:
     # K=2, M=2, f=1, b=2, free links: stage 1's last backward ends at 7, stage 0's at 9 (fill-drain ends on stage 0).
     assert simulate_step("gpipe", [1, 1], [2, 2], 2).makespan == 9.0
