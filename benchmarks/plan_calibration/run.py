@@ -13,17 +13,16 @@ For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm
 3. the step time is measured in interleaved rounds, as ``reference/pipelining-notes.md`` prescribes for this shared
    2-core machine: each round first profiles the model again on rank 0 (rank 1 waits, as the planner runs alone)
    and predicts every configuration from that profile with the balance of step 1, then times every configuration
-   once (``STEPS`` steps each). A prediction and the measurement it is compared with are thus taken minutes, not
-   seconds, apart no more: the machine's speed drifts by up to 20% between runs, and a profile taken once before
-   all rounds carried that drift into every error. Each round's foreign load (other processes' CPU, from /proc)
+   once (``STEPS`` steps each). A prediction and the measurement it is compared with are thus taken seconds apart,
+   not minutes: the machine's speed drifts by up to 20% within minutes, and a profile taken once before all rounds
+   carried that drift into every error. Each round's foreign load (other processes' CPU, from /proc)
    is recorded and rounds above ``MAX_FOREIGN`` cores are dropped when enough quiet ones remain.
 
 Prints a table and the headlines ``plan_memory_error`` and ``plan_time_error``: the worst relative error over all
 stages and configurations. A configuration's time error is the median over rounds of ``predicted / measured``,
 less one (the median of per-round ratios, the notes' statistic), its memory error ``|predicted - measured| /
-measured``. ``--memory-only`` skips the timed rounds (memory
-counts do not depend on the machine's load, so they can be taken on a busy machine) and writes its own block of the
-page.
+measured``. ``--memory-only`` skips the timed rounds (memory counts do not depend on the machine's load, so they can
+be taken on a busy machine) and writes its own block of the page.
 """
 
 from __future__ import annotations

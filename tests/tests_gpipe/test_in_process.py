@@ -141,16 +141,22 @@ def test_cuda_stages_replay_dropout_exactly() -> None:
 
 
 class _Waiter(nn.Module):
-    """Stage 0's cell: from its second micro-batch on, it waits (a while) for stage 1 to have computed."""
+    """Stage 0's cell: in its second micro-batch, it waits (a while) for stage 1 to have computed.
 
-    def __init__(self, other_ran: Any, wait: float) -> None:
+    With ``during``, only what stage 1 computes during the wait counts: stages that take turns may well have run
+    stage 1's first micro-batch between stage 0's two forwards (a loaded machine deschedules stage 0 after its send).
+    """
+
+    def __init__(self, other_ran: Any, wait: float, during: bool) -> None:
         super().__init__()
         self.linear = nn.Linear(2, 2)
-        self.other_ran, self.wait, self.calls, self.overlapped = other_ran, wait, 0, False
+        self.other_ran, self.wait, self.during, self.calls, self.overlapped = other_ran, wait, during, 0, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls == 2:
+            if self.during:
+                self.other_ran.clear()
             self.overlapped = self.other_ran.wait(self.wait)
         return self.linear(x)
 
@@ -170,7 +176,8 @@ def test_stages_take_turns_unless_concurrent(concurrent: bool) -> None:
     # Taking turns keeps each stage's random stream its own (C2) but hides the schedule's overlap, which notebook 04
     # measures: there the stages draw no random numbers and run concurrently, as devices would.
     event = threading.Event()
-    first = _Waiter(event, wait=10.0 if concurrent else 0.5)
+    # Concurrent: stage 1 computes its first micro-batch, before or during the wait. Taking turns: never during it.
+    first = _Waiter(event, wait=10.0 if concurrent else 0.5, during=not concurrent)
     run_in_threads(
         [first, _Signal(event)],
         (torch.ones(4, 2), torch.ones(4, 2)),
