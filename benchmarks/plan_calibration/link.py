@@ -75,8 +75,10 @@ def _job(rank: int, world_size: int, device_name: str, repeats: int) -> dict[str
     # (layers, boundary elements, M): the plain layer for the threads' CPU time, the idle one for the messages.
     configurations = {"cpu_1": (plain, SMALL, 1), "cpu_many": (plain, SMALL, MANY)}
     configurations.update({"small": (idle, SMALL, 1), "large": (idle, LARGE, 1)})
-    passes: dict[str, Passes] = {}
-    for key, (layers, elements, _) in configurations.items():
+    profiled: dict[tuple[int, int], Passes] = {}  # by layers and boundary: the two CPU configurations share one
+    for layers, elements, _ in configurations.values():
+        if (id(layers), elements) in profiled:
+            continue
         profile = profile_layers(
             layers,
             torch.randn(1, elements, device=device),
@@ -89,7 +91,8 @@ def _job(rank: int, world_size: int, device_name: str, repeats: int) -> dict[str
         forward, backward = profile.pass_times(1)
         stages: list[Any] = [None] * world_size
         dist.all_gather_object(stages, (forward[0], backward[0]))
-        passes[key] = ([f for f, _ in stages], [b for _, b in stages])
+        profiled[(id(layers), elements)] = ([f for f, _ in stages], [b for _, b in stages])
+    passes = {key: profiled[(id(layers), elements)] for key, (layers, elements, _) in configurations.items()}
     pipelines = {
         key: (
             Pipeline(layers, transport, chunks=chunks),
