@@ -11,7 +11,9 @@ DOC_TESTS := tests/test_docs.py tests/test_api_reference.py  # run by `make docs
 
 env:  ## create or sync .venv from uv.lock (installs uv when missing)
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
-	$(UV) sync --frozen
+	# Compiled at install: where PYTHONDONTWRITEBYTECODE is set (as on this project's CI machines) every process would
+	# otherwise compile torch and Lightning again on import, 20-30 s of CPU for each rank a test spawns.
+	$(UV) sync --frozen --compile-bytecode
 
 lint: env
 	$(RUN) ruff check .

@@ -25,6 +25,7 @@ __all__ = ["CHECKS", "main"]
 CHECK_TIMEOUT = 300  # seconds per check; the gpu-marker tests are the longest
 TOLERANCE = {"32-true": 1e-4, "bf16-mixed": 3e-2, "16-mixed": 1e-2}  # max abs difference of the trained weights
 WIDTH, STEPS, OVERFLOW_STEP = 32, 4, 1
+PLAN_MEMORY_TARGET = 0.10  # the planner's worst relative error of predicted peak memory (issue 16's target)
 DEVICE = "cuda"  # what every check runs on; a test sets "cpu" to dry-run a check's code on a machine without CUDA
 
 
@@ -117,16 +118,17 @@ def _strategy_against_auto(precision: str) -> str:
     return f"max abs weight difference {difference:.1e}{scale_note}"
 
 
-def check_gpu_tests() -> str:
+def check_gpu_tests(folders: tuple[str, ...] = ("tests/tests_gpipe", "tests/tests_zoo")) -> str:
     """The test suite's ``gpu`` marker tests (the engine's and the zoo's folders: the notebook and API-reference tests,
     which need only the dev tools, hold none)."""
-    folders = ["tests/tests_gpipe", "tests/tests_zoo"]
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *folders]
     result = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
     lines = result.stdout.strip().splitlines()
     summary = lines[-1] if lines else result.stderr.strip()[-300:]
     if result.returncode != 0:
-        raise AssertionError(summary)
+        # A collection error (a test module importing a package this machine lacks) reads "N errors" alone: name it.
+        causes = [line.removeprefix("E").strip() for line in lines if line.startswith("E   ")]
+        raise AssertionError(f"{summary}; first error: {causes[0]}" if causes else summary)
     return summary.strip("= ")
 
 
@@ -250,6 +252,20 @@ def check_zoo_bf16() -> str:
     return f"{trainer.global_step} steps, {sum(p.numel() for p in parameters)} parameters on {DEVICE}"
 
 
+def check_plan_calibration() -> str:
+    """The planner's predictions on CUDA against measurement (K = 1, as one GPU allows): the quick calibration, whose
+    memory error must stay within the CPU's target."""
+    command = [sys.executable, "-m", "benchmarks.plan_calibration.run", "--device", "cuda", "--quick", "--no-docs"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
+    headlines = dict(line.split("=", 1) for line in result.stdout.splitlines() if line.startswith("plan_"))
+    if result.returncode != 0 or "plan_memory_error" not in headlines:
+        raise AssertionError(f"exit {result.returncode}: {' '.join(result.stderr.strip().splitlines()[-3:])[-300:]}")
+    summary = ", ".join(f"{key} {value}" for key, value in headlines.items())
+    if float(headlines["plan_memory_error"]) > PLAN_MEMORY_TARGET:
+        raise AssertionError(f"{summary}: memory above the target {PLAN_MEMORY_TARGET}")
+    return summary
+
+
 CHECKS: dict[str, Callable[[], str]] = {
     "gpu-marker tests": check_gpu_tests,
     "K=1 vs auto, 32-true": check_k1_fp32,
@@ -259,6 +275,7 @@ CHECKS: dict[str, Callable[[], str]] = {
     "meta init on CUDA": check_meta_init,
     "re-materialization peak memory": check_rematerialization_memory,
     "zoo transformer_lm K=1 bf16": check_zoo_bf16,
+    "planner on CUDA, K=1": check_plan_calibration,
 }
 
 

@@ -50,10 +50,10 @@ __all__ = ["CONFIGS", "MODELS", "Config", "main"]
 PAGE = REPO / "docs" / "benchmarks" / "plan.md"
 BEGIN, END = "<!-- plan-calibration:begin -->", "<!-- plan-calibration:end -->"
 MEMORY_BEGIN, MEMORY_END = "<!-- plan-memory:begin -->", "<!-- plan-memory:end -->"
+GPU_PAGE = REPO / "docs" / "benchmarks" / "gpu.md"
+GPU_BEGIN, GPU_END = "<!-- plan-calibration-cuda:begin -->", "<!-- plan-calibration-cuda:end -->"
 MAX_FOREIGN = 0.3  # cores of other processes' load above which a round is dropped (if enough quiet ones remain)
 ROUND_REPEATS = 3  # timed runs per layer and size in each round's profile (its median is what the planner uses)
-BATCH = 16
-SEQUENCE = 64
 
 
 @dataclass(frozen=True)
@@ -83,27 +83,61 @@ CONFIGS: tuple[Config, ...] = (
 MODELS: tuple[str, ...] = ("transformer_lm", "amoebanet_d", "timm_resnet")
 
 
-def _build(name: str) -> Any:
+@dataclass(frozen=True)
+class Scale:
+    """The models' size and the batch on one kind of device."""
+
+    batch: int
+    sequence: int
+    transformer: dict[str, int]
+    amoebanet: dict[str, int]
+    resnet_channels: tuple[int, ...]
+
+
+# Small for the 2-core CPU machine; larger on a GPU, where the small models would time kernel launches, not arithmetic.
+SCALES = {
+    "cpu": Scale(
+        batch=16,
+        sequence=64,
+        transformer={"num_layers": 4, "d_model": 128, "ff_dim": 512, "num_heads": 2},
+        amoebanet={"num_layers": 3, "num_filters": 16},
+        resnet_channels=(16, 32, 64, 128),
+    ),
+    "cuda": Scale(
+        batch=64,
+        sequence=256,
+        transformer={"num_layers": 8, "d_model": 1024, "ff_dim": 4096, "num_heads": 16},
+        amoebanet={"num_layers": 6, "num_filters": 128},
+        resnet_channels=(64, 128, 256, 512),
+    ),
+}
+VOCAB = 1000
+
+
+def _configs(device: str) -> tuple[Config, ...]:
+    """Every configuration on a CPU; K = 1 only on a GPU: one GPU cannot host the two NCCL ranks K = 2 needs."""
+    return CONFIGS if device == "cpu" else tuple(c for c in CONFIGS if c.pipe_size == 1)
+
+
+def _build(name: str, scale: Scale) -> Any:
     import zoo
 
     if name == "transformer_lm":
-        return zoo.create_model(
-            "transformer_lm", num_layers=4, d_model=128, ff_dim=512, num_heads=2, vocab_size=1000, dropout=0.0
-        )
+        return zoo.create_model("transformer_lm", **scale.transformer, vocab_size=VOCAB, dropout=0.0)
     if name == "amoebanet_d":
-        return zoo.create_model("amoebanet_d", num_layers=3, num_filters=16, num_classes=10, image_size=32)
-    tiny = {"layers": [1, 1, 1, 1], "channels": [16, 32, 64, 128]}
-    return zoo.create_model("timm", model_name="resnet18", num_classes=10, image_size=32, model_kwargs=tiny)
+        return zoo.create_model("amoebanet_d", **scale.amoebanet, num_classes=10, image_size=32)
+    shape = {"layers": [1, 1, 1, 1], "channels": list(scale.resnet_channels)}
+    return zoo.create_model("timm", model_name="resnet18", num_classes=10, image_size=32, model_kwargs=shape)
 
 
-def _batch(name: str, device: Any) -> Any:
+def _batch(name: str, scale: Scale, device: Any) -> Any:
     import torch
 
     generator = torch.Generator().manual_seed(0)
     if name == "transformer_lm":
-        return torch.randint(4, 1000, (BATCH, SEQUENCE + 1), generator=generator).to(device)
-    images = torch.randn(BATCH, 3, 32, 32, generator=generator)
-    return images.to(device), torch.randint(0, 10, (BATCH,), generator=generator).to(device)
+        return torch.randint(4, VOCAB, (scale.batch, scale.sequence + 1), generator=generator).to(device)
+    images = torch.randn(scale.batch, 3, 32, 32, generator=generator)
+    return images.to(device), torch.randint(0, 10, (scale.batch,), generator=generator).to(device)
 
 
 def _objective(name: str, module: Any) -> tuple[Any, Any, Any]:
@@ -140,9 +174,17 @@ def _sync(device: Any) -> None:
 
 
 def _predict(
-    rank: int, layers: Any, sample: Any, loss_fn: Any, repeats: int, warmup: int, balances: list[Any] | None = None
+    rank: int,
+    configs: tuple[Config, ...],
+    batch_size: int,
+    layers: Any,
+    sample: Any,
+    loss_fn: Any,
+    repeats: int,
+    warmup: int,
+    balances: list[Any] | None = None,
 ) -> list[Any]:
-    """Rank 0 profiles ``layers`` (the other rank waits, as the planner runs alone) and predicts every configuration;
+    """Rank 0 profiles ``layers`` (the other rank waits, as the planner runs alone) and predicts each of ``configs``;
     every rank gets the predictions. ``balances`` keeps each configuration's balance; ``None`` lets the planner
     choose."""
     import torch.distributed as dist
@@ -152,7 +194,7 @@ def _predict(
 
     predictions: list[Any] = [None]
     if rank == 0:
-        sizes = sorted({-(-BATCH // c.chunks) for c in CONFIGS} | {BATCH})
+        sizes = sorted({-(-batch_size // c.chunks) for c in configs} | {batch_size})
         profile = profile_layers(
             layers, sample, microbatch_sizes=sizes, loss_fn=loss_fn, repeats=repeats, warmup=warmup
         )
@@ -162,12 +204,12 @@ def _predict(
                     profile,
                     pipe_size=c.pipe_size,
                     chunks=c.chunks,
-                    batch_size=BATCH,
+                    batch_size=batch_size,
                     checkpoint=c.checkpoint,  # type: ignore[arg-type]
                     schedule=c.schedule,
                     balance=None if balances is None else balances[index],
                 )
-                for index, c in enumerate(CONFIGS)
+                for index, c in enumerate(configs)
             ]
         ]
     dist.broadcast_object_list(predictions, src=0)
@@ -187,6 +229,7 @@ def _job(
     from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
 
     device = torch.device(device_name)
+    scale, configs = SCALES[device.type], _configs(device.type)
     # Our processes, whose CPU time is not foreign load: both ranks and the launcher.
     ranks: list[Any] = [None] * world_size
     dist.all_gather_object(ranks, os.getpid())
@@ -194,18 +237,18 @@ def _job(
     results: dict[str, Any] = {}
     for name in names:
         torch.manual_seed(0)
-        module = _build(name).to(device)
+        module = _build(name, scale).to(device)
         module.train()
-        batch = _batch(name, device)
+        batch = _batch(name, scale, device)
         input_fn, loss_fn, profile_loss = _objective(name, module)
 
         # The balances and the memory predictions; without timed rounds one untimed pass per size is enough (the
         # bytes are exact).
         timed = rounds > 0
-        predict = functools.partial(_predict, rank, module.layers, input_fn(batch), profile_loss)
+        predict = functools.partial(_predict, rank, configs, scale.batch, module.layers, input_fn(batch), profile_loss)
         first = predict(5 if timed else 1, 2 if timed else 0)
         runs = []
-        for config, predicted in zip(CONFIGS, first, strict=True):
+        for config, predicted in zip(configs, first, strict=True):
             active = rank < config.pipe_size
             if config.pipe_size == 1:
                 cell = module.layers
@@ -231,18 +274,27 @@ def _job(
             optimizer.step()
 
         memory: list[int | None] = []
+        allocator: list[int | None] = []  # on a GPU: the caching allocator's growth during the step
         for run in runs:
             config, _, pipeline, optimizer, parameters, cell = run
             dist.barrier()
             if pipeline is None:
                 memory.append(None)
+                allocator.append(None)
                 continue
             step(run)  # gradients and optimizer state come to exist
             state = [*cell.parameters(), *cell.buffers(), *(p.grad for p in parameters if p.grad is not None)]
             state += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
             counter = LiveTensorBytes()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
             with counter:
                 step(run)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                allocator.append(torch.cuda.max_memory_allocated(device) - before)
             batch_tensors = [batch] if torch.is_tensor(batch) else list(batch)
             memory.append(_tensor_bytes(state) + _tensor_bytes(batch_tensors) + counter.peak)
 
@@ -271,6 +323,9 @@ def _job(
             "predicted_times": predicted_times,
             "predicted_memory": [[m.peak for m in run[1].stage_memory] for run in runs],
             "memory": memory,
+            "allocator": allocator,
+            "predicted_growth": [[max(m.activations, m.optimizer) for m in run[1].stage_memory] for run in runs],
+            "pipe_sizes": [run[0].pipe_size for run in runs],
             "times": times,
             "loads": loads,
         }
@@ -281,8 +336,8 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for name, result in per_rank[0].items():
         stage_memory = []
-        for index, config in enumerate(CONFIGS):
-            stage_memory.append([per_rank[j][name]["memory"][index] for j in range(config.pipe_size)])
+        for index, pipe_size in enumerate(result["pipe_sizes"]):
+            stage_memory.append([per_rank[j][name]["memory"][index] for j in range(pipe_size)])
         merged[name] = {**result, "measured_memory": stage_memory}
     return merged
 
@@ -337,13 +392,33 @@ def _report(merged: dict[str, Any], timed: bool = True) -> tuple[list[str], floa
     return rows, worst_memory, worst_time
 
 
+def _allocator_rows(merged: dict[str, Any]) -> list[str]:
+    """On a GPU: each stage's growth over a step, predicted against the CUDA caching allocator's own peak (which adds
+    its rounding, caching and library workspaces to the exact tensor bytes the headline compares)."""
+    rows = [
+        "| model | configuration | step growth, predicted / CUDA allocator (MiB) | allocator / predicted |",
+        "|---|---|---|---|",
+    ]
+    for name, result in merged.items():
+        for label, predicted, measured in zip(
+            result["configs"], result["predicted_growth"], result["allocator"], strict=True
+        ):
+            if measured is None:
+                continue
+            rows.append(
+                f"| {name} | {label} | {predicted[0] / 2**20:.1f} / {measured / 2**20:.1f} | "
+                f"{measured / predicted[0]:.2f} |"
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.plan_calibration.run", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--no-docs", action="store_true", help="leave docs/ alone")
-    parser.add_argument("--device", default="cpu", help="where the stages run (cuda: both ranks on one GPU)")
+    parser.add_argument("--device", default="cpu", help="where the stages run (cuda: K = 1 only, one GPU)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument(
         "--memory-only", action="store_true", help="count memory only (load-independent); no timed rounds"
@@ -357,6 +432,14 @@ def main(argv: list[str] | None = None) -> None:
         per_rank = launcher.run(_job, (tuple(args.models), rounds, steps, args.device), 2, timeout=3000, label="plan")
     merged = _merge(per_rank)
     rows, worst_memory, worst_time = _report(merged, timed=rounds > 0)
+    page, timed_block, memory_block = PAGE, (BEGIN, END), (MEMORY_BEGIN, MEMORY_END)
+    device_lines = []
+    if args.device != "cpu":  # GPU results have their own block, on the page of what a GPU showed
+        import torch
+
+        rows += ["", *_allocator_rows(merged)]
+        page, timed_block, memory_block = GPU_PAGE, (GPU_BEGIN, GPU_END), (GPU_BEGIN, GPU_END)
+        device_lines = [f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}"]
     if rounds == 0:
         context = [
             "",
@@ -369,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         print("\n".join(rows + context))
         if not args.no_docs:
-            write_block(PAGE, MEMORY_BEGIN, MEMORY_END, "\n".join(rows + context))
+            write_block(page, *memory_block, "\n".join(rows + context))
         print()
         print(f"plan_memory_error={worst_memory:.2f}")
         return
@@ -381,13 +464,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{rounds} rounds of {steps} steps per configuration)",
         f"- machine: {os.cpu_count()} CPUs, {cpu_model()}, {platform.system()} {platform.release()}; "
         f"other processes' load per round: median {statistics.median(loads):.2f} cores, max {max(loads):.2f}",
+        *device_lines,
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "",
         f"Worst relative errors: memory {worst_memory:.2f} (target 0.10), time {worst_time:.2f} (target 0.15).",
     ]
     print("\n".join(rows + context))
     if not args.no_docs:
-        write_block(PAGE, BEGIN, END, "\n".join(rows + context))
+        write_block(page, *timed_block, "\n".join(rows + context))
     print()
     print(f"plan_memory_error={worst_memory:.2f}")
     print(f"plan_time_error={worst_time:.2f}")

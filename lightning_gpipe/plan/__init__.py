@@ -58,16 +58,16 @@ DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 700e-6, "meta": 20e-6}
 control message and the wake-up of a stage that waited for it. On CPU measured by ``python -m
 benchmarks.plan_calibration.link`` between stages that sleep as they would wait for a peer (the median of its rounds,
 0.7 ms on this project's 2-core virtual machines, whose waiting cores wake late; 0.3-0.45 ms between busy ones)."""
-DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 7e-5, "cpu": 7e-5, "meta": 0.0}
+DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 3.2e-4, "cpu": 7e-5, "meta": 0.0}
 """Seconds the engine adds to each stage per micro-batch (forward and backward together) beyond its layers' own
 times: Python, the step's bookkeeping and the calls that post messages. Layers are profiled alone, so a prediction
-without it underestimates configurations of many micro-batches. Measured on the CPU by ``python -m
-benchmarks.plan_calibration.overhead`` (70 µs on this project's 2-core CPU machines); the engine's host-side Python is
-the same code on CUDA, so the CPU figure stands in there until that command is run with ``--device cuda``. ``meta``
-profiles describe no device and get none."""
-DEFAULT_REMATERIALIZATION_OVERHEAD = {"cuda": 3.5e-4, "cpu": 3.5e-4, "meta": 0.0}
+without it underestimates configurations of many micro-batches. Measured by ``python -m
+benchmarks.plan_calibration.overhead [--device cuda]``: 70 µs on this project's 2-core CPU machines, 315 µs on an
+H200 (where the host also launches the micro-batch's kernels, and the profile's per-layer times leave out the waits
+for the device that the engine does not pay per layer). ``meta`` profiles describe no device and get none."""
+DEFAULT_REMATERIALIZATION_OVERHEAD = {"cuda": 5.0e-4, "cpu": 3.5e-4, "meta": 0.0}
 """Seconds a re-materialized micro-batch adds on top (the checkpoint wrapper, the random state it saves and
-restores, the replayed forward's Python), measured alike (350 µs)."""
+restores, the replayed forward's Python), measured alike (350 µs on the CPU, 504 µs on an H200)."""
 DEFAULT_BOUNDARY_OVERHEAD = {"cuda": 1.1e-3, "cpu": 1.1e-3, "meta": 0.0}
 """Seconds a stage spends per micro-batch at each of its stage boundaries beyond the message's time on the link:
 describing, posting, sending and receiving one micro-batch's activations and their gradients (Python and the
@@ -274,6 +274,7 @@ def evaluate(
     latency: float | None = None,
     overhead: float | None = None,
     boundary_overhead: float | None = None,
+    first_send_parked: bool | None = None,
 ) -> Candidate:
     """Predict one configuration: step time, bubble and per-stage memory for a mini-batch of ``batch_size`` samples.
 
@@ -282,7 +283,9 @@ def evaluate(
     (default by device type: :data:`DEFAULT_MICROBATCH_OVERHEAD`), split evenly between forward and backward; a
     re-materialized micro-batch adds :data:`DEFAULT_REMATERIALIZATION_OVERHEAD` (scaled alike when ``overhead`` is
     given). ``boundary_overhead`` is what a stage adds per micro-batch and stage boundary (default by device type:
-    :data:`DEFAULT_BOUNDARY_OVERHEAD`), split alike.
+    :data:`DEFAULT_BOUNDARY_OVERHEAD`), split alike. ``first_send_parked`` holds each stage's first message of the step
+    until its next forward (see :func:`~lightning_gpipe.simulate.simulate_step`); by default on CPU stages, whose
+    transport is gloo.
     """
     K, M = pipe_size, chunks
     per_replica = math.ceil(batch_size / replicas)
@@ -330,6 +333,7 @@ def evaluate(
         checkpoint_stop=stop,
         update=update,
         checkpoint_forward=wrapped,
+        first_send_parked=kind == "cpu" if first_send_parked is None else first_send_parked,
     )
     memory = tuple(
         stage_memory(

@@ -136,6 +136,7 @@ def test_evaluate_predicts_the_bubble_of_balanced_stages() -> None:
         latency=0.0,
         overhead=0.0,
         boundary_overhead=0.0,
+        first_send_parked=False,  # the paper's bubble: no transport holds a message back
     )
     assert candidate.balance == (2, 2, 2, 2)
     # Transfers of 4 samples x 0.125 MiB at 2 GB/s are small but not zero: the bubble is a little above (K-1)/(M+K-1).
@@ -499,3 +500,11 @@ def test_evaluate_charges_each_stage_its_boundaries_per_micro_batch() -> None:
     assert evaluate(synthetic(), **options).stage_busy[1] - bare.stage_busy[1] == pytest.approx(
         16 * DEFAULT_BOUNDARY_OVERHEAD["cpu"]
     )
+
+
+def test_evaluate_holds_the_first_message_of_cpu_stages_until_the_next_forward() -> None:
+    # CPU stages talk over gloo, which parks the step's first activation (see simulate_step): the default charges it.
+    options = {"pipe_size": 2, "chunks": 4, "batch_size": 32, "checkpoint": "never", "latency": 0.0}
+    parked, free = evaluate(synthetic(), **options), evaluate(synthetic(), **options, first_send_parked=False)
+    stage_forward = 4 * (0.5e-3 + 8 * 1e-3)  # four layers' forward of eight samples
+    assert parked.step_time - free.step_time == pytest.approx(stage_forward, rel=0.05)

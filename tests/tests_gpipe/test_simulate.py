@@ -98,3 +98,19 @@ def test_bad_times_are_refused_with_the_value() -> None:
         simulate_step("gpipe", [], [], 4)
     with pytest.raises(ValueError, match="Unknown pipeline schedule 'zb'"):
         simulate_step("zb", [1], [1], 4)
+
+
+def test_a_parked_first_send_leaves_when_its_stage_finishes_the_next_forward() -> None:
+    # Over gloo the step's first activation waits for the receiver's late receive and moves when the sender next
+    # calls the transport: stage 1 starts micro-batch 0 once stage 0 has finished micro-batch 1, not a link later.
+    forward, backward = [3.0, 1.0], [1.0, 1.0]
+    plain = simulate_step("gpipe", forward, backward, 2, transfer=0.5)
+    parked = simulate_step("gpipe", forward, backward, 2, transfer=0.5, first_send_parked=True)
+    assert plain.spans[1][0].start == 3.5
+    assert parked.spans[1][0].start == 6.0
+    assert parked.spans[1][1].start == 7.0  # micro-batch 1 goes as usual: its receive was posted ahead
+    # With one micro-batch the sender's next call is the wait for its gradient: nothing is held back.
+    assert simulate_step("gpipe", forward, backward, 1, transfer=0.5, first_send_parked=True).spans[1][0].start == 3.5
+    for schedule in ("gpipe", "1f1b"):  # every schedule still completes
+        step = simulate_step(schedule, [1.0] * 3, [2.0] * 3, 4, transfer=0.1, first_send_parked=True)
+        assert step.makespan > simulate_step(schedule, [1.0] * 3, [2.0] * 3, 4, transfer=0.1).makespan
