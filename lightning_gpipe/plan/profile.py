@@ -560,8 +560,7 @@ def _measured_times(
     round_robin = all(_on(layer, device) for layer in layers)
     last = len(layers) - 1
     variants = (False, True) if rematerialized else (False,)
-    call = _wrapper_seconds(device, repeats + warmup) if rematerialized else 0.0
-    floor_f, floor_b = _timing_floor(device, repeats + warmup)
+    floor_f, floor_b, call = _fixed_costs(device, repeats + warmup, rematerialized)
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
     recompute: dict[int, tuple[float, ...]] = {}
     recompute_forward: dict[int, tuple[float, ...]] = {}
@@ -617,31 +616,33 @@ def _time_variants(
             runs[variant][index].append(_pass_seconds(run, layer, value, device, first=index == 0))
 
 
-def _timing_floor(device: torch.device, runs: int) -> tuple[float, float]:
-    """What timing one pass alone costs on a GPU whatever the layer: ``(forward, backward)`` seconds of a one-element
-    ``Linear``, the median of ``runs``. Each timed pass waits for the device twice and hands its backward to autograd's
-    device thread; a stage's layers run back to back, queued ahead of the device, and pay neither per layer (an H100
-    overestimated a small ResNet's step by 43% with them counted). ``(0, 0)`` on the CPU, where a pass waits for
-    nothing and the engine's per-micro-batch overhead was measured with the floor counted in."""
-    if device.type == "cpu":
-        return 0.0, 0.0
+def _fixed_costs(device: torch.device, runs: int, rematerialized: bool) -> tuple[float, float, float]:
+    """What a timed pass costs whatever the layer, from passes of a one-element ``Linear`` (medians of ``runs``):
+    ``(forward floor, backward floor, wrapper call)``.
+
+    - The floors, on a GPU only: each timed pass waits for the device twice and hands its backward to autograd's
+      device thread; a stage's layers run back to back, queued ahead of the device, and pay neither per layer (an
+      H100 overestimated a small ResNet's step by 43% with them counted). On the CPU a pass waits for nothing, and the
+      engine's per-micro-batch overhead was measured with the floor counted in: ``0``.
+    - The checkpoint wrapper's own cost per call (saving and restoring the random state, its hooks' set-up): a
+      re-materialized pass less a plain one; ``0`` unless ``rematerialized``.
+    """
+    on_device = device.type != "cpu"
+    if not (on_device or rematerialized):
+        return 0.0, 0.0, 0.0
     tiny = nn.Linear(1, 1).to(device)
     value = torch.ones(1, 1, device=device)
-    samples = [_pass_seconds(_runner(tiny, None, False, first=False), tiny, value, device) for _ in range(max(runs, 5))]
-    return statistics.median(f for f, _ in samples), statistics.median(b for _, b in samples)
-
-
-def _wrapper_seconds(device: torch.device, runs: int) -> float:
-    """What the checkpoint wrapper costs per call whatever it wraps (saving and restoring the random state, its
-    hooks' set-up): a re-materialized pass of a one-element ``Linear`` less its plain pass, the median of ``runs``."""
-    tiny = nn.Linear(1, 1).to(device)
-    value = torch.ones(1, 1, device=device)
-    samples = []
+    plain, again = [], []
     for _ in range(max(runs, 5)):
-        plain = _pass_seconds(_runner(tiny, None, False, first=False), tiny, value, device)
-        again = _pass_seconds(_runner(tiny, None, True, first=False), tiny, value, device)
-        samples.append(sum(again) - sum(plain))
-    return max(0.0, statistics.median(samples))
+        plain.append(_pass_seconds(_runner(tiny, None, False, first=False), tiny, value, device))
+        if rematerialized:
+            again.append(_pass_seconds(_runner(tiny, None, True, first=False), tiny, value, device))
+    call = 0.0
+    if rematerialized:
+        call = max(0.0, statistics.median(sum(a) - sum(p) for a, p in zip(again, plain, strict=True)))
+    if not on_device:
+        return 0.0, 0.0, call
+    return statistics.median(f for f, _ in plain), statistics.median(b for _, b in plain), call
 
 
 def _step_seconds(
