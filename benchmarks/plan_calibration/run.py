@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         "--memory-only", action="store_true", help="count memory only (load-independent); no timed rounds"
     )
     args = parser.parse_args(argv)
-    rounds, steps = (3, 2) if args.quick else (7, 3)
+    rounds, steps = (3, 2) if args.quick else (11, 3)
     if args.memory_only:
         rounds = 0
     started = time.monotonic()

@@ -588,13 +588,16 @@ def _measured_times(
             tuple(max(0.0, statistics.median(b for _, b in layer_runs) - floor_b) for layer_runs in keep[0]),
         )
         if rematerialized:
-            plain = [statistics.median(f + b for f, b in layer_runs) for layer_runs in keep[0]]
-            again = [statistics.median(f + b for f, b in layer_runs) for layer_runs in keep[1]]
-            recompute[n] = tuple(max(0.0, a - p - call) for a, p in zip(again, plain, strict=True))
+            # Each wrapped pass ran right after its plain one: the median of the paired differences cancels the
+            # machine's drift between runs, which a difference of two medians keeps.
+            pairs = [list(zip(plain, again, strict=True)) for plain, again in zip(keep[0], keep[1], strict=True)]
+            recompute[n] = tuple(
+                max(0.0, statistics.median(sum(a) - sum(p) for p, a in layer_pairs) - call) for layer_pairs in pairs
+            )
             # The forward's share, at most the whole: what the wrapped forward takes beyond the plain one.
-            first = [statistics.median(f for f, _ in layer_runs) - floor_f for layer_runs in keep[1]]
             recompute_forward[n] = tuple(
-                min(total, max(0.0, f - p)) for f, p, total in zip(first, times[n][0], recompute[n], strict=True)
+                min(total, max(0.0, statistics.median(a[0] - p[0] for p, a in layer_pairs)))
+                for layer_pairs, total in zip(pairs, recompute[n], strict=True)
             )
     return _Measured(times, recompute, call, recompute_forward)
 
