@@ -175,8 +175,11 @@ class Launcher:
         return [reported[rank] for rank in range(world_size)]
 
     def _stop_all(self) -> None:
-        # Only the processes this launcher started, each by its own handle.
+        # Only the processes this launcher started, each by its own handle. One that failed to start (its function
+        # or arguments do not pickle) has no process to join: joining it would hide the error that stopped it.
         for process in self._processes:
+            if process.pid is None:
+                continue
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()

@@ -58,16 +58,18 @@ DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 700e-6, "meta": 20e-6}
 control message and the wake-up of a stage that waited for it. On CPU measured by ``python -m
 benchmarks.plan_calibration.link`` between stages that sleep as they would wait for a peer (the median of its rounds,
 0.7 ms on this project's 2-core virtual machines, whose waiting cores wake late; 0.3-0.45 ms between busy ones)."""
-DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 3.2e-4, "cpu": 7e-5, "meta": 0.0}
+DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 3.2e-4, "cpu": 4.5e-4, "meta": 0.0}
 """Seconds the engine adds to each stage per micro-batch (forward and backward together) beyond its layers' own
-times: Python, the step's bookkeeping and the calls that post messages. Layers are profiled alone, so a prediction
-without it underestimates configurations of many micro-batches. Measured by ``python -m
-benchmarks.plan_calibration.overhead [--device cuda]``: 70 µs on this project's 2-core CPU machines, 315 µs on an
+times: Python, the step's bookkeeping, the calls that post messages, and the one module call and ``autograd`` call
+per pass that the profile takes off every layer (a stage pays them once, not once per layer). Layers are profiled
+alone, so a prediction without it underestimates configurations of many micro-batches. Measured by ``python -m
+benchmarks.plan_calibration.overhead [--device cuda]``: 450 µs on this project's 2-core CPU machines, 315 µs on an
 H200 (where the host also launches the micro-batch's kernels, and the profile's per-layer times leave out the waits
 for the device that the engine does not pay per layer). ``meta`` profiles describe no device and get none."""
-DEFAULT_REMATERIALIZATION_OVERHEAD = {"cuda": 5.0e-4, "cpu": 3.5e-4, "meta": 0.0}
+DEFAULT_REMATERIALIZATION_OVERHEAD = {"cuda": 5.0e-4, "cpu": 5.8e-4, "meta": 0.0}
 """Seconds a re-materialized micro-batch adds on top (the checkpoint wrapper, the random state it saves and
-restores, the replayed forward's Python), measured alike (350 µs on the CPU, 504 µs on an H200)."""
+restores, the replayed forward's Python), measured alike (580 µs on the CPU, 504 µs on an H200). Only a profile
+without measured re-materialization uses it: a measured one carries the wrapper's cost per call itself."""
 DEFAULT_BOUNDARY_OVERHEAD = {"cuda": 1.1e-3, "cpu": 1.1e-3, "meta": 0.0}
 """Seconds a stage spends per micro-batch at each of its stage boundaries beyond the message's time on the link:
 describing, posting, sending and receiving one micro-batch's activations and their gradients (Python and the

@@ -620,31 +620,28 @@ def _time_variants(
 
 
 def _fixed_costs(device: torch.device, runs: int, rematerialized: bool) -> tuple[float, float, float]:
-    """What a timed pass costs whatever the layer, from passes of a one-element ``Linear`` (medians of ``runs``):
+    """What a timed pass costs whatever the layer, from passes of a one-element ``Linear`` (medians of at least 15):
     ``(forward floor, backward floor, wrapper call)``.
 
-    - The floors, on a GPU only: each timed pass waits for the device twice and hands its backward to autograd's
-      device thread; a stage's layers run back to back, queued ahead of the device, and pay neither per layer (an
-      H100 overestimated a small ResNet's step by 43% with them counted). On the CPU a pass waits for nothing, and the
-      engine's per-micro-batch overhead was measured with the floor counted in: ``0``.
+    - The floors: each layer is timed with its own module call and its own ``autograd.grad`` call (and, on a GPU, two
+      waits for the device and autograd's hand-off to its device thread), which a stage pays once per micro-batch
+      for all its layers, not once per layer. They are taken off every layer; the engine's per-micro-batch overhead
+      (``DEFAULT_MICROBATCH_OVERHEAD``) is measured against the same profile and pays them once. Counted per layer
+      they overestimated a small ResNet's step by 43% on an H100, and by 10-17% at M = 4 on the CPU (about 190 µs
+      per layer and micro-batch on this project's CPU machines).
     - The checkpoint wrapper's own cost per call (saving and restoring the random state, its hooks' set-up): a
       re-materialized pass less a plain one; ``0`` unless ``rematerialized``.
     """
-    on_device = device.type != "cpu"
-    if not (on_device or rematerialized):
-        return 0.0, 0.0, 0.0
     tiny = nn.Linear(1, 1).to(device)
     value = torch.ones(1, 1, device=device)
     plain, again = [], []
-    for _ in range(max(runs, 5)):
+    for _ in range(max(runs, 15)):
         plain.append(_pass_seconds(_runner(tiny, None, False, first=False), tiny, value, device))
         if rematerialized:
             again.append(_pass_seconds(_runner(tiny, None, True, first=False), tiny, value, device))
     call = 0.0
     if rematerialized:
         call = max(0.0, statistics.median(sum(a) - sum(p) for a, p in zip(again, plain, strict=True)))
-    if not on_device:
-        return 0.0, 0.0, call
     return statistics.median(f for f, _ in plain), statistics.median(b for _, b in plain), call
 
 
