@@ -219,7 +219,11 @@ def test_profile_counts_bytes_alike_on_cpu_and_meta() -> None:
     assert real.layers[0].saved_bytes == 32 * 4  # the Linear saves its input: 32 floats per sample
     assert real.layers[0].flops == 2 * 32 * 64
     assert meta.pass_times(4)[0][0] == pytest.approx(4 * 2 * 32 * 64 / 1e9)
-    assert all(t > 0 for t in real.pass_times(3)[1])
+    # Interpolated between the measured sizes; layers this small cost less than the call of timing them alone, which
+    # the profile takes off, so they may read 0.
+    backward = real.pass_times(3)[1]
+    assert len(backward) == 3
+    assert all(t >= 0 for t in backward)
 
 
 def test_profile_times_rematerialization_and_the_optimizer_step_without_changing_the_model() -> None:
