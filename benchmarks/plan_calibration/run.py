@@ -23,8 +23,9 @@ For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm
 Prints a table and the headlines ``plan_memory_error`` and ``plan_time_error``: the worst relative error over all
 stages and configurations. A configuration's time error is the median over rounds of ``predicted / measured``,
 less one (the median of per-round ratios, the notes' statistic), its memory error ``|predicted - measured| /
-measured``. A single round's ratio moves by 15-20% on the 2-core machine, so the worst of 27 medians moves too: the
-report adds the worst time error's 90% interval over the rounds drawn again with replacement (a bootstrap).
+measured``. A single round's ratio moves by 11-14% (its standard deviation) on the 2-core machine, so the worst of
+27 medians moves too: the report adds the worst time error's 90% interval over the rounds drawn again with
+replacement (a bootstrap).
 ``--memory-only`` skips the timed rounds (memory counts do not depend on the machine's load, so they can be taken on
 a busy machine) and writes its own block of the page.
 """
