@@ -11,10 +11,11 @@ For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm
    warm-up step, then one step whose peak is counted in exact tensor bytes (a ``TorchDispatchMode``, independent of
    the allocator and the machine's load), added to the stage's resident state and batch;
 3. the step time is measured in interleaved rounds, as ``reference/pipelining-notes.md`` prescribes for this shared
-   2-core machine: each round first profiles the model again on rank 0 (rank 1 waits, as the planner runs alone)
-   and predicts every configuration from that profile with the balance of step 1, then times every configuration
-   once (``STEPS`` steps each). A prediction and the measurement it is compared with are thus taken seconds apart,
-   not minutes: the machine's speed drifts by up to 20% within minutes, and a profile taken once before all rounds
+   2-core machine: each round times every configuration once (``steps`` steps each) between two profiles of the
+   model on rank 0 (rank 1 waits, as the planner runs alone), and a configuration's prediction for the round is the
+   mean of what the two profiles predict, with the balance of step 1 (the profile closing one round opens the
+   next). A prediction and the measurement it is compared with are thus taken seconds apart and on both sides, not
+   minutes: the machine's speed drifts by up to 20% within minutes, and a profile taken once before all rounds
    carried that drift into every error. Each configuration first takes untimed steps for ``WARMUP_SECONDS`` (at
    least one), so that the configuration before it, and the profile that left rank 1 idle, do not count in its
    time. Each round's foreign load (other processes' CPU, from /proc) is recorded and rounds above ``MAX_FOREIGN``
@@ -310,15 +311,14 @@ def _job(
         predicted_times: list[list[float]] = [[] for _ in runs]
         loads: list[float] = []
         balances = [run[1].balance for run in runs]
+        closing = predict(ROUND_REPEATS, 1, balances) if timed else []
         for _ in range(rounds):
-            round_predictions = predict(ROUND_REPEATS, 1, balances)
-            for index, predicted in enumerate(round_predictions):
-                predicted_times[index].append(predicted.step_time)
+            opening = closing  # the profile that closed the previous round opens this one
             start = snapshot(ours)
             for index, run in enumerate(runs):
                 # Warm-up steps, so that the previous configuration's caches (and a rank left idle through the
                 # profile) do not count here; every rank reads the same prediction, so they agree on the count.
-                for _ in range(max(1, math.ceil(WARMUP_SECONDS / round_predictions[index].step_time))):
+                for _ in range(max(1, math.ceil(WARMUP_SECONDS / opening[index].step_time))):
                     step(run)
                 dist.barrier()
                 _sync(device)
@@ -330,6 +330,9 @@ def _job(
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[index].append(float(elapsed))
             loads.append(foreign_cores(start, snapshot(ours)))
+            closing = predict(ROUND_REPEATS, 1, balances)
+            for index, (first, last) in enumerate(zip(opening, closing, strict=True)):
+                predicted_times[index].append((first.step_time + last.step_time) / 2)
         results[name] = {
             "configs": [run[0].label() for run in runs],
             "predicted_times": predicted_times,
@@ -460,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
         "--memory-only", action="store_true", help="count memory only (load-independent); no timed rounds"
     )
     args = parser.parse_args(argv)
-    rounds, steps = (3, 2) if args.quick else (21, 3)
+    rounds, steps = (3, 2) if args.quick else (31, 3)
     if args.memory_only:
         rounds = 0
     started = time.monotonic()
