@@ -560,13 +560,16 @@ def _measured_times(
     round_robin = all(_on(layer, device) for layer in layers)
     last = len(layers) - 1
     variants = (False, True) if rematerialized else (False,)
-    floor_f, floor_b, call = _fixed_costs(device, repeats + warmup, rematerialized)
+    floor = _Floor(device)
+    call = floor.wrapper_call(repeats + warmup) if rematerialized else 0.0
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
     recompute: dict[int, tuple[float, ...]] = {}
     recompute_forward: dict[int, tuple[float, ...]] = {}
     for n in sizes:
-        # runs[variant][layer]: (forward, backward) seconds of every timed run
+        # runs[variant][layer]: (forward, backward) seconds of every timed run; floors[layer]: the floor timed just
+        # before the round (round-robin) or the layer's runs (one after the other) it belongs to
         runs: list[list[list[tuple[float, float]]]] = [[[] for _ in layers] for _ in variants]
+        floors: list[list[tuple[float, float]]] = [[] for _ in layers]
         x = _resized(sample, n)
         inputs: list[Any] = []
         for index, layer in enumerate(layers):
@@ -575,22 +578,31 @@ def _measured_times(
                 real = _materialized(layer, device)
                 x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
             if not round_robin:
+                now = floor.warm()
                 for _ in range(warmup + repeats):
+                    floors[index].append(now)
                     _time_variants(real, index, inputs[index], variants, runs, loss_fn, last, device)
             del real
         if round_robin:
             for _ in range(warmup + repeats):
+                now = floor.warm()
                 for index, layer in enumerate(layers):
+                    floors[index].append(now)
                     _time_variants(layer, index, inputs[index], variants, runs, loss_fn, last, device)
         keep = [[layer_runs[warmup:] for layer_runs in variant_runs] for variant_runs in runs]
+        floor_runs = [layer_floors[warmup:] for layer_floors in floors]
+        # Each pass less the floor timed at the start of its round: the median of these paired differences cancels the
+        # machine's drift over the profile, which a floor timed once, before all the layers, kept (under load, 16
+        # one-element layers, which cost nothing beyond the floor, summed to up to 9 floors that way).
+        plain = list(zip(keep[0], floor_runs, strict=True))
         times[n] = (
-            tuple(max(0.0, statistics.median(f for f, _ in layer_runs) - floor_f) for layer_runs in keep[0]),
-            tuple(max(0.0, statistics.median(b for _, b in layer_runs) - floor_b) for layer_runs in keep[0]),
+            tuple(_less_floor(passes, passes_floors, 0) for passes, passes_floors in plain),
+            tuple(_less_floor(passes, passes_floors, 1) for passes, passes_floors in plain),
         )
         if rematerialized:
             # Each wrapped pass ran right after its plain one: the median of the paired differences cancels the
             # machine's drift between runs, which a difference of two medians keeps.
-            pairs = [list(zip(plain, again, strict=True)) for plain, again in zip(keep[0], keep[1], strict=True)]
+            pairs = [list(zip(once, again, strict=True)) for once, again in zip(keep[0], keep[1], strict=True)]
             recompute[n] = tuple(
                 max(0.0, statistics.median(sum(a) - sum(p) for p, a in layer_pairs) - call) for layer_pairs in pairs
             )
@@ -619,30 +631,49 @@ def _time_variants(
             runs[variant][index].append(_pass_seconds(run, layer, value, device, first=index == 0))
 
 
-def _fixed_costs(device: torch.device, runs: int, rematerialized: bool) -> tuple[float, float, float]:
-    """What a timed pass costs whatever the layer, from passes of a one-element ``Linear`` (medians of at least 15):
-    ``(forward floor, backward floor, wrapper call)``.
+def _less_floor(passes: list[tuple[float, float]], floors: list[tuple[float, float]], part: int) -> float:
+    """The median of the passes' ``part`` (0: forward, 1: backward), each less the floor it was timed with."""
+    return max(0.0, statistics.median(p[part] - f[part] for p, f in zip(passes, floors, strict=True)))
 
-    - The floors: each layer is timed with its own module call and its own ``autograd.grad`` call (and, on a GPU, two
-      waits for the device and autograd's hand-off to its device thread), which a stage pays once per micro-batch
-      for all its layers, not once per layer. They are taken off every layer; the engine's per-micro-batch overhead
-      (``DEFAULT_MICROBATCH_OVERHEAD``) is measured against the same profile and pays them once. Counted per layer
-      they overestimated a small ResNet's step by 43% on an H100, and by 10-17% at M = 4 on the CPU (about 190 µs
-      per layer and micro-batch on this project's CPU machines).
+
+class _Floor:
+    """What a timed pass costs whatever the layer, from passes of a one-element ``Linear``.
+
+    - The floor: each layer is timed with its own module call and its own ``autograd.grad`` call (and, on a GPU, two
+      waits for the device and autograd's hand-off to its device thread), which a stage pays once per micro-batch for
+      all its layers, not once per layer. It is taken off every layer; the engine's per-micro-batch overhead
+      (``DEFAULT_MICROBATCH_OVERHEAD``) is measured against the same profile and pays it once. Counted per layer it
+      overestimated a small ResNet's step by 43% on an H100, and by 10-17% at M = 4 on the CPU (about 190 µs per
+      layer and micro-batch on this project's CPU machines).
     - The checkpoint wrapper's own cost per call (saving and restoring the random state, its hooks' set-up): a
-      re-materialized pass less a plain one; ``0`` unless ``rematerialized``.
+      re-materialized pass less a plain one.
     """
-    tiny = nn.Linear(1, 1).to(device)
-    value = torch.ones(1, 1, device=device)
-    plain, again = [], []
-    for _ in range(max(runs, 15)):
-        plain.append(_pass_seconds(_runner(tiny, None, False, first=False), tiny, value, device))
-        if rematerialized:
-            again.append(_pass_seconds(_runner(tiny, None, True, first=False), tiny, value, device))
-    call = 0.0
-    if rematerialized:
-        call = max(0.0, statistics.median(sum(a) - sum(p) for a, p in zip(again, plain, strict=True)))
-    return statistics.median(f for f, _ in plain), statistics.median(b for _, b in plain), call
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tiny = nn.Linear(1, 1).to(device)
+        self.value = torch.ones(1, 1, device=device)
+
+    def plain(self) -> tuple[float, float]:
+        """One plain pass: ``(forward, backward)`` seconds."""
+        return _pass_seconds(_runner(self.tiny, None, False, first=False), self.tiny, self.value, self.device)
+
+    def warm(self) -> tuple[float, float]:
+        """The floor now: the median of three passes after one untimed. Right after a large layer the first pass
+        reads 40-50 µs forward and 80-100 µs backward above the rest on the CPU (its call machinery is out of cache);
+        taken off every layer, such a pass would time the layers short."""
+        self.plain()
+        passes = [self.plain() for _ in range(3)]
+        return statistics.median(f for f, _ in passes), statistics.median(b for _, b in passes)
+
+    def wrapper_call(self, runs: int) -> float:
+        """The wrapper's cost per call: the median of at least 15 wrapped passes, each less the plain one before it."""
+        extra = []
+        for _ in range(max(runs, 15)):
+            plain = self.plain()
+            again = _pass_seconds(_runner(self.tiny, None, True, first=False), self.tiny, self.value, self.device)
+            extra.append(sum(again) - sum(plain))
+        return max(0.0, statistics.median(extra))
 
 
 def _step_seconds(
