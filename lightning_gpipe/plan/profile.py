@@ -578,6 +578,7 @@ def _measured_times(
                 real = _materialized(layer, device)
                 x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
             if not round_robin:
+                # Each pass but the first follows one of the same layer: both variants run warm alike.
                 now = floor.warm()
                 for _ in range(warmup + repeats):
                     floors[index].append(now)
