@@ -660,25 +660,24 @@ class _Floor:
         self.tiny = nn.Linear(1, 1).to(device)
         self.value = torch.ones(1, 1, device=device)
 
-    def plain(self) -> tuple[float, float]:
-        """One plain pass: ``(forward, backward)`` seconds."""
-        return _pass_seconds(_runner(self.tiny, None, False, first=False), self.tiny, self.value, self.device)
+    def timed_pass(self, rematerialized: bool = False) -> tuple[float, float]:
+        """One pass, plain unless ``rematerialized``: ``(forward, backward)`` seconds."""
+        return _pass_seconds(_runner(self.tiny, None, rematerialized, first=False), self.tiny, self.value, self.device)
 
     def warm(self) -> tuple[float, float]:
         """The floor now: the median of three passes after one untimed. Right after a large layer the first pass
         reads 40-50 µs forward and 80-100 µs backward above the rest on the CPU (its call machinery is out of cache);
         taken off every layer, such a pass would time the layers short."""
-        self.plain()
-        passes = [self.plain() for _ in range(3)]
+        self.timed_pass()
+        passes = [self.timed_pass() for _ in range(3)]
         return statistics.median(f for f, _ in passes), statistics.median(b for _, b in passes)
 
     def wrapper_call(self, runs: int) -> float:
         """The wrapper's cost per call: the median of at least 15 wrapped passes, each less the plain one before it."""
         extra = []
         for _ in range(max(runs, 15)):
-            plain = self.plain()
-            again = _pass_seconds(_runner(self.tiny, None, True, first=False), self.tiny, self.value, self.device)
-            extra.append(sum(again) - sum(plain))
+            plain = self.timed_pass()
+            extra.append(sum(self.timed_pass(rematerialized=True)) - sum(plain))
         return max(0.0, statistics.median(extra))
 
 
