@@ -25,8 +25,8 @@ def test_the_only_top_level_sequence_is_found() -> None:
 def test_sequence_errors_tell_the_fix() -> None:
     with pytest.raises(TypeError, match=r"has no nn.Sequential to pipeline.*self.layers = nn.Sequential"):
         find_sequence(Holder(linear=nn.Linear(2, 2)))
-    with pytest.raises(TypeError, match=r"several nn.Sequential attributes \('a', 'b'\).*module_name="):
-        find_sequence(Holder(a=mlp(), b=mlp()))
+    with pytest.raises(TypeError, match=r"several nn.Sequential attributes \('a', 'b'\).*module_name='b'"):
+        find_sequence(Holder(a=mlp().requires_grad_(False), b=mlp()))
     with pytest.raises(TypeError, match=r"module_name='head' must name an nn.Sequential attribute"):
         find_sequence(Holder(a=mlp(), head=nn.Linear(2, 2)), "head")
 
