@@ -14,12 +14,13 @@ from lightning_gpipe.batchnorm import DeferredBatchNorm
 from lightning_gpipe.callbacks import PipelineTimeline
 from lightning_gpipe.errors import PipelineError
 from lightning_gpipe.pipeline import Pipeline, run_in_threads
-from lightning_gpipe.plan import plan
+from lightning_gpipe.plan import AutoPlan, plan
 from lightning_gpipe.strategy import GPipeStrategy
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.unbatched import Unbatched
 
 __all__ = [
+    "AutoPlan",
     "DeferredBatchNorm",
     "GPipeStrategy",
     "Pipeline",

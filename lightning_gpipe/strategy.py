@@ -58,7 +58,14 @@ from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights, step_extras
 from lightning_gpipe.partitioned import Partition, find_sequence
 from lightning_gpipe.pipeline import Pipeline
-from lightning_gpipe.plan.auto import AutoPlan, agreed_settings, auto_plan, plan_for_module
+from lightning_gpipe.plan.auto import (
+    AutoPlan,
+    agreed_settings,
+    auto_plan,
+    check_planned_batch,
+    plan_for_module,
+    planned_batch,
+)
 from lightning_gpipe.relay import CallRelay
 from lightning_gpipe.schedule import Phase
 from lightning_gpipe.stage import Stage
@@ -113,11 +120,13 @@ class GPipeStrategy(ParallelStrategy):
             device synchronization per checked tensor; off by default.
         verify_batches: check at every step that all stages of a pipeline read the same batch (shapes and a
             checksum travel with the step header, so it costs no extra message); on by default.
-        plan: ``"auto"`` or an :class:`~lightning_gpipe.plan.AutoPlan`: at setup, global rank 0 plans K, M, the
+        plan: ``"auto"`` or an :class:`~lightning_gpipe.AutoPlan`: at setup, global rank 0 plans K, M, the
             balance, the checkpoint mode and the schedule with :func:`~lightning_gpipe.plan.plan` (the world size
-            as the device count, the device's memory or the plan's budget, ``example_input_array`` as the sample),
-            logs the plan's table, and every rank follows it. The five settings it chooses must be left at their
-            defaults; restrict its search with ``AutoPlan(pipe_sizes=..., chunks=..., ...)`` instead.
+            as the device count, the device's memory or the plan's budget, ``example_input_array`` as the sample,
+            the DataLoader's ``batch_size`` as each pipeline's batch unless ``AutoPlan(batch_size=...)`` says
+            another), logs the plan's table, and every rank follows it; a first training batch of another size is
+            refused. The five settings it chooses must be left at their defaults; restrict its search with
+            ``AutoPlan(pipe_sizes=..., chunks=..., ...)`` instead.
     """
 
     strategy_name = "gpipe"
@@ -191,6 +200,7 @@ class GPipeStrategy(ParallelStrategy):
         self._losses: dict[int, Tensor] = {}  # the last stage's losses awaiting backward, weighted by then
         self._failed = False
         self._example_input: Any = None
+        self._planned_batch: int | None = None  # plan="auto"'s batch per pipeline, until the first training batch
         self.timeline = Timeline(enabled=False)
 
     # ------------------------------------------------------------------ properties
@@ -369,9 +379,16 @@ class GPipeStrategy(ParallelStrategy):
         request = self._auto_plan
         assert request is not None
         _, sequence = find_sequence(module, self.config.module_name)
+        # Every rank reads the same loader's batch_size, so every rank can hold the first batch to it.
+        batch = planned_batch(request, lambda: _run_loader(module.trainer))
         settings = agreed_settings(
             lambda: plan_for_module(
-                request, sequence, module.example_input_array, devices=self.world_size, device=self.root_device
+                request,
+                sequence,
+                module.example_input_array,
+                batch_size=batch,
+                devices=self.world_size,
+                device=self.root_device,
             ),
             rank=self.global_rank,
             broadcast=self.broadcast,
@@ -379,6 +396,7 @@ class GPipeStrategy(ParallelStrategy):
         )
         self.config = dataclasses.replace(self.config, **settings)
         self._auto_plan = None
+        self._planned_batch = batch if module.trainer.state.fn == TrainerFn.FITTING else None
         self.set_world_ranks()
         self._new_groups()
 
@@ -560,6 +578,9 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         batch, rest = args[0], args[1:]
         samples = batch_size(batch)
+        if hook == "training_step" and self._planned_batch is not None:
+            check_planned_batch(self._planned_batch, samples)
+            self._planned_batch = None
         if samples < self.layout.pipe_size and module.training:
             raise ValueError(
                 f"a batch of {samples} samples cannot fill {self.layout.pipe_size} pipeline stages; "
@@ -942,6 +963,19 @@ class GPipeStrategy(ParallelStrategy):
             start_method="fork",
             override=True,
         )
+
+
+def _run_loader(trainer: Trainer) -> Any:
+    """The loader the running ``trainer.fit`` (or validate, test, predict) reads, as Lightning will request it."""
+    loops: dict[TrainerFn | None, Any] = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }
+    loop = loops.get(trainer.state.fn)
+    source = getattr(loop, "_data_source", None)  # Lightning's own record of where the loaders come from
+    return source.dataloader() if source is not None and source.is_defined() else None
 
 
 def _with_extras(loss: Tensor, extras: dict[str, Any] | None) -> Tensor | dict[str, Any]:

@@ -200,6 +200,15 @@ class Plan:
             "schedule": self.schedule,
         }
 
+    def strategy_code(self) -> str:
+        """The :class:`~lightning_gpipe.GPipeStrategy` that carries out this plan, as code to paste.
+
+        ``plan="auto"`` logs it and ``python -m lightning_gpipe.plan`` prints it; the Trainer takes ``devices`` of
+        them (``devices / pipe_size`` data-parallel pipelines).
+        """
+        arguments = ", ".join(f"{name}={value!r}" for name, value in self.strategy_kwargs().items())
+        return f"GPipeStrategy({arguments})"
+
     def table(self) -> Any:
         """A ``rich`` renderable: the settings, one row per stage, and the reasons."""
         from rich.console import Group
@@ -212,7 +221,7 @@ class Plan:
             f"{' per pipeline' if self.per_pipeline_batch else ''}: "
             f"K={best.pipe_size} stages x {best.replicas} replica(s), M={best.chunks} micro-batches of "
             f"{best.microbatch_size}, checkpoint={best.checkpoint!r}, schedule={best.schedule!r}\n"
-            f"predicted step {best.step_time * 1e3:.1f} ms, bubble {best.bubble:.0%}, "
+            f"predicted step {best.step_time * 1e3:.1f} ms for {best.samples} samples, bubble {best.bubble:.0%}, "
             f"peak {_gib(best.peak)} ({best.peak / self.memory_per_device:.0%} of the budget)"
         )
         stages = Table(title="per stage")
@@ -440,8 +449,22 @@ def _key(candidate: Candidate) -> tuple[float, float, int]:
     return (round(math.log(max(candidate.time_per_sample, 1e-15)) / math.log(1.01)), candidate.peak, recompute)
 
 
-def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], budget: float) -> list[str]:
-    reasons: list[str] = []
+def _speed(candidate: Candidate, per_sample: bool) -> str:
+    """A candidate's predicted speed, per sample first when candidates train on different numbers of samples."""
+    step = f"{candidate.step_time * 1e3:.1f} ms per step"
+    if not per_sample:
+        return step
+    pipelines = f"{candidate.replicas} pipelines of {candidate.samples // candidate.replicas}"
+    shape = f", {pipelines}" if candidate.replicas > 1 else ""
+    return f"{candidate.time_per_sample * 1e3:.3g} ms per sample ({step} of {candidate.samples} samples{shape})"
+
+
+def _reasons(
+    best: Candidate, fitting: list[Candidate], every: list[Candidate], budget: float, skipped: Sequence[str] = ()
+) -> list[str]:
+    reasons: list[str] = list(skipped)
+    # With a batch per pipeline, K decides how many samples a step trains on: only times per sample compare.
+    per_sample = len({c.samples for c in every}) > 1
 
     def best_of(pool: list[Candidate]) -> Candidate | None:
         return min(pool, key=_key) if pool else None
@@ -453,11 +476,13 @@ def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], 
         if fits is None:
             least = min((c for c in every if c.pipe_size == K), key=lambda c: c.peak)
             reasons.append(f"K={K} does not fit: at best {_gib(least.peak)} per device > {_gib(budget)}")
-        else:
+        elif _key(fits)[0] == _key(best)[0]:
             reasons.append(
-                f"K={K} fits but is slower: {fits.step_time * 1e3:.1f} ms per step of {fits.samples} samples "
-                f"({fits.label()})"
+                f"K={K} fits and is as fast, {_speed(fits, per_sample)}, but peaks at {_gib(fits.peak)}, at best "
+                f"with {fits.label()}"
             )
+        else:
+            reasons.append(f"K={K} fits but is slower: {_speed(fits, per_sample)}, at best with {fits.label()}")
     same_k = [c for c in every if c.pipe_size == best.pipe_size and c.schedule == best.schedule]
     for mode in CHECKPOINT_MODES:
         if mode == best.checkpoint:
@@ -470,7 +495,9 @@ def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], 
         elif fits is not None and _key(fits)[0] == _key(best)[0]:
             reasons.append(f"checkpoint={mode!r} is as fast, peaking at {_gib(fits.peak)} with M={fits.chunks}")
         elif fits is not None:
-            reasons.append(f"checkpoint={mode!r} is slower: {fits.step_time * 1e3:.1f} ms with M={fits.chunks}")
+            reasons.append(
+                f"checkpoint={mode!r} is slower: {fits.step_time * 1e3:.1f} ms per step with M={fits.chunks}"
+            )
     for count in sorted({c.chunks for c in same_k}):
         if count == best.chunks:
             continue
@@ -479,10 +506,10 @@ def _reasons(best: Candidate, fitting: list[Candidate], every: list[Candidate], 
         if fits is None and pool:
             reasons.append(f"M={count} does not fit ({_gib(min(c.peak for c in pool))})")
         elif fits is not None:
-            reasons.append(f"M={count}: {fits.step_time * 1e3:.1f} ms, bubble {fits.bubble:.0%}")
+            reasons.append(f"M={count}: {fits.step_time * 1e3:.1f} ms per step, bubble {fits.bubble:.0%}")
     reasons.append(
-        f"chosen: the fastest configuration that fits, {best.step_time * 1e3:.1f} ms per step, bubble "
-        f"{best.bubble:.0%}, peak {_gib(best.peak)} of {_gib(budget)}"
+        f"chosen: the fastest configuration that fits, {_speed(best, per_sample)}, bubble {best.bubble:.0%}, peak "
+        f"{_gib(best.peak)} of {_gib(budget)}"
     )
     return reasons
 
@@ -491,6 +518,43 @@ def _smallest_microbatch(layers: nn.Module) -> int:
     # Training-mode BatchNorm needs two samples per channel; a micro-batch of one would fail (or, on a 1x1 map,
     # raise "Expected more than 1 value per channel").
     return 2 if any(isinstance(m, _BatchNorm) for m in layers.modules()) else 1
+
+
+def _batch_norm_pipe_sizes(
+    pipe_sizes: list[int], devices: int, batch_size: int, per_pipeline: bool, smallest: int
+) -> tuple[list[int], list[str]]:
+    """The K whose pipelines read at least ``smallest`` samples per step, and why the others are not weighed.
+
+    Raises:
+        ValueError: no K does; the message names the micro-batch size and the batch that would do.
+    """
+    kept: list[int] = []
+    skipped: list[str] = []
+    for K in pipe_sizes:
+        replicas = devices // K
+        per_replica = batch_size if per_pipeline else math.ceil(batch_size / replicas)
+        if per_replica >= smallest:
+            kept.append(K)
+            continue
+        need = smallest if per_pipeline else smallest * replicas
+        skipped.append(
+            f"K={K} is not weighed: its micro-batches would hold {per_replica} sample(s) ({replicas} pipeline(s) of "
+            f"{per_replica}), and BatchNorm needs at least {smallest} per micro-batch in training "
+            f"(batch_size={need} would do)"
+        )
+    if not kept:
+        K = max(pipe_sizes)
+        replicas = devices // K
+        per_replica = batch_size if per_pipeline else math.ceil(batch_size / replicas)
+        need = smallest if per_pipeline else smallest * replicas
+        raise ValueError(
+            f"batch_size={batch_size} on devices={devices} gives micro-batches of {per_replica} sample(s) even at "
+            f"K={K} ({replicas} pipeline(s) of {per_replica}, one micro-batch each), but the model's BatchNorm layers "
+            f"need at least {smallest} samples per micro-batch in training (torch would stop with 'Expected more "
+            f"than 1 value per channel'). HINT: use batch_size >= {need}, or replace BatchNorm by GroupNorm or "
+            "LayerNorm"
+        )
+    return kept, skipped
 
 
 def _layers_of(model: nn.Module) -> nn.Sequential:
@@ -575,6 +639,7 @@ def plan(
             )
         divisors = sorted(set(pipe_sizes))
     smallest = _smallest_microbatch(layers)
+    divisors, skipped = _batch_norm_pipe_sizes(divisors, devices, batch_size, per_pipeline_batch, smallest)
     if profile is None:
         sizes: set[int] = set()
         for K in divisors:
@@ -605,7 +670,7 @@ def plan(
     if not fitting:
         raise _infeasible(profile, devices, budget, batch_size, chunks, modes, kinds, every, smallest, options)
     best = min(fitting, key=_key)
-    reasons = _reasons(best, fitting, every, budget)
+    reasons = _reasons(best, fitting, every, budget, skipped)
     ranked = tuple(sorted(fitting, key=_key)[:10])
     return Plan(best, devices, budget, batch_size, tuple(reasons), ranked, profile, per_pipeline_batch)
 

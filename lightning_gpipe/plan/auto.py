@@ -2,9 +2,11 @@
 
 :class:`AutoPlan` is the request: the memory budget (on CUDA, the device's own by default), the batch each pipeline
 reads, the sample input of the pipelined sequence, and optional restrictions of the search. :func:`auto_plan`
-validates the strategy's ``plan=`` argument against the explicit settings it would override; :func:`plan_for_module`
-plans a LightningModule's sequence; :func:`agreed_settings` runs that on global rank 0 only (measured times differ
-between processes, and so could the plans) and hands every rank the same keyword arguments, or the same error.
+validates the strategy's ``plan=`` argument against the explicit settings it would override; :func:`planned_batch`
+finds the batch to plan for (the request's, else the run's DataLoader's, never the sample's rows) and
+:func:`check_planned_batch` holds the first real batch to it; :func:`plan_for_module` plans a LightningModule's
+sequence; :func:`agreed_settings` runs that on global rank 0 only (measured times differ between processes, and so
+could the plans) and hands every rank the same keyword arguments, or the same error.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.data import DataLoader
 
 from lightning_gpipe.checkpoint import validate_mode
 from lightning_gpipe.schedule import validate_schedule
@@ -27,7 +30,16 @@ if TYPE_CHECKING:
 # The planner's own names are imported where they are used: the package exports AutoPlan, so it imports this module
 # while it is itself being imported.
 
-__all__ = ["DEVICE_MEMORY_SHARE", "AutoPlan", "agreed_settings", "auto_plan", "plan_for_module"]
+__all__ = [
+    "DEVICE_MEMORY_SHARE",
+    "AutoPlan",
+    "agreed_settings",
+    "auto_plan",
+    "check_planned_batch",
+    "loader_batch_size",
+    "plan_for_module",
+    "planned_batch",
+]
 
 DEVICE_MEMORY_SHARE = 0.9
 """The share of a CUDA device's total memory a plan may fill when no budget is given: the CUDA context, the caching
@@ -44,10 +56,11 @@ class AutoPlan:
     Args:
         memory_per_device: the budget of each device, bytes or a string such as ``"16GB"``. Default on CUDA:
             :data:`DEVICE_MEMORY_SHARE` of the device's total memory. Required on the CPU, which has no such figure.
-        batch_size: samples each pipeline reads per step (the DataLoader's ``batch_size``); default: the sample's
-            rows. With ``devices / K`` data-parallel replicas, a step trains on that many times more.
-        sample: one input of the pipelined sequence with a batch dimension; default: the LightningModule's
-            ``example_input_array``.
+        batch_size: samples each pipeline reads per step; default: the ``batch_size`` of the DataLoader the run
+            reads (the training one under ``fit``), read at setup. With ``devices / K`` data-parallel replicas, a step
+            trains on that many times more. The first training batch must have this many samples.
+        sample: one input of the pipelined sequence with a batch dimension (any number of rows: it is what the layers
+            are profiled on, not the batch); default: the LightningModule's ``example_input_array``.
         optimizer_slots: parameter-sized optimizer tensors per parameter: 2 for Adam, 1 for SGD with momentum.
         pipe_sizes, chunks, checkpoints, schedules: restrict the search to these K, M, re-materialization modes and
             schedules (default: all of them). This is how to fix one setting and plan the others.
@@ -130,14 +143,59 @@ def auto_plan(value: object, **explicit: Any) -> AutoPlan | None:
     return value
 
 
-def _rows(sample: Any) -> int:
-    sizes = {t.shape[0] for t in tree_leaves(sample) if isinstance(t, Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
+def loader_batch_size(loader: Any) -> int | None:
+    """The samples per batch that ``loader`` says it gives: a ``DataLoader``'s ``batch_size`` (or its batch sampler's).
+
+    ``None`` when it does not say: no loader, an ``IterableDataset`` that batches itself, a batch sampler without a
+    ``batch_size``, or several loaders (a collection, or Lightning's ``CombinedLoader`` of more than one).
+    """
+    loaders = getattr(loader, "flattened", None)  # Lightning's CombinedLoader
+    if loaders is None:
+        loaders = [leaf for leaf in tree_leaves(loader) if leaf is not None]
+    if len(loaders) != 1 or not isinstance(loaders[0], DataLoader):
+        return None
+    size = loaders[0].batch_size
+    if size is None:
+        size = getattr(loaders[0].batch_sampler, "batch_size", None)
+    return size if _positive_int(size) else None
+
+
+def planned_batch(request: AutoPlan, loader: Callable[[], Any]) -> int:
+    """The batch each pipeline reads per step, which the plan is made for: the request's, else the run's DataLoader's.
+
+    ``loader()`` gives the DataLoader the run reads (called only when the request names no batch). A sample's rows are
+    never taken for the batch: a module's ``example_input_array`` often has a few rows, set for profiling or FLOPs.
+
+    Raises:
+        ValueError: the request names no batch and the loader does not say its own.
+    """
+    if request.batch_size is not None:
+        return request.batch_size
+    given = loader()
+    size = loader_batch_size(given)
+    if size is None:
         raise ValueError(
-            f"plan='auto' takes the batch size from the sample's rows, but its tensors have batch sizes "
-            f"{sorted(sizes)}; pass plan=AutoPlan(batch_size=...) (the DataLoader's batch_size)"
+            f"plan='auto' plans for the batch each pipeline reads per step, but the run's loader (a "
+            f"{type(given).__name__}) does not say its batch_size (none, an IterableDataset that batches itself, a "
+            "batch sampler without one, or several loaders). HINT: pass plan=AutoPlan(batch_size=...), the samples "
+            "each pipeline reads per step"
         )
-    return sizes.pop()
+    return size
+
+
+def check_planned_batch(planned: int, samples: int) -> None:
+    """Refuse a first training batch of another size than the plan's: its memory and times were predicted for it.
+
+    Raises:
+        ValueError: ``samples`` differs from ``planned``; the message says the run is refused, not re-planned.
+    """
+    if samples != planned:
+        raise ValueError(
+            f"plan='auto' planned for a batch of {planned} samples per pipeline, but the first training batch has "
+            f"{samples}; the plan's memory and step time were predicted for {planned}, so the run is refused (not "
+            f"re-planned). HINT: pass plan=AutoPlan(batch_size={samples}) to plan for the batches the DataLoader "
+            f"gives, or give the DataLoader batch_size={planned}"
+        )
 
 
 def _budget(request: AutoPlan, device: torch.device) -> float:
@@ -154,14 +212,15 @@ def _budget(request: AutoPlan, device: torch.device) -> float:
 
 
 def plan_for_module(
-    request: AutoPlan, sequence: nn.Module, example: Any, *, devices: int, device: torch.device
+    request: AutoPlan, sequence: nn.Module, example: Any, *, batch_size: int, devices: int, device: torch.device
 ) -> Plan:
     """Plan the pipelined ``sequence`` for ``devices`` processes on ``device`` as ``request`` asks.
 
-    ``example`` is the LightningModule's ``example_input_array``, used when the request has no ``sample``.
+    ``example`` is the LightningModule's ``example_input_array``, used when the request has no ``sample``;
+    ``batch_size`` is what each pipeline reads per step (:func:`planned_batch`), whatever the sample's rows.
 
     Raises:
-        ValueError: no sample, no budget on a device without a memory size, or a sample of mixed batch sizes.
+        ValueError: no sample, or no budget on a device without a memory size.
         InfeasiblePlanError: nothing fits (the message names what would).
     """
     from lightning_gpipe.plan import plan
@@ -170,11 +229,10 @@ def plan_for_module(
     if sample is None:
         raise ValueError(
             "plan='auto' profiles the pipelined sequence on a sample input, but there is none. HINT: set "
-            "`self.example_input_array` in the LightningModule to one batch of the sequence's input (as many rows as "
-            "the DataLoader's batch_size), or pass plan=AutoPlan(sample=..., batch_size=...)"
+            "`self.example_input_array` in the LightningModule to an input of the sequence (a few rows are enough), "
+            "or pass plan=AutoPlan(sample=...)"
         )
     budget = _budget(request, device)
-    batch = request.batch_size if request.batch_size is not None else _rows(sample)
     options: dict[str, Any] = {}
     if request.checkpoints is not None:
         options["checkpoints"] = list(request.checkpoints)
@@ -185,7 +243,7 @@ def plan_for_module(
         sample,
         devices=devices,
         memory_per_device=budget,
-        batch_size=batch,
+        batch_size=batch_size,
         device=device,
         optimizer_slots=request.optimizer_slots,
         chunks=request.chunks,
@@ -219,8 +277,7 @@ def agreed_settings(
             broadcast(("error", f"{type(error).__name__}: {error}"))
             raise
         settings = chosen.strategy_kwargs()
-        explicit = ", ".join(f"{name}={value!r}" for name, value in settings.items())
-        report(f"GPipe plan (plan='auto'); the same without planning: GPipeStrategy({explicit})\n{chosen}")
+        report(f"GPipe plan (plan='auto'); the same without planning: {chosen.strategy_code()}\n{chosen}")
         outcome = ("plan", settings)
     kind, payload = broadcast(outcome)
     if kind == "error":

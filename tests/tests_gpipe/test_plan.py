@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
-from helpers.distributed import run_job
+import torch.distributed as dist
+from helpers.distributed import loopback_store, run_job
 from helpers.runif import RunIf
 from torch import nn
 
@@ -451,13 +455,104 @@ def test_plan_for_a_module_needs_a_sample_and_on_cpu_a_budget() -> None:
     layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=r"needs a memory budget per device on 'cpu'.*AutoPlan\(memory_per_device="):
-        plan_for_module(AutoPlan(), layers, torch.randn(4, 8), devices=1, device=cpu)
+        plan_for_module(AutoPlan(), layers, torch.randn(4, 8), batch_size=4, devices=1, device=cpu)
     with pytest.raises(ValueError, match=r"set `self.example_input_array`"):
-        plan_for_module(AutoPlan(memory_per_device="1MiB"), layers, None, devices=1, device=cpu)
+        plan_for_module(AutoPlan(memory_per_device="1MiB"), layers, None, batch_size=4, devices=1, device=cpu)
     result = plan_for_module(
-        AutoPlan(memory_per_device="1MiB", chunks=[1, 2]), layers, torch.randn(4, 8), devices=1, device=cpu
+        AutoPlan(memory_per_device="1MiB", chunks=[1, 2]), layers, torch.randn(4, 8), batch_size=6, devices=1,
+        device=cpu,
+    )  # fmt: skip
+    assert (result.batch_size, result.per_pipeline_batch) == (6, True)  # the batch given, not the sample's 4 rows
+
+
+def test_the_planned_batch_is_the_requests_else_the_loaders_never_the_samples_rows() -> None:
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    from lightning_gpipe.plan.auto import AutoPlan, loader_batch_size, planned_batch
+
+    data = TensorDataset(torch.randn(64, 8))
+    assert planned_batch(AutoPlan(), lambda: DataLoader(data, batch_size=16)) == 16
+    assert planned_batch(AutoPlan(batch_size=8), lambda: pytest.fail("a stated batch needs no loader")) == 8
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), batch_size=12, drop_last=True)
+    assert loader_batch_size(DataLoader(data, batch_sampler=sampler)) == 12
+    assert loader_batch_size([DataLoader(data, batch_size=4)]) == 4
+    assert loader_batch_size({"a": DataLoader(data, batch_size=4), "b": DataLoader(data, batch_size=4)}) is None
+
+    class Stream(IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield torch.randn(5, 8)
+
+    for unknown in (None, DataLoader(Stream(), batch_size=None)):
+        with pytest.raises(ValueError, match=r"does not say its batch_size .*HINT: pass plan=AutoPlan\(batch_size="):
+            planned_batch(AutoPlan(), lambda unknown=unknown: unknown)
+
+
+class _Planned(L.LightningModule):
+    """An MLP whose example_input_array has 2 rows (as a zoo model's, set for FLOPs), trained on batches of 16."""
+
+    def __init__(self, loader_batch: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.example_input_array = torch.randn(2, 8)
+        self.loader_batch = loader_batch
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.layers(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+        return torch.utils.data.DataLoader(data, batch_size=self.loader_batch)
+
+
+def _planned_trainer(request: Any) -> L.Trainer:
+    from lightning_gpipe import GPipeStrategy
+
+    return L.Trainer(
+        strategy=GPipeStrategy(plan=request), accelerator="cpu", devices=1, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def loopback_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """An in-process Trainer's process group, its store on 127.0.0.1, destroyed afterwards."""
+    with loopback_store() as env:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        yield
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+def test_plan_auto_plans_for_the_loaders_batch_not_the_example_inputs_rows(caplog: pytest.LogCaptureFixture) -> None:
+    # Regression (issue 29, item 2): plan="auto" took example_input_array's 2 rows (a zoo model's, set for FLOPs) for
+    # the batch and planned memory for 2 samples while the DataLoader gave 16.
+    from lightning_gpipe import AutoPlan
+
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        _planned_trainer(AutoPlan(memory_per_device="64MiB", chunks=[1, 2])).fit(_Planned(loader_batch=16))
+    planned = [record.getMessage() for record in caplog.records if "GPipe plan" in record.getMessage()]
+    assert len(planned) == 1
+    assert "batch 16 per pipeline" in planned[0]
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+def test_plan_auto_refuses_a_first_batch_of_another_size_than_planned() -> None:
+    # Regression (issue 29, item 2): nothing checked the first real batch against the planned one, so a plan made for
+    # another batch (here the one stated) trained on under-predicted memory without a word.
+    from lightning_gpipe import AutoPlan
+
+    refused = (
+        r"planned for a batch of 8 samples per pipeline, but the first training batch has 16; .* the run is refused "
+        r"\(not re-planned\)\. HINT: pass plan=AutoPlan\(batch_size=16\)"
     )
-    assert (result.batch_size, result.per_pipeline_batch) == (4, True)  # the sample's rows are one batch
+    with pytest.raises(ValueError, match=refused):
+        _planned_trainer(AutoPlan(memory_per_device="64MiB", batch_size=8, chunks=[1, 2])).fit(_Planned(16))
 
 
 def test_rank_zero_plans_and_every_rank_gets_its_settings_or_its_error() -> None:
