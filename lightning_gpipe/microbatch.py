@@ -26,6 +26,7 @@ from lightning_gpipe.unbatched import unbatched_leaves
 __all__ = [
     "Microbatch",
     "batch_size",
+    "count_weights",
     "gather",
     "loss_weights",
     "scatter",
@@ -171,14 +172,23 @@ def loss_weights(outputs: Sequence[Any], microbatches: Sequence[Microbatch], dev
             f"the step returned 'loss_weight' for {sum(given)} of {len(given)} micro-batches; return it for every "
             "batch (the number of elements the loss averages over, e.g. the batch's non-padding tokens)"
         )
-    counts = [torch.as_tensor(output["loss_weight"], device=device) for output in outputs]
-    if any(count.numel() != 1 or count.is_complex() for count in counts):
-        shapes = sorted({tuple(count.shape) for count in counts if count.numel() != 1})
+    return count_weights([output["loss_weight"] for output in outputs], device)
+
+
+def count_weights(counts: Sequence[Any], device: torch.device) -> torch.Tensor:
+    """Micro-batch ``i``'s share ``n_i / sum(n)`` of a mean over ``sum(n)`` elements, given each one's count ``n_i``.
+
+    A count is a number or a one-element tensor (``loss_weight``); the result is a float64 tensor on ``device``,
+    computed without reading a value on the host.
+    """
+    tensors = [torch.as_tensor(count, device=device) for count in counts]
+    if any(count.numel() != 1 or count.is_complex() for count in tensors):
+        shapes = sorted({tuple(count.shape) for count in tensors if count.numel() != 1})
         raise ValueError(
             "'loss_weight' must be one real number per batch (the number of elements the loss averages over), got "
             f"values of shape {shapes[0] if shapes else 'complex'}; return e.g. (target != ignore_index).sum()"
         )
-    weights = torch.stack([count.reshape(()) for count in counts]).to(torch.float64)
+    weights = torch.stack([count.reshape(()) for count in tensors]).to(torch.float64)
     return weights / weights.sum()
 
 

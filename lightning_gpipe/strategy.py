@@ -55,7 +55,7 @@ from lightning_gpipe.fingerprint import batch_fingerprint
 from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.layout import ProcessLayout
 from lightning_gpipe.log_mirror import LogRecorder
-from lightning_gpipe.microbatch import Microbatch, batch_size, gather, loss_weights, step_extras
+from lightning_gpipe.microbatch import Microbatch, batch_size, count_weights, gather, loss_weights, step_extras
 from lightning_gpipe.partitioned import Partition, find_sequence
 from lightning_gpipe.pipeline import Pipeline
 from lightning_gpipe.plan.auto import (
@@ -198,6 +198,7 @@ class GPipeStrategy(ParallelStrategy):
         self._names = ModelNames(keys=[], shapes={}, parameter_order=[], aliases={})
         self._ties: TiedCopies | None = None
         self._losses: dict[int, Tensor] = {}  # the last stage's losses awaiting backward, weighted by then
+        self._declared: Tensor | None = None  # the step's micro-batch weights from the module's batch_loss_weight
         self._failed = False
         self._example_input: Any = None
         self._planned_batch: int | None = None  # plan="auto"'s batch per pipeline, until the first training batch
@@ -594,6 +595,8 @@ class GPipeStrategy(ParallelStrategy):
         outputs: list[Any] = []
         self._losses = {}
         try:
+            # Known before the first forward, so every schedule can weigh a loss as soon as it is computed.
+            self._declared = self._declared_weights(run.microbatches) if hook != "predict_step" else None
             early = run.backward_before_last_forward
             self._held = HeldGradients(module.parameters()) if early else None
             for action in run.actions[: run.forward_span]:
@@ -612,8 +615,26 @@ class GPipeStrategy(ParallelStrategy):
             raise
         return outputs, recorder
 
+    def _declared_weights(self, microbatches: list[Microbatch]) -> Tensor | None:
+        """The micro-batches' weights from the module's ``batch_loss_weight(batch)``, on the last stage; else None."""
+        declare = getattr(self.lightning_module, "batch_loss_weight", None)
+        if declare is None or not self._stage.is_last:  # type: ignore[union-attr]
+            return None
+        if not callable(declare):
+            raise TypeError(
+                f"batch_loss_weight is a {type(declare).__name__}; GPipeStrategy calls it as a method "
+                "batch_loss_weight(batch) -> the number of elements the loss of `batch` averages over; rename it"
+            )
+        return count_weights([declare(mb.value) for mb in microbatches], self.root_device)
+
+    def _loss_weights(self, outputs: list[Any], device: torch.device) -> Tensor:
+        """Each micro-batch's share of the step's loss and logs: declared from its batch, returned, or by samples."""
+        if self._declared is not None:
+            return self._declared
+        return loss_weights(outputs, self._run.microbatches, device)  # type: ignore[union-attr]
+
     def _step_loss(self, mb: Microbatch, output: Any, early: bool) -> Tensor:
-        """The loss the user's step returned for ``mb``; weighted by its share of samples when ``early``."""
+        """The loss the user's step returned for ``mb``; weighted when ``early`` (declared weight, else samples)."""
         loss = output["loss"] if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             raise TypeError(
@@ -622,15 +643,22 @@ class GPipeStrategy(ParallelStrategy):
             )
         if self.config.detect_anomalies:
             check_finite(self.layout.stage, mb.index, "the loss", loss)
+        if isinstance(output, Mapping) and "loss_weight" in output:
+            if self._declared is not None:
+                raise ValueError(
+                    f"training_step returned 'loss_weight' and {type(self.lightning_module).__name__} declares "
+                    "batch_loss_weight(batch) too; say it once: drop 'loss_weight' from the step's output"
+                )
+            if early:
+                raise ValueError(
+                    f"training_step returned 'loss_weight' under schedule={self.config.schedule!r}, which runs the "
+                    "backward of micro-batch 0 before the forward of the last one, before the weights of all "
+                    "micro-batches are known. Use schedule='gpipe', or declare the weight from the batch before the "
+                    "schedule runs: a method batch_loss_weight(batch) on the LightningModule, without 'loss_weight'."
+                )
         if not early:
             return loss
-        if isinstance(output, Mapping) and "loss_weight" in output:
-            raise ValueError(
-                f"training_step returned 'loss_weight' under schedule={self.config.schedule!r}, which runs the "
-                "backward of micro-batch 0 before the forward of the last one, before the weights of all micro-batches "
-                "are known. Use schedule='gpipe' for a loss averaged over something other than samples."
-            )
-        return loss * mb.weight
+        return loss * (mb.weight if self._declared is None else self._declared[mb.index].to(loss.dtype))
 
     def _backward_loss(self, index: int) -> Tensor | None:
         """What the backward of micro-batch ``index`` starts from: its weighted loss on the last stage, scaled."""
@@ -692,7 +720,7 @@ class GPipeStrategy(ParallelStrategy):
         run = self._run
         assert run is not None
         losses = [output["loss"] if isinstance(output, Mapping) else output for output in outputs]
-        weights = loss_weights(outputs, run.microbatches, losses[0].device)
+        weights = self._loss_weights(outputs, losses[0].device)
         recorder.combine(weights)
         weighted = [loss * weight.to(loss.dtype) for loss, weight in zip(losses, weights, strict=True)]
         pending = {action.microbatch for action in run.remaining()}
@@ -770,8 +798,7 @@ class GPipeStrategy(ParallelStrategy):
             raise
         gathered = None
         if self._stage.is_last:
-            device = self.root_device
-            recorder.combine(loss_weights(outputs, self._run.microbatches, device))
+            recorder.combine(self._loss_weights(outputs, self.root_device))
             gathered = gather(outputs) if outputs[0] is not None else None
         shared = self._mirror_logs(recorder, other=gathered if hook == "predict_step" else None)[1]
         return shared if hook == "predict_step" else gathered
