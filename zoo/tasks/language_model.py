@@ -11,7 +11,7 @@ from torchmetrics.text import Perplexity
 from zoo._registry import register_model
 from zoo.tasks.base import ZooModule
 from zoo.transformer.network import transformer_lm_layers
-from zoo.transformer.objective import sequence_cross_entropy
+from zoo.transformer.objective import sequence_cross_entropy, token_count
 from zoo.transformer.optimization import OPTIMIZERS, transformer_optimization
 
 __all__ = ["TransformerLM"]
@@ -27,10 +27,12 @@ class TransformerLM(ZooModule):
     for L = 3 / 13 / 103 / 415 / 1663, as in the paper.
 
     A batch is a LongTensor [B, T + 1] of token ids (``pad_id`` right-padding is ignored by the loss): the model reads
-    ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``. Validation logs ``val_loss`` (label-smoothed, as trained),
-    ``val_acc`` (next-token accuracy) and ``val_ppl`` (exp of the token-mean NLL, without smoothing). Stabilisers and
-    optimizer as in :class:`zoo.tasks.translation.Transformer`, and so is fine-tuning: the softmax is the head, and
-    ``freeze_backbone=True`` trains it alone. :func:`zoo.evaluation.evaluate_perplexity` measures a split's perplexity.
+    ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``; the loss is a mean over the non-padding predicted tokens, whose
+    count :meth:`batch_loss_weight` declares for ``GPipeStrategy``. Validation logs ``val_loss`` (label-smoothed, as
+    trained), ``val_acc`` (next-token accuracy) and ``val_ppl`` (exp of the token-mean NLL, without smoothing).
+    Stabilisers and optimizer as in :class:`zoo.tasks.translation.Transformer`, and so is fine-tuning: the softmax is
+    the head, and ``freeze_backbone=True`` trains it alone. :func:`zoo.evaluation.evaluate_perplexity` measures a
+    split's perplexity.
     """
 
     def __init__(
@@ -86,6 +88,14 @@ class TransformerLM(ZooModule):
         return sequence_cross_entropy(
             logits, targets, pad_id=self.hparams["pad_id"], label_smoothing=self.hparams["label_smoothing"]
         )
+
+    def batch_loss_weight(self, batch: torch.Tensor) -> torch.Tensor:
+        """The number of tokens the loss of ``batch`` averages over: the non-padding ones of ``batch[:, 1:]``.
+
+        ``GPipeStrategy`` weighs each micro-batch's token mean by it (under every schedule), so a pipelined step is
+        the whole batch's token mean; plain Lightning never calls it.
+        """
+        return token_count(batch[:, 1:], pad_id=self.hparams["pad_id"])
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         logits = self.layers(batch[:, :-1])

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from zoo.tasks.base import ZooModule
-from zoo.transformer.objective import sequence_cross_entropy
+from zoo.transformer.objective import sequence_cross_entropy, token_count
 from zoo.transformer.optimization import OPTIMIZERS, transformer_optimization
 
 __all__ = ["Seq2SeqTask"]
@@ -18,9 +18,10 @@ class Seq2SeqTask(ZooModule):
 
     A batch is ``(source, target)``, LongTensors [B, S] and [B, T] right-padded with :attr:`pad_id`. The model reads
     ``(source, target[:, :-1])`` and learns ``target[:, 1:]`` with label-smoothed cross-entropy over the non-padding
-    tokens. Validation logs ``val_loss`` (label-smoothed, as trained) and ``val_acc`` (next-token accuracy), token
-    means per validation loader. The optimizer is :func:`~zoo.transformer.optimization.transformer_optimization` over
-    the parameters that require gradients.
+    tokens, a mean whose normalizer (the token count) :meth:`batch_loss_weight` declares, so that ``GPipeStrategy``
+    trains on padded batches as on one device. Validation logs ``val_loss`` (label-smoothed, as trained) and
+    ``val_acc`` (next-token accuracy), token means per validation loader. The optimizer is
+    :func:`~zoo.transformer.optimization.transformer_optimization` over the parameters that require gradients.
 
     Subclasses build ``self.layers`` so that it maps ``(source, target_in)`` to logits [B, T, V], set :attr:`pad_id`,
     and save the hyper-parameters ``label_smoothing``, ``optimizer``, ``lr`` and ``warmup_steps``.
@@ -44,6 +45,14 @@ class Seq2SeqTask(ZooModule):
             logits, target_out, pad_id=self.pad_id, label_smoothing=self.hparams["label_smoothing"]
         )
 
+    def batch_loss_weight(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The number of target tokens the loss of ``batch`` averages over: the non-padding ones of ``target[:, 1:]``.
+
+        ``GPipeStrategy`` weighs each micro-batch's token mean by it (under every schedule), so a pipelined step is
+        the whole batch's token mean; plain Lightning never calls it.
+        """
+        return token_count(batch[1][:, 1:], pad_id=self.pad_id)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         source, target = batch
         logits = self.layers((source, target[:, :-1]))
@@ -58,9 +67,8 @@ class Seq2SeqTask(ZooModule):
         source, target = batch
         logits = self.layers((source, target[:, :-1]))
         target_out = target[:, 1:]
-        tokens = target_out != self.pad_id
-        count = max(int(tokens.sum()), 1)
-        correct = ((logits.argmax(dim=-1) == target_out) & tokens).sum()
+        count = max(int(token_count(target_out, pad_id=self.pad_id)), 1)
+        correct = ((logits.argmax(dim=-1) == target_out) & (target_out != self.pad_id)).sum()
         # Translation data modules give one validation loader per directed pair, and Lightning suffixes each key with
         # its loader's index; weighting batches by their tokens makes the epoch values per-pair token means.
         self.log("val_loss", self._loss(logits, target_out), prog_bar=True, sync_dist=True, batch_size=count)
