@@ -151,6 +151,14 @@ def test_a_script_block_defines_its_main_guard_without_running_it(tmp_path: path
     assert namespace["main"]() == "launched"
 
 
+def test_a_snippet_block_runs_the_file_it_includes(tmp_path: pathlib.Path) -> None:
+    page = _page(tmp_path, '```python\n--8<-- "examples/gpt_sequence.py"\n```\n')
+    (example,) = read_examples(page)
+    assert example.page == DOCS.parent / "examples" / "gpt_sequence.py"
+    assert example.line == 1
+    assert "def gpt(" in example.code
+
+
 def test_an_unclosed_fence_is_refused(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ValueError, match=r"page.md:1: the fence ```python is never closed"):
         find_examples("```python\nx = 1\n", tmp_path / "page.md")
@@ -176,7 +184,8 @@ def test_the_examples_of_a_page_run(page: pathlib.Path, tmp_path: pathlib.Path) 
 @pytest.mark.timeout(600)
 def test_the_getting_started_script_trains_as_two_processes(tmp_path: pathlib.Path) -> None:
     # The page's runner defines the script's main block without running it; here it runs as the reader runs it.
-    (script,) = [e for e in read_examples(DOCS / "getting_started.md") if 'if __name__ == "__main__":' in e.code]
+    page = DOCS / "getting_started.md"
+    (script,) = [e for e in read_examples(page) if e.page == page and 'if __name__ == "__main__":' in e.code]
     (tmp_path / "train.py").write_text(script.code, encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(DOCS.parent)}
     for inherited in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):

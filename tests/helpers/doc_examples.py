@@ -7,6 +7,8 @@ The convention the pages follow:
 - the blocks of one page run in order in one shared namespace, from a scratch working directory, so a later block
   may use what an earlier one defined and files an example writes land nowhere in the repository;
 - a block that starts with ``>>>`` is a doctest: its printed results are checked too;
+- a block whose only line is ``--8<-- "examples/x.py"`` (pymdownx.snippets) shows that file of the repository, and
+  runs it as an example of the page: errors then point into the file;
 - a block runs as a module, not as a script: code under ``if __name__ == "__main__":`` is defined but not run, since
   it is what would launch processes;
 - an HTML comment ``<!-- skip-example: reason -->`` on the line before the opening fence (blank lines allowed) skips
@@ -34,6 +36,8 @@ __all__ = ["Example", "ExampleError", "find_examples", "read_examples", "run_exa
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<ticks>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 _SKIP = re.compile(r"^\s*<!--\s*skip-example:(?P<reason>.*?)-->\s*$")
 _PYTHON = {"python", "py", "python3"}
+_SNIPPET = re.compile(r'^\s*--8<--\s+"(?P<path>[^"]+)"\s*$')
+_ROOT = pathlib.Path(__file__).resolve().parents[2]  # where mkdocs runs, the snippets' base path
 # The name examples run under: anything but "__main__", so that a script's launch block is defined but not run.
 EXAMPLE_MODULE_NAME = "__doc_example__"
 
@@ -85,7 +89,12 @@ def find_examples(text: str, page: pathlib.Path) -> list[Example]:
         if lang in _PYTHON:
             # Blocks inside admonitions and list items are indented: strip the fence's own indentation.
             body = [line[len(indent) :] if line.startswith(indent) else line.lstrip() for line in lines[i + 1 : end]]
-            examples.append(Example(page, i + 2, "\n".join(body) + "\n", _skip_reason(lines, i, page)))
+            included = _SNIPPET.match(body[0]) if len(body) == 1 else None
+            if included is not None:
+                source = _ROOT / included["path"]
+                examples.append(Example(source, 1, source.read_text(encoding="utf-8"), _skip_reason(lines, i, page)))
+            else:
+                examples.append(Example(page, i + 2, "\n".join(body) + "\n", _skip_reason(lines, i, page)))
         i = end + 1
     return examples
 
