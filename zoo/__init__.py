@@ -11,6 +11,7 @@ memory::
     model = zoo.load_pretrained("pretrain.ckpt", num_classes=10)  # backbone loaded, new random heads
     model = zoo.load_pretrained("timm/resnet50", num_classes=10)  # timm's ImageNet weights, a new classifier
     model = zoo.load_pretrained("facebook/m2m100_418M")  # Hugging Face translation model: a zoo.PretrainedTranslator
+    model = zoo.load_pretrained("Qwen/Qwen2.5-0.5B")  # Hugging Face decoder-only LM: a zoo.PretrainedCausalLM
 """
 
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "AmoebaNetD",
     "ImageClassifier",
     "LoadReport",
+    "PretrainedCausalLM",
     "PretrainedTranslator",
     "Transformer",
     "TimmClassifier",
@@ -41,9 +43,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # PretrainedTranslator imports transformers (seconds of start-up): only when it is asked for.
+    # The Hugging Face models import transformers (seconds of start-up): only when they are asked for.
     if name == "PretrainedTranslator":
         from zoo.tasks.pretrained_translation import PretrainedTranslator
 
         return PretrainedTranslator
+    if name == "PretrainedCausalLM":
+        from zoo.tasks.causal_lm import PretrainedCausalLM
+
+        return PretrainedCausalLM
     raise AttributeError(f"module 'zoo' has no attribute {name!r}")

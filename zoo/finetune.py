@@ -137,9 +137,11 @@ def load_pretrained(
             with ``weights=PATH``; see :func:`zoo.timm_models.load_timm`); or a Hugging Face translation model
             (M2M-100, NLLB, Marian): a hub id such as ``"facebook/m2m100_418M"`` or a ``save_pretrained`` directory,
             converted into a :class:`~zoo.tasks.pretrained_translation.PretrainedTranslator` with every weight loaded
-            (``overrides`` are its training arguments, e.g. ``lr``; it has no ``num_classes``). A source that starts
-            with ``.``, ``/`` or ``~`` (expanded to the home directory), has more than one ``/`` or is a ``Path`` is a
-            local path, never a hub id.
+            (``overrides`` are its training arguments, e.g. ``lr``; it has no ``num_classes``); or a Hugging Face
+            decoder-only language model (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo, GPT-2, ...), likewise converted
+            into a :class:`~zoo.tasks.causal_lm.PretrainedCausalLM` (``freeze_backbone`` trains its head only). A
+            source that starts with ``.``, ``/`` or ``~`` (expanded to the home directory), has more than one ``/`` or
+            is a ``Path`` is a local path, never a hub id.
         num_classes: classes of the new task; the classifier and the aux classifier are re-created for it and
             freshly initialized. ``None`` keeps the checkpoint's number of classes (the heads are still new).
         freeze_backbone: train the heads only; every other parameter has ``requires_grad=False``.
@@ -160,7 +162,7 @@ def load_pretrained(
     if str(path).startswith("~"):  # as a shell would; neither torch.load nor the hub's loader expands it
         path = Path(path).expanduser() if isinstance(path, Path) else os.path.expanduser(path)
     if _is_hf_source(path):
-        return _load_hf_translation(path, num_classes, freeze_backbone, architecture, overrides)
+        return _load_hf(path, num_classes, freeze_backbone, architecture, overrides)
     if not Path(path).exists():
         raise FileNotFoundError(
             f"no checkpoint at {str(path)!r}: no such file or directory. zoo.load_pretrained takes a checkpoint file "
@@ -175,7 +177,7 @@ def load_pretrained(
             f"{str(path)!r} holds a {name!r} model, not the expected {architecture!r}: pass a checkpoint of "
             f"{architecture!r}, or architecture={name!r}"
         )
-    cls = _hf_translation_class() if name == _HF_TRANSLATION else model_class(name)
+    cls = _HF_CLASSES[name]() if name in _HF_CLASSES else model_class(name)
     accepted = inspect.signature(cls).parameters
     # LightningCLI adds its own entries ("_class_path", "_instantiator") to the saved hyper-parameters.
     arguments = {key: value for key, value in checkpoint.get("hyper_parameters", {}).items() if not key.startswith("_")}
@@ -203,10 +205,42 @@ def _hf_translation_class() -> type[ZooModule]:
     return PretrainedTranslator
 
 
+def _hf_causal_lm_class() -> type[ZooModule]:
+    from zoo.tasks.causal_lm import PretrainedCausalLM
+
+    return PretrainedCausalLM
+
+
+# The Hugging Face models' zoo names (outside the registry: they need a source to exist), imported when met.
+_HF_CLASSES = {_HF_TRANSLATION: _hf_translation_class, "hf_causal_lm": _hf_causal_lm_class}
+
+
 def _is_hf_source(path: str | Path) -> bool:
     from zoo.hf.conversion import is_hf_source  # transformers is imported only for Hugging Face sources
 
     return is_hf_source(path)
+
+
+def _load_hf(
+    source: str | Path, num_classes: int | None, freeze_backbone: bool, architecture: str | None, overrides: Any
+) -> ZooModule:
+    from transformers import AutoConfig
+
+    if AutoConfig.from_pretrained(str(source)).is_encoder_decoder:
+        return _load_hf_translation(source, num_classes, freeze_backbone, architecture, overrides)
+    from zoo.tasks.causal_lm import PretrainedCausalLM
+
+    if num_classes is not None:
+        raise ValueError(
+            f"num_classes={num_classes!r} does not apply to the Hugging Face language model {str(source)!r}: it keeps "
+            "its vocabulary (fine-tune the whole model, its head with freeze_backbone=True, or LoRA adapters)"
+        )
+    if architecture is not None and architecture != PretrainedCausalLM.zoo_name:
+        raise ValueError(
+            f"{str(source)!r} is a Hugging Face language model, which loads as {PretrainedCausalLM.zoo_name!r}, not "
+            f"the expected {architecture!r}"
+        )
+    return PretrainedCausalLM(str(source), pretrained=True, freeze_backbone=freeze_backbone, **overrides)
 
 
 def _load_hf_translation(

@@ -1,0 +1,237 @@
+"""Hugging Face decoder-only language models as zoo models: the library's own forward, loss, generate and loader are
+the oracles.
+
+Nothing downloads: each family's tiny random model is written in the real on-disk format (``zoo.hf.causal_lm_tiny``)
+and loaded through ``zoo.load_pretrained(directory)``, the code path of a hub id.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+
+transformers = pytest.importorskip("transformers")
+
+from zoo.hf.causal_lm_tiny import CAUSAL_FAMILIES, save_tiny_causal_lm  # noqa: E402
+
+TIED = {"qwen2", "gemma", "gpt2"}
+TEXTS = ["the cat sat on the mat.", "a dog runs in the park.", "hello world, this is a small test."]
+
+
+@pytest.fixture(scope="module", params=CAUSAL_FAMILIES)
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Weights larger than the library's 0.02 default give the random model varied (not constant) greedy outputs.
+    return save_tiny_causal_lm(tmp_path_factory.mktemp(request.param), request.param, init_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("llama-text"), "llama", TEXTS, init_std=0.3)
+
+
+def library(directory: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def prompts(vocab: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of 9 tokens, the first two left-padded (3 and 1 tokens), and their attention mask."""
+    ids = torch.randint(3, vocab, (3, 9), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[1, :1] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """The positions ``generate`` gives left-padded prompts (the library's forward counts 0, 1, ... otherwise)."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def test_layers_form_one_flat_sequence_of_the_library_modules(saved: Path) -> None:
+    model = zoo.load_pretrained(saved)
+    assert isinstance(model, zoo.PretrainedCausalLM)
+    assert isinstance(model.layers, torch.nn.Sequential)
+    names = [type(layer).__name__ for layer in model.layers]
+    assert names == ["TokenEmbedding", "CausalDecoderLayer", "CausalDecoderLayer", "FinalNorm", "LanguageModelHead"]
+    # The decoder layers are the library's own modules (no attention of ours), and so is the rotary table.
+    assert type(model.layers[1].layer).__module__.startswith("transformers.models.")
+    rotary = model.layers[0].rotary
+    assert rotary is None if saved.name.startswith("gpt2") else type(rotary).__module__.startswith("transformers.")
+    ours = sum(p.numel() for p in model.parameters())
+    assert ours == sum(p.numel() for p in library(saved).parameters())  # tied tensors once
+    tied = model.layers[-1].lm_head.weight is model.layers[0].tokens.weight
+    assert tied == any(saved.name.startswith(family) for family in TIED)
+    assert all(module.training for module in model.modules()), "from_pretrained's eval mode would turn dropout off"
+
+
+def test_logits_equal_the_library_forward(saved: Path) -> None:
+    model = zoo.load_pretrained(saved).eval()
+    theirs = library(saved)
+    ids, mask = prompts()
+    torch.testing.assert_close(model(ids), theirs(ids).logits, atol=1e-4, rtol=0)
+    expected = theirs(ids, attention_mask=mask, position_ids=positions(mask)).logits
+    real = mask.bool()  # a padding position's own output is not defined the same way: neither reads it
+    torch.testing.assert_close(model(ids, mask)[real], expected[real], atol=1e-4, rtol=0)
+
+
+def test_greedy_generation_equals_library_generate(saved: Path) -> None:
+    model = zoo.load_pretrained(saved)
+    ids, mask = prompts()
+    ours = model.generate(ids, mask, max_new_tokens=8)
+    theirs = library(saved).generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=2
+    )
+    assert ours.tolist() == theirs.tolist()
+    assert len(set(ours[:, 9:].flatten().tolist())) > 2, "a degenerate model would prove little"
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)])
+def test_sampled_generation_with_a_seed_equals_library_generate(
+    llama: Path, temperature: float, top_k: int, top_p: float
+) -> None:
+    # generate draws from torch's global generator; ours from a generator seeded alike: the same tokens on the CPU.
+    model = zoo.load_pretrained(llama)
+    ids, mask = prompts(model.hparams["config"]["vocab_size"])
+    ours = model.generate(
+        ids, mask, max_new_tokens=8, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=3
+    )
+    torch.manual_seed(3)
+    theirs = library(llama).generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=temperature, top_k=top_k or None,
+        top_p=top_p, pad_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    assert ours.tolist() == theirs.tolist()
+    again = model.generate(ids, mask, max_new_tokens=8, do_sample=True, top_p=top_p, seed=4)
+    assert again.tolist() != ours.tolist(), "another seed draws other tokens"
+
+
+def test_generation_through_the_pipelined_sequence_equals_the_whole_model(llama: Path) -> None:
+    from lightning_gpipe.partitioned import PipelinedSequential
+
+    model = zoo.load_pretrained(llama)
+    ids, mask = prompts(model.hparams["config"]["vocab_size"])
+    whole = model.generate(ids, mask, max_new_tokens=6)
+    sampled = model.generate(ids, mask, max_new_tokens=6, do_sample=True, top_k=8, seed=1)
+    sequence = model.layers
+    # Inside a GPipeStrategy step the layers are the stand-in, and each token is one call of the whole sequence on
+    # the whole prefix (no cache: a call leaves nothing on the stages).
+    stand_in = PipelinedSequential(dict(sequence.named_children()), len(sequence), 0, 1)
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    stand_in.runner = lambda value: calls.append(value) or sequence(value)
+    model.layers = stand_in  # type: ignore[assignment]
+    assert model.generate(ids, mask, max_new_tokens=6).tolist() == whole.tolist()
+    assert [call[0].shape[1] for call in calls] == list(range(9, 9 + whole.shape[1] - 9))
+    assert model.generate(ids, mask, max_new_tokens=6, do_sample=True, top_k=8, seed=1).tolist() == sampled.tolist()
+
+
+def test_a_right_padded_prompt_is_refused(llama: Path) -> None:
+    model = zoo.load_pretrained(llama)
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match=r"pad prompts on the left \(tokenizer.padding_side = 'left'\)"):
+        model.generate(ids, mask.flip(1))
+
+
+def test_the_loss_is_the_library_loss_over_the_learned_tokens(llama: Path) -> None:
+    model = zoo.load_pretrained(llama).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama)
+    tokenizer.padding_side = "right"
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    batch = collator([tokenizer(text) for text in TEXTS])
+    assert (batch["labels"] == -100).any(), "padding must be left out"
+    expected = library(llama)(**batch).loss
+    out = model.training_step(batch, 0)
+    torch.testing.assert_close(out["loss"], expected, atol=1e-5, rtol=0)
+    assert int(out["loss_weight"]) == int((batch["labels"][:, 1:] != -100).sum())
+
+
+def test_a_directory_without_a_tokenizer_loads_and_exports_without_one(saved: Path, tmp_path: Path) -> None:
+    model = zoo.load_pretrained(saved)
+    assert model.tokenizer is None
+    exported = model.export_pretrained(tmp_path / "export")
+    assert not (exported / "tokenizer.json").exists()
+
+
+def test_export_pretrained_loads_in_transformers_with_equal_logits(saved: Path, tmp_path: Path) -> None:
+    model = zoo.load_pretrained(saved).eval()
+    with torch.no_grad():  # change the weights, so that the export cannot pass by re-reading the source
+        for parameter in model.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    exported = model.export_pretrained(tmp_path / "export")
+    ids, _ = prompts()
+    torch.testing.assert_close(model(ids), library(exported)(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_export_writes_the_tokenizer(llama: Path, tmp_path: Path) -> None:
+    exported = zoo.load_pretrained(llama).export_pretrained(tmp_path / "export")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    original = transformers.AutoTokenizer.from_pretrained(llama)
+    assert tokenizer("the cat")["input_ids"] == original("the cat")["input_ids"]
+
+
+def test_checkpoint_round_trip_and_meta_build(llama: Path, tmp_path: Path) -> None:
+    import lightning as L
+
+    model = zoo.load_pretrained(llama, lr=3e-4)
+    with torch.device("meta"):
+        meta = zoo.PretrainedCausalLM(str(llama), config=model.hparams["config"], pretrained=False)
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    again = zoo.load_pretrained(tmp_path / "model.ckpt")
+    assert isinstance(again, zoo.PretrainedCausalLM)
+    assert again.hparams["lr"] == 3e-4
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_freeze_backbone_trains_the_norm_and_the_head(saved: Path) -> None:
+    model = zoo.load_pretrained(saved, freeze_backbone=True)
+    trained = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    last = (f"layers.{len(model.layers) - 2}.", f"layers.{len(model.layers) - 1}.")
+    assert trained, "the head trains"
+    assert all(name.startswith(last) or name.startswith("layers.0.tokens.") for name in trained)
+    # A tied embedding is the head's weight: it trains, under both of its names.
+    assert any(name.startswith("layers.0.") for name in trained) == any(saved.name.startswith(f) for f in TIED)
+
+
+def test_lora_trains_the_adapters_only_and_exports_merged(saved: Path, tmp_path: Path) -> None:
+    model = zoo.load_pretrained(saved, lora={"r": 4, "lora_alpha": 8}, lr=1e-2)
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trained
+    assert all("lora_" in name for name in trained)
+    ids, _ = prompts()
+    batch = {"input_ids": ids, "labels": ids}
+    optimizer = model.configure_optimizers()["optimizer"]
+    for _ in range(2):  # LoRA's B starts at zero: the second step moves the merged weights
+        optimizer.zero_grad()
+        model.training_step(batch, 0)["loss"].backward()
+        optimizer.step()
+    model.eval()
+    exported = model.export_pretrained(tmp_path / "export")
+    logits = library(exported)(ids).logits
+    torch.testing.assert_close(model(ids), logits, atol=1e-4, rtol=0)
+    assert not torch.allclose(logits, library(saved)(ids).logits, atol=1e-4), "the adapters changed the model"
+
+
+def test_an_unsupported_model_is_refused_naming_its_type_and_the_structure(tmp_path: Path) -> None:
+    gemma2 = transformers.Gemma2Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, pad_token_id=0,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(gemma2).save_pretrained(tmp_path / "gemma2")
+    with pytest.raises(ValueError, match=r"is a 'gemma2' model and its config sets \['final_logit_softcapping'\]; "):
+        zoo.load_pretrained(tmp_path / "gemma2")
+    bloom = transformers.BloomConfig(vocab_size=32, hidden_size=16, n_layer=1, n_head=2)
+    transformers.AutoModelForCausalLM.from_config(bloom).save_pretrained(tmp_path / "bloom")
+    with pytest.raises(ValueError, match=r"is a 'bloom' model made of .*'embed_tokens', 'layers', 'norm' and"):
+        zoo.load_pretrained(tmp_path / "bloom")
+
+
+def test_classification_arguments_are_refused(llama: Path) -> None:
+    with pytest.raises(ValueError, match=r"num_classes=10 does not apply to the Hugging Face language model"):
+        zoo.load_pretrained(llama, num_classes=10)

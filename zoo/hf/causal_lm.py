@@ -1,0 +1,114 @@
+"""Conversion of a Hugging Face decoder-only language model into the zoo's flat layer sequence, by its structure.
+
+One adapter serves every model of the common structure, whatever its family (Llama, Mistral, Qwen2, Qwen3, Gemma,
+Phi-3, OLMo, ...): a ``...ForCausalLM`` holding ``model`` and ``lm_head``, whose ``model`` holds exactly
+``embed_tokens``, ``layers`` (decoder layers taking ``position_embeddings``), ``norm`` and ``rotary_emb``. A second,
+small one serves GPT-2 (``transformer`` with ``wte``, ``wpe``, ``drop``, ``h``, ``ln_f``: learned positions). Any other
+structure is refused, naming the model type: its forward may do something between the modules that the sequence would
+leave out (Gemma 2's logit soft-capping, a second rotary table, ...). The sequence::
+
+    TokenEmbedding, CausalDecoderLayer x N, FinalNorm, LanguageModelHead
+
+Weights are the library model's own tensors (tied ones stay one ``nn.Parameter``); :func:`zoo.hf.conversion.key_map`
+and :func:`zoo.hf.conversion.export_state_dict` carry them back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from zoo.hf.causal_lm_layers import CausalDecoderLayer, FinalNorm, LanguageModelHead, TokenEmbedding
+
+__all__ = ["SUPPORTED_STRUCTURE", "build_causal_lm", "causal_layers", "check_causal_config", "check_causal_structure"]
+
+_COMMON = {"embed_tokens", "layers", "norm", "rotary_emb"}
+_GPT2 = {"wte", "wpe", "drop", "h", "ln_f"}
+SUPPORTED_STRUCTURE = (
+    "a ...ForCausalLM of 'model' and 'lm_head', its 'model' made of exactly 'embed_tokens', 'layers', 'norm' and "
+    "'rotary_emb' (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, OLMo, ...), or GPT-2"
+)
+# Config settings by which a model of the common structure computes something its modules' calls do not show.
+_UNSUPPORTED_SETTINGS = ("final_logit_softcapping", "logit_scale", "embedding_multiplier", "logits_scaling")
+
+
+def check_causal_config(config: PretrainedConfig, source: str) -> None:
+    """Refuse, naming the model type and the structure supported, a config the adapters cannot reproduce."""
+    settings = [name for name in _UNSUPPORTED_SETTINGS if getattr(config, name, None) not in (None, 1.0)]
+    reason = (
+        "it is an encoder-decoder"
+        if config.is_encoder_decoder
+        else "it has no causal language model class"
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        else f"its config sets {settings}"
+        if settings
+        else ""
+    )
+    if reason:
+        raise ValueError(
+            f"{source!r} is a {config.model_type!r} model and {reason}; zoo.load_pretrained converts decoder-only "
+            f"language models of the common structure: {SUPPORTED_STRUCTURE}"
+        )
+
+
+def check_causal_structure(model: nn.Module, source: str) -> None:
+    """Refuse a library model whose modules are not those of the supported structure, naming what differs."""
+    config: Any = getattr(model, "config", None)
+    children = {name for name, _ in model.named_children()}
+    base = getattr(model, "model", None) or getattr(model, "transformer", None)
+    parts = {name for name, _ in base.named_children()} if base is not None else set()
+    if children == {"model", "lm_head"} and parts == _COMMON:
+        return
+    if children == {"transformer", "lm_head"} and parts == _GPT2:
+        return
+    raise ValueError(
+        f"{source!r} is a {getattr(config, 'model_type', type(model).__name__)!r} model made of {sorted(children)} "
+        f"and {sorted(parts)}; zoo.load_pretrained converts decoder-only language models of the common structure: "
+        f"{SUPPORTED_STRUCTURE}"
+    )
+
+
+def build_causal_lm(source: str, config: dict[str, Any] | None = None, *, pretrained: bool = True) -> PreTrainedModel:
+    """The ``transformers`` model of ``source``: its weights (``pretrained``), or random ones from ``config`` (a
+    ``config.to_dict()``; default the source's). Random initialization also works under ``torch.device("meta")``.
+    Refuses an unsupported model before reading any weight."""
+    hf_config = AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(source)
+    check_causal_config(hf_config, source)
+    if pretrained:
+        model = AutoModelForCausalLM.from_pretrained(source, config=hf_config)
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config)
+    assert isinstance(model, PreTrainedModel), type(model)
+    check_causal_structure(model, source)
+    return model
+
+
+def _sliding(config: PretrainedConfig, index: int) -> bool:
+    """Whether decoder layer ``index`` attends within a sliding window, as the library's model decides it."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:  # Qwen2, Qwen3: one type per layer
+        return bool(layer_types[index] == "sliding_attention")
+    return getattr(config, "sliding_window", None) is not None  # Mistral, Phi-3: every layer or none
+
+
+def causal_layers(model: nn.Module) -> nn.Sequential:
+    """The flat layer sequence running ``model``'s own modules (see the module docstring for its entries)."""
+    library: Any = model  # transformers' classes are not typed per architecture
+    config = library.config
+    if hasattr(library, "transformer"):  # GPT-2
+        base = library.transformer
+        embedding = TokenEmbedding(base.wte, positions=base.wpe, dropout=base.drop)
+        blocks, norm = base.h, base.ln_f
+    else:
+        base = library.model
+        embedding = TokenEmbedding(base.embed_tokens, rotary=base.rotary_emb)
+        blocks, norm = base.layers, base.norm
+    return nn.Sequential(
+        embedding,
+        *[CausalDecoderLayer(block, config, index, _sliding(config, index)) for index, block in enumerate(blocks)],
+        FinalNorm(norm),
+        LanguageModelHead(library.lm_head),
+    )

@@ -1,0 +1,117 @@
+"""Tiny random-initialized Hugging Face decoder-only language models, saved in the real on-disk format, for offline use.
+
+One per supported family (:data:`CAUSAL_FAMILIES`), each a few thousand parameters, with an optional byte-pair
+tokenizer trained on a handful of sentences: what the tests, the notebook and the docs load through
+``zoo.load_pretrained(directory)``, the code path of a hub id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import decoders as token_decoders
+
+__all__ = ["CAUSAL_FAMILIES", "save_tiny_causal_lm", "tiny_causal_config"]
+
+CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "gpt2")
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0, 1, 2, 3
+
+
+def tiny_causal_config(
+    family: str = "llama", *, hidden_size: int = 32, layers: int = 2, vocab_size: int = 96, dropout: float = 0.0
+) -> transformers.PretrainedConfig:
+    """A tiny config of ``family``: 4 attention heads over 2 key/value heads (grouped-query attention), pad 0,
+    ``<s>`` 1, ``</s>`` 2. Mistral attends within a window of 4 tokens, Qwen2 in its second layer only, so that
+    sequences longer than that exercise the sliding-window masks; Qwen2 and Gemma tie their embeddings, as GPT-2 does.
+    """
+    ids: dict[str, Any] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "vocab_size": vocab_size}
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            n_embd=hidden_size, n_layer=layers, n_head=4, n_positions=128, resid_pdrop=dropout,
+            embd_pdrop=dropout, attn_pdrop=dropout, **ids,
+        )  # fmt: skip
+    common: dict[str, Any] = {
+        **ids,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden_size // 4,
+        "max_position_embeddings": 128,
+        "attention_dropout": dropout,
+    }
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=4)
+    if family == "qwen2":
+        return transformers.Qwen2Config(
+            **common, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4, max_window_layers=1
+        )
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if family == "gemma":
+        return transformers.GemmaConfig(**common)
+    if family == "phi3":
+        return transformers.Phi3Config(**common, resid_pdrop=dropout, embd_pdrop=dropout)
+    if family == "olmo":
+        return transformers.OlmoConfig(**common)
+    raise ValueError(f"family={family!r} is not one of the tiny families {', '.join(map(repr, CAUSAL_FAMILIES))}")
+
+
+def _tokenizer(texts: Sequence[str], vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of ``texts`` with the special tokens first, padding on the left (for decoding)."""
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = token_decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(texts, trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def save_tiny_causal_lm(
+    directory: str | Path,
+    family: str = "llama",
+    texts: Sequence[str] | None = None,
+    *,
+    hidden_size: int = 32,
+    layers: int = 2,
+    vocab_size: int = 96,
+    dropout: float = 0.0,
+    init_std: float = 0.02,
+    seed: int = 0,
+) -> Path:
+    """Write a random-initialized ``family`` model (:func:`tiny_causal_config`) to ``directory``, with a tokenizer
+    trained on ``texts`` when they are given (its vocabulary then sets the model's: the 256 byte symbols and the
+    merges, at least ``vocab_size``). ``init_std`` is the standard deviation of the weight matrices (larger than the
+    library's 0.02 gives a random model varied greedy outputs). Returns the directory."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(texts, vocab_size + 256) if texts else None
+    size = len(tokenizer) if tokenizer is not None else vocab_size
+    config = tiny_causal_config(family, hidden_size=hidden_size, layers=layers, vocab_size=size, dropout=dropout)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, init_std)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
