@@ -101,7 +101,8 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
         "strategy": strategy,
         "max_steps": run.get("steps", 3),
         "max_epochs": run.get("epochs"),
-        "logger": False,
+        "logger": run.get("logger", False),  # true: Lightning's default, TensorBoardLogger (tensorboard is locked)
+        "log_every_n_steps": run.get("log_every_n_steps", 50),
         "enable_checkpointing": False,
         "enable_progress_bar": False,
         "enable_model_summary": False,

@@ -15,6 +15,7 @@ import torch
 from helpers.distributed import run_job
 from helpers.lightning_job import fit
 from helpers.runif import RunIf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 TOLERANCE = 1e-5
 
@@ -58,7 +59,8 @@ def test_stages_and_chunks_train_like_plain_lightning(tmp_path: Path, stages: in
 def test_accumulation_clipping_and_deferred_batch_norm(tmp_path: Path) -> None:
     runs = [
         {"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 3, "accumulate": 2},
-        {"pipe_size": 2, "devices": 2, "chunks": 5, "steps": 4, "clip": 0.05},
+        # With Lightning's default logger, TensorBoardLogger: it must work from the lock (issue 29 C6).
+        {"pipe_size": 2, "devices": 2, "chunks": 5, "steps": 4, "clip": 0.05, "logger": True, "log_every_n_steps": 1},
     ]
     # Deferred BatchNorm, on the first stage and then on the second (layer 3 is the BatchNorm): after one step the
     # running statistics equal plain BatchNorm's on the whole batch. The weights differ by design, since GPipe
@@ -68,6 +70,9 @@ def test_accumulation_clipping_and_deferred_batch_norm(tmp_path: Path) -> None:
     results = run_fits(tmp_path, 2, runs)
     assert_same_parameters(results[0], plain(tmp_path, steps=3, accumulate=2))
     assert_same_parameters(results[1], plain(tmp_path, steps=4, clip=0.05))
+    (events,) = (tmp_path / "lightning_logs" / "version_0").glob("events.out.tfevents.*")
+    logged = EventAccumulator(str(events)).Reload()
+    assert [event.step for event in logged.Scalars("train_loss")] == [0, 1, 2, 3]
     reference = plain(tmp_path, steps=1, batch_norm=True)
     stats = ["layers.3.running_mean", "layers.3.running_var", "layers.3.num_batches_tracked"]
     for result in results[2:]:
