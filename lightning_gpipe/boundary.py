@@ -178,11 +178,11 @@ class ActivationLink:
         leaves = [None if leaf is None else leaf.to(self.transport.device) for leaf in leaves]
         if self._layout is None:
             self._start(index, layout, self._fingerprint, described=self._ragged)
-            self._send_leaves(leaves)
+            self._send_leaves(index, leaves)
             return
         if self._described:
-            self._send_header({"layout": layout})
-            self._send_leaves(leaves)
+            self._send_header({"layout": layout}, f"the layout of micro-batch {index}")
+            self._send_leaves(index, leaves)
             return
         predicted = self._predicted(index)
         entries, expected = layout[1], predicted[1]
@@ -192,36 +192,37 @@ class ActivationLink:
             # step on (variable lengths per micro-batch come back step after step).
             self._ragged = True
             self._restart(index, layout, described=True)
-            self._send_leaves(leaves)
+            self._send_leaves(index, leaves)
             return
         if any(ours is not None and theirs is None for ours, theirs in pairs):
             # A leaf the receiver has no buffer for (a mask that was None so far): a new header describes it.
             self._restart(index, layout, described=False)
-            self._send_leaves(leaves)
+            self._send_leaves(index, leaves)
             return
         missing = [position for position, (ours, theirs) in enumerate(pairs) if ours != theirs]
         if missing:
             message = pickle.dumps({"missing": missing})
             if len(message) > HEADER_BYTES - _LENGTH_BYTES:  # a value of very many leaves: a header says it all
                 self._restart(index, layout, described=False)
-                self._send_leaves(leaves)
+                self._send_leaves(index, leaves)
                 return
-            self.transport.send(_pack(message).to(self.transport.device), self.peer)
+            self.transport.send(_pack(message).to(self.transport.device), self.peer, _layout_of(index))
         else:
             if self._nothing_missing is None:
                 self._nothing_missing = _pack(pickle.dumps({"missing": []})).to(self.transport.device)
-            self.transport.send(self._nothing_missing, self.peer)
+            self.transport.send(self._nothing_missing, self.peer, _layout_of(index))
         for leaf, entry in zip(leaves, expected, strict=True):
             if entry is not None:  # the receiver posted a buffer for it: fill it, with a placeholder if it is None
-                self.transport.send(_placeholder(entry, self.transport.device) if leaf is None else leaf, self.peer)
+                value = _placeholder(entry, self.transport.device) if leaf is None else leaf
+                self.transport.send(value, self.peer, _activations_of(index))
 
     def _restart(self, index: int, layout: _Layout, described: bool) -> None:
         """Fill what the receiver posted for the rest of the step with placeholders, then send a new header."""
-        self._send_message({"restart": True})
+        self._send_message({"restart": True}, index)
         self._send_placeholders(index)
         if self.transport.posts_ahead:  # else the receiver has posted this micro-batch's receives only
             for later in range(index + 1, len(self._sizes)):
-                self._send_message({"void": True})
+                self._send_message({"void": True}, later)
                 self._send_placeholders(later)
         self._start(index, layout, None, described)
 
@@ -230,30 +231,29 @@ class ActivationLink:
         self._first = index
         self._described = described
         header = {"layout": layout, "index": index, "sizes": self._sizes, "fingerprint": fingerprint}
-        self._send_header({**header, "described": described})
+        self._send_header({**header, "described": described}, _header_of(index))
 
-    def _send_leaves(self, leaves: Sequence[torch.Tensor | None]) -> None:
+    def _send_leaves(self, index: int, leaves: Sequence[torch.Tensor | None]) -> None:
         for leaf in leaves:
             if leaf is not None:
-                self.transport.send(leaf, self.peer)
+                self.transport.send(leaf, self.peer, _activations_of(index))
 
     def _send_placeholders(self, index: int) -> None:
         for entry in self._predicted(index)[1]:
             if entry is not None:
-                self.transport.send(_placeholder(entry, self.transport.device), self.peer)
+                self.transport.send(_placeholder(entry, self.transport.device), self.peer, _activations_of(index))
 
-    def _send_message(self, payload: dict[str, Any]) -> None:
+    def _send_message(self, payload: dict[str, Any], index: int) -> None:
         data = pickle.dumps(payload)
         assert len(data) <= HEADER_BYTES - _LENGTH_BYTES, "a control message outgrew its fixed buffer"
-        self.transport.send(_pack(data).to(self.transport.device), self.peer)
+        self.transport.send(_pack(data).to(self.transport.device), self.peer, _layout_of(index))
 
-    def _send_header(self, payload: dict[str, Any]) -> None:
+    def _send_header(self, payload: dict[str, Any], what: str) -> None:
         data = pickle.dumps(payload)
-        self.transport.send(_pack(data).to(self.transport.device), self.peer)
+        self.transport.send(_pack(data).to(self.transport.device), self.peer, what)
         if len(data) > HEADER_BYTES - _LENGTH_BYTES:
-            self.transport.send(
-                torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.transport.device), self.peer
-            )
+            rest = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.transport.device)
+            self.transport.send(rest, self.peer, what)
 
     # --- receiving side
 
@@ -272,7 +272,7 @@ class ActivationLink:
         if posted.control is not None:
             buffer, wait = posted.control
             wait()
-            message = self._read(buffer, f"the layout of micro-batch {index}")
+            message = self._read(buffer, _layout_of(index))
             if self._described:
                 # Its receives are posted now that its layout is known; the next micro-batch's layout message can
                 # be posted behind them (the peer sends layout, tensors, next layout, ...).
@@ -328,7 +328,7 @@ class ActivationLink:
         control = None
         if self._has_control(index):
             buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.transport.device)
-            control = (buffer, self.transport.post_recv(buffer, self.peer, f"the layout of micro-batch {index}"))
+            control = (buffer, self.transport.post_recv(buffer, self.peer, _layout_of(index)))
         posted = _Posted(control)
         if control is None or not self._described:
             assert self._layout is not None
@@ -343,9 +343,7 @@ class ActivationLink:
                 receives.append(None)
                 continue
             buffer = torch.empty(entry.shape, dtype=entry.dtype, device=self.transport.device)
-            receives.append(
-                (buffer, self.transport.post_recv(buffer, self.peer, f"activations of micro-batch {index}"))
-            )
+            receives.append((buffer, self.transport.post_recv(buffer, self.peer, _activations_of(index))))
         return receives
 
     def _read(self, header: torch.Tensor, what: str) -> dict[str, Any]:
@@ -362,7 +360,7 @@ class ActivationLink:
         return message
 
     def _receive_header(self, index: int) -> None:
-        what = f"the step header (micro-batch {index})"
+        what = _header_of(index)
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.transport.device)
         self.transport.recv(header, self.peer, what)
         message = self._read(header, what)
@@ -406,10 +404,12 @@ class GradientLink:
         # Per micro-batch: receive buffer, its wait, and the device of the output it is the gradient of.
         self._posted: dict[int, list[tuple[torch.Tensor, Callable[[], None], torch.device]]] = {}
 
-    def send(self, inputs: Sequence[torch.Tensor]) -> None:
-        """Send the gradients accumulated in ``inputs`` (leaves that require grad); zeros where none arrived."""
+    def send(self, inputs: Sequence[torch.Tensor], index: int) -> None:
+        """Send the gradients accumulated in ``inputs`` (micro-batch ``index``'s leaves that require grad); zeros where
+        none arrived."""
         for tensor in inputs:
-            self.transport.send(torch.zeros_like(tensor) if tensor.grad is None else tensor.grad, self.peer)
+            grad = torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
+            self.transport.send(grad, self.peer, _gradients_of(index))
 
     @property
     def posted(self) -> list[int]:
@@ -424,7 +424,7 @@ class GradientLink:
             # Contiguous whatever the output's strides (channels_last, a transpose): gloo and NCCL receive into
             # contiguous buffers only, and autograd accepts a gradient of any strides for the output.
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.transport.device)
-            wait = self.transport.post_recv(buffer, self.peer, f"gradients of micro-batch {index}")
+            wait = self.transport.post_recv(buffer, self.peer, _gradients_of(index))
             posted.append((buffer, wait, tensor.device))
         self._posted[index] = posted
 
@@ -442,6 +442,25 @@ class GradientLink:
     def clear(self) -> None:
         """Forget the posted receives (after a failed step: the transport cannot take them back)."""
         self._posted.clear()
+
+
+# How errors name each message, on the sending side as on the receiving one (the transport says which).
+
+
+def _header_of(index: int) -> str:
+    return f"the step header (micro-batch {index})"
+
+
+def _layout_of(index: int) -> str:
+    return f"the layout of micro-batch {index}"
+
+
+def _activations_of(index: int) -> str:
+    return f"activations of micro-batch {index}"
+
+
+def _gradients_of(index: int) -> str:
+    return f"gradients of micro-batch {index}"
 
 
 def _pack(data: bytes) -> torch.Tensor:

@@ -134,9 +134,10 @@ class CallRelay:
         if fits:
             message[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         peer = self.stage.index - 1
-        transport.send(message.to(transport.device), peer)
+        what = "the last stage's next call of the sequence" if payload[0] == "call" else "the end of the step's calls"
+        transport.send(message.to(transport.device), peer, what)
         if not fits:
-            transport.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(transport.device), peer)
+            transport.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(transport.device), peer, what)
 
     def _receive_control(self) -> tuple[str, Any]:
         """The next control message from the next stage, relayed on to the previous one."""

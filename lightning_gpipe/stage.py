@@ -264,7 +264,7 @@ class Stage:
             assert self._grad_outbox is not None
             if self.detect_anomalies:
                 check_finite(self.index, index, "the gradient of the input", [t.grad for t in inputs])
-            self._grad_outbox.send(inputs)
+            self._grad_outbox.send(inputs, index)
 
     def end_step(self) -> None:
         """Finish the step: wait for outgoing messages and commit deferred BatchNorm statistics.

@@ -9,21 +9,24 @@ micro-batch) is :mod:`lightning_gpipe.boundary`'s business. Two implementations 
   for tests and notebooks.
 
 Sends are asynchronous (the sender never waits for its neighbour to be ready), receives are posted ahead and waited
-for with a deadline, and every failure becomes a :class:`~lightning_gpipe.errors.PipelineError` naming both stages: a
-dead or stuck peer never hangs the job. Messages carry no tag: the receives posted for one peer take that peer's
-messages in posting order, so a receiver must post in the order its peer sends.
+for with a deadline. Every failure of either, in posting it or in waiting for it (a send is waited for at the end of
+the step), becomes a :class:`~lightning_gpipe.errors.PipelineError` naming both stages and the message, with the
+backend's error as its cause: a dead or stuck peer never hangs the job, nor surfaces as a bare gloo or NCCL error.
+Messages carry no tag: the receives posted for one peer take that peer's messages in posting order, so a receiver must
+post in the order its peer sends.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +61,11 @@ class Transport(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
-        """Start sending ``tensor`` to stage ``peer``; it must not be modified until :meth:`wait_sends` returns."""
+    def send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        """Start sending ``tensor`` to stage ``peer``; ``what`` names it in errors.
+
+        ``tensor`` must not be modified until :meth:`wait_sends` returns.
+        """
 
     def recv(self, buffer: torch.Tensor, peer: int, what: str) -> None:
         """Fill ``buffer`` with the next tensor from stage ``peer``; ``what`` names it in errors."""
@@ -86,12 +92,13 @@ class Transport(abc.ABC):
         """How errors name stage ``peer``."""
         return f"stage {peer}"
 
-    def _failure(self, peer: int, what: str, cause: object) -> PipelineError:
+    def _failure(self, peer: int, what: str, cause: object, *, sending: bool = False) -> PipelineError:
+        link = f"sending {what} to" if sending else f"receiving {what} from"
         return PipelineError(
             self.stage,
-            f"receiving {what} from {self.peer_name(peer)} failed: {cause}. The other stage probably failed first "
-            "(an error, or a process that was killed): look for its error above; a stuck stage is given up on after "
-            f"the transport timeout ({self.timeout.total_seconds():g} s).",
+            f"{link} {self.peer_name(peer)} failed: {cause}. The other stage probably failed first (an error, or a "
+            "process that was killed): look for its error above; a stuck stage is given up on after the transport "
+            f"timeout ({self.timeout.total_seconds():g} s).",
         )
 
 
@@ -137,7 +144,7 @@ class ProcessGroupTransport(Transport):
         self._device = torch.device(device)
         # Device waits are stream waits; CPU waits block the host with a deadline.
         self._on_stream = self._device.type != "cpu"
-        self._pending: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
+        self._pending: deque[tuple[dist.Work, torch.Tensor, int, str]] = deque()
 
     @property
     def device(self) -> torch.device:
@@ -164,19 +171,35 @@ class ProcessGroupTransport(Transport):
             route = self._routes[peer] = (group, dist.get_group_rank(group, self.ranks[peer]))
         return route
 
-    def _wait(self, work: dist.Work) -> None:
-        if self._on_stream:
-            work.wait()  # the current stream waits; the process group's timeout aborts a stuck peer
-        else:
-            work.wait(self.timeout)
+    @contextlib.contextmanager
+    def _link_errors(self, peer: int, what: str, *, sending: bool) -> Iterator[None]:
+        """Turn the backend's error in posting or waiting for a message into a :class:`PipelineError`.
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        Gloo raises as soon as the peer's connection has closed, in the post itself (``isend``) as in a wait; the
+        backend's error stays visible as the cause.
+        """
+        try:
+            yield
+        except PipelineError:
+            raise
+        except RuntimeError as error:  # gloo's and NCCL's errors (DistBackendError among them) are RuntimeErrors
+            raise self._failure(peer, what, error, sending=sending) from error
+
+    def _wait(self, work: dist.Work, peer: int, what: str, *, sending: bool) -> None:
+        with self._link_errors(peer, what, sending=sending):
+            if self._on_stream:
+                work.wait()  # the current stream waits; the process group's timeout aborts a stuck peer
+            else:
+                work.wait(self.timeout)
+
+    def send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         tensor = tensor.detach().contiguous()
         group, group_peer = self._route(peer)
-        work = dist.isend(tensor, group=group, group_dst=group_peer)
+        with self._link_errors(peer, what, sending=True):
+            work = dist.isend(tensor, group=group, group_dst=group_peer)
         assert work is not None  # isend returns a handle on every rank of the group
         self._release_completed()
-        self._pending.append((work, tensor, peer))  # the tensor must outlive the send
+        self._pending.append((work, tensor, peer, what))  # the tensor must outlive the send
 
     def _release_completed(self) -> None:
         """Drop the oldest sends that have completed, and their tensors (a gradient would live until the step ends)."""
@@ -185,29 +208,15 @@ class ProcessGroupTransport(Transport):
 
     def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
         group, group_peer = self._route(peer)
-        try:
+        with self._link_errors(peer, what, sending=False):
             work = dist.irecv(buffer, group=group, group_src=group_peer)
-        except RuntimeError as error:
-            raise self._failure(peer, what, error) from error
         assert work is not None
-
-        def wait() -> None:
-            try:
-                self._wait(work)
-            except RuntimeError as error:
-                raise self._failure(peer, what, error) from error
-
-        return wait
+        return lambda: self._wait(work, peer, what, sending=False)
 
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, deque()
-        for work, _tensor, peer in pending:
-            try:
-                self._wait(work)
-            except RuntimeError as error:
-                raise PipelineError(
-                    self.stage, f"a send to {self.peer_name(peer)} did not complete: {error}"
-                ) from error
+        for work, _tensor, peer, what in pending:
+            self._wait(work, peer, what, sending=True)
 
     def abort_links(self) -> None:
         """Abort the link groups after a failure, so that receives left posted cannot hold up the process's exit.
@@ -278,7 +287,7 @@ class ThreadTransport(Transport):
     def device(self) -> torch.device:
         return self._device
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
+    def send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         # A copy, as across processes: the receiver may modify its input in place while we still hold ours.
         self._mailboxes.queues[(self.stage, peer)].put(tensor.detach().clone())
 

@@ -205,9 +205,9 @@ def test_shapes_that_vary_per_microbatch_train_as_the_plain_model(name: str) -> 
 class _RecordingTransport(ThreadTransport):
     sent_devices: list[torch.device]
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
+    def send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         self.sent_devices.append(tensor.device)
-        super().send(tensor, peer)
+        super().send(tensor, peer, what)
 
 
 def test_leaves_are_sent_from_the_transports_device() -> None:

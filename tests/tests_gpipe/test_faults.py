@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import re
 import time
 from pathlib import Path
 
@@ -9,12 +11,14 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.distributed import loopback_store
+from helpers.distributed import loopback_store, run_processes
 from helpers.models import batch, cells, loss_fn, mlp
+from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.pipeline import run_in_threads
+from lightning_gpipe.transport import ProcessGroupTransport
 
 
 class Explode(nn.Module):
@@ -40,6 +44,47 @@ def test_a_silent_peer_times_out_with_the_stage_named() -> None:
 
     with pytest.raises(PipelineError, match=r"\[pipeline stage 1\] receiving .* from stage 0 failed: timed out"):
         run_in_threads([nn.Sequential(Stall()), nn.Sequential(nn.Linear(6, 3))], batch(), loss_fn, chunks=2, timeout=1)
+
+
+def _against_a_dead_peer(rank: int, world_size: int) -> list[tuple[str, str, str]] | None:
+    """Rank 0's transport operations after rank 1's process has ended: what each raised, its message and its cause."""
+    transport = ProcessGroupTransport([0, 1], timeout=datetime.timedelta(seconds=60))
+    if rank == 0:
+        transport.send(torch.ones(4), 1, "activations of micro-batch 0")  # parked: the peer never posts its receive
+    dist.barrier()
+    if rank == 1:
+        return None  # the process ends and its connections close, as a killed worker's do
+    outcomes = []
+    for operation in (
+        lambda: transport.recv(torch.empty(4), 1, "gradients of micro-batch 0"),  # fails once the peer is gone
+        transport.wait_sends,  # the parked send, waited for at the end of the step
+        lambda: transport.send(torch.ones(4), 1, "gradients of micro-batch 3"),  # a send posted after the peer died
+    ):
+        try:
+            operation()
+        except Exception as error:  # the test reads what escaped, whatever it is
+            outcomes.append((type(error).__name__, str(error), repr(error.__cause__)))
+        else:
+            outcomes.append(("nothing", "", ""))
+    return outcomes
+
+
+@RunIf(multiprocess=True)
+def test_every_operation_on_a_link_to_a_dead_peer_raises_a_pipeline_error_naming_both_ends() -> None:
+    # Issue 29 C5: gloo's isend raises at once when the peer's connection has closed, and that error escaped raw
+    # ("Connection closed by peer ... GLHF!") from a gradient send in the backward; the send waited for at the end of
+    # the step did not say what it carried. Real gloo, two processes: rank 1's process ends, as a killed worker's does.
+    received, waited, sent = run_processes(_against_a_dead_peer, 2, timeout=120)[0]
+    expected = [
+        (received, r"receiving gradients of micro-batch 0 from stage 1 \(global rank 1\) failed: "),
+        (waited, r"sending activations of micro-batch 0 to stage 1 \(global rank 1\) failed: "),
+        (sent, r"sending gradients of micro-batch 3 to stage 1 \(global rank 1\) failed: "),
+    ]
+    for (kind, message, cause), pattern in expected:
+        assert kind == "PipelineError", (kind, message)
+        assert re.match(r"\[pipeline stage 0\] " + pattern + r".*Connection (closed|reset) by peer", message), message
+        assert "The other stage probably failed first" in message
+        assert cause.startswith("RuntimeError("), cause  # gloo's own error stays visible as the cause
 
 
 def test_a_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path: Path) -> None:

@@ -102,8 +102,8 @@ def test_gradient_receives_are_posted_ahead_in_the_next_stages_backward_order(sc
 def test_thread_receives_complete_in_posting_order_whatever_order_they_are_waited_for_in() -> None:
     sender, receiver = ThreadTransport.create(2, timeout=datetime.timedelta(seconds=10))
     sent = [torch.full((2,), float(k)) for k in range(3)]
-    for tensor in sent:
-        sender.send(tensor, 1)
+    for k, tensor in enumerate(sent):
+        sender.send(tensor, 1, f"message {k}")
     buffers = [torch.empty(2) for _ in sent]
     waits = [receiver.post_recv(buffer, 0, f"message {k}") for k, buffer in enumerate(buffers)]
     for k in (2, 0, 1):

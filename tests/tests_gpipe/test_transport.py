@@ -166,7 +166,7 @@ def test_device_receives_wait_on_the_stream_and_cpu_receives_on_the_host(
     monkeypatch.setattr(dist, "isend", lambda *args, **kwargs: work)
     transport = ProcessGroupTransport([0, 1], device=device, timeout=datetime.timedelta(seconds=7))
     transport.post_recv(torch.empty(1), 1, "a test message")()
-    transport.send(torch.ones(1), 1)
+    transport.send(torch.ones(1), 1, "a test message")
     transport.wait_sends()
     assert work.waits == expected * 2
     assert transport.posts_ahead is (device == "cpu")  # R16: a device transport posts receives when needed
