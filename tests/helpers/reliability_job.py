@@ -6,7 +6,10 @@ rank (started by ``run_job`` like torchrun, or by Lightning's own launcher throu
 
 - ``fault``: ``{"rank": r, "step": s, "microbatch": i, "how": h}``: on global rank ``r``, at global step ``s``, in the
   step's call for micro-batch ``i``: ``"sigkill"`` (the process kills itself), ``"raise"``, ``"nan_input"`` (a NaN in
-  the input of that micro-batch) or ``"nan_target"`` (a NaN in its target, so only the loss is affected);
+  the input of that micro-batch) or ``"nan_target"`` (a NaN in its target, so only the loss is affected). With
+  ``"phase": "backward"`` a ``"sigkill"`` comes instead where the step's backward passes begin (``on_before_backward``,
+  after every forward and the loss's broadcast), and the other ranks wait there until the killed process is gone: the
+  first thing to reach it is then a send of gradients;
 - ``skip_sequence``: a ``training_step`` that never calls the pipelined sequence;
 - ``rank_data``: ``{rank: seed}``, ranks that read another dataset (as a sampler per stage would);
 - ``checkpoints``: a folder where ``ModelCheckpoint`` keeps every epoch's checkpoint and ``last.ckpt``;
@@ -19,6 +22,7 @@ ends the job is written to ``failure-rank{r}.txt`` before it propagates.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -30,6 +34,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
@@ -65,11 +70,8 @@ class FaultyModule(SequentialModule):
             and fault.get("microbatch", 0) == microbatch
         ):
             how = fault["how"]
-            if how == "sigkill":
-                print(
-                    f"rank {self.global_rank} kills itself in step {self.global_step} at {time.time():.3f}", flush=True
-                )
-                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "sigkill" and fault.get("phase", "forward") == "forward":
+                self._kill()
             if how == "raise":
                 raise RuntimeError(f"deliberate failure on rank {self.global_rank}")
             if how == "nan_input":
@@ -81,6 +83,37 @@ class FaultyModule(SequentialModule):
         loss = F.mse_loss(self.layers(x), y)
         self.log("train_loss", loss)
         return loss
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        fault = self.fault
+        if not fault or fault.get("phase") != "backward" or fault["step"] != self.global_step:
+            return
+        store = dist.distributed_c10d._get_default_store()
+        if fault["rank"] == self.global_rank:
+            store.set("killed pid", str(os.getpid()))
+            self._kill()
+        store.wait(["killed pid"], datetime.timedelta(seconds=60))
+        _wait_for_exit(int(store.get("killed pid")))
+
+    def _kill(self) -> None:
+        print(f"rank {self.global_rank} kills itself in step {self.global_step} at {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_for_exit(pid: int, timeout: float = 60.0) -> None:
+    """Return once process ``pid`` has ended (gone, or a zombie its parent has not reaped yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise TimeoutError(f"process {pid} was still running {timeout:g} s after it was to kill itself")
+    time.sleep(0.5)  # for gloo's event loop to see the connection close, so that the next send fails in isend itself
 
 
 def resident_bytes() -> int:
