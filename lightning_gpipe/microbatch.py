@@ -1,9 +1,15 @@
 """Micro-batches: a mini-batch scattered along dim 0 into M pieces, and outputs gathered back.
 
 A batch is any nest of tuples, lists, dicts (and other mappings, such as Hugging Face's ``BatchEncoding``),
-namedtuples and dataclasses. Every tensor leaf with at least one dimension is split along dim 0; other leaves
-(numbers, strings, 0-d tensors, None, and whatever is wrapped in :class:`~lightning_gpipe.Unbatched`) are handed to
-every micro-batch.
+namedtuples and dataclasses. Its size N is the common dim 0 of its tensors of at least one dimension, and each
+micro-batch gets its rows of every such tensor. A list or tuple of plain values (strings, ids, or nests of them: no
+tensor with a batch dimension inside) whose length is N holds one value per sample, as a text column from
+``default_collate`` or a Hugging Face dataset does, and is split with the rows. A list of another length whose items
+are all containers is looked into (``default_collate`` gives a per-sample list of L strings as L tuples of N
+strings); other lists of plain values are refused rather than handed whole to every micro-batch: one of another
+length, and a list of N lists of N, whose level of samples cannot be told. A value that is not per-sample is marked
+by wrapping it in :class:`~lightning_gpipe.Unbatched`. Other leaves (numbers, strings, 0-d tensors, None, and
+whatever is marked) are handed to every micro-batch.
 N samples in M micro-batches give sizes that differ by at most one; N < M gives N micro-batches of one sample.
 
 Each micro-batch carries ``weight = size / N``: summing ``weight * loss`` over micro-batches of a mean-reduced loss
@@ -14,14 +20,15 @@ that is a mean over something else (the real tokens of padded sequences) reports
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
 
-from lightning_gpipe.structure import flatten, leaf_paths, unflatten
-from lightning_gpipe.unbatched import unbatched_leaves
+from lightning_gpipe.structure import LEAF, Spec, flatten, leaf_paths, unflatten
+from lightning_gpipe.unbatched import Unbatched, unbatched_leaves
 
 __all__ = [
     "Microbatch",
@@ -64,21 +71,45 @@ def _splittable(leaf: object) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.dim() > 0
 
 
-def _split_flags(leaves: Sequence[Any], spec: Any) -> list[bool]:
-    """Which leaves carry the batch dimension: tensors of at least one dimension not marked :class:`Unbatched`."""
-    return [_splittable(leaf) and not marked for leaf, marked in zip(leaves, unbatched_leaves(spec), strict=True)]
+def _sequence(value: object) -> bool:
+    return type(value) in (list, tuple)  # exact types, as in structure: a namedtuple is a record, not a sequence
 
 
-def batch_size(batch: Any) -> int:
-    """The number of samples in ``batch``: the common dim-0 size of its tensor leaves (:class:`Unbatched` aside)."""
+def _plain_items(value: Any) -> tuple[bool, ...] | None:
+    """For a non-empty list or tuple with neither a tensor of a batch dimension nor an ``Unbatched`` value inside:
+    whether each item is a plain value (not a container). ``None`` for anything else."""
+    if not _sequence(value) or not value:
+        return None
+    leaves, spec = flatten(value)
+    if any(_splittable(leaf) for leaf in leaves) or any(unbatched_leaves(spec)):
+        return None
+    return tuple(child == LEAF for child in spec[3])  # spec: (kind, type, keys, children)
+
+
+def _rows_leaf(size: int) -> Callable[[Any], bool]:
+    """What to keep whole when flattening a value of ``size`` samples: its lists of plain values that are per-sample
+    (``size`` long) or that hold a plain value themselves (not per-sample: refused in a batch)."""
+
+    def is_leaf(value: Any) -> bool:
+        items = _plain_items(value)
+        return items is not None and (len(value) == size or any(items))
+
+    return is_leaf
+
+
+def _tensor_rows(batch: Any) -> int:
+    """The common dim-0 size of the tensors of ``batch`` that have one (:class:`Unbatched` aside)."""
     leaves, spec = flatten(batch)
-    paths = leaf_paths(spec, "batch")
-    split = _split_flags(leaves, spec)
-    sizes = {path: leaf.shape[0] for path, leaf, flag in zip(paths, leaves, split, strict=True) if flag}
+    sizes = {
+        path: leaf.shape[0]
+        for path, leaf, marked in zip(leaf_paths(spec, "batch"), leaves, unbatched_leaves(spec), strict=True)
+        if _splittable(leaf) and not marked
+    }
     if not sizes:
         raise TypeError(
             f"cannot split a batch of type {type(batch).__name__} into micro-batches: it holds no tensor with a batch "
-            "dimension; return tensors (or tuples, lists, dicts, dataclasses of tensors) from the DataLoader"
+            "dimension, which gives the batch its size (lists of per-sample strings or ids are split with the tensors, "
+            "not alone); return tensors (or tuples, lists, dicts, dataclasses of tensors) from the DataLoader"
         )
     if len(set(sizes.values())) > 1:
         listing = ", ".join(f"{path}: {size}" for path, size in sizes.items())
@@ -90,6 +121,44 @@ def batch_size(batch: Any) -> int:
     return next(iter(sizes.values()))
 
 
+def _check_rows(path: str, rows: list[Any] | tuple[Any, ...], total: int) -> None:
+    """Refuse a list of plain values in a batch of ``total`` samples unless it is unambiguously one per sample."""
+    kind = type(rows).__name__
+    fix = "if it is not per-sample, wrap it in lightning_gpipe.Unbatched(...) and every micro-batch gets it whole"
+    if len(rows) != total:
+        raise ValueError(
+            f"{path} is a {kind} of {len(rows)} values in a batch of {total} samples, so it cannot be split into "
+            f"micro-batches with the rows (a list of per-sample values, strings or ids, has one per sample); {fix}"
+        )
+    if total > 1 and all(_sequence(item) and len(item) == total for item in rows):
+        raise ValueError(
+            f"{path} is a {kind} of {total} {type(rows[0]).__name__}s of {total} values in a batch of {total} samples: "
+            "whether the outer or the inner level holds one value per sample cannot be told (default_collate turns a "
+            "per-sample list of L strings into L tuples of one string per sample). Give the values as tensors or as "
+            f"one string per sample, or use a batch size other than {total}; {fix}"
+        )
+
+
+def _layout(batch: Any) -> tuple[int, list[Any], Spec, list[bool]]:
+    """The batch's size N, its leaves with its per-sample lists kept whole, their spec, and which leaves are split."""
+    total = _tensor_rows(batch)
+    leaves, spec = flatten(batch, _rows_leaf(total))
+    split = []
+    for path, leaf, marked in zip(leaf_paths(spec, "batch"), leaves, unbatched_leaves(spec), strict=True):
+        if _sequence(leaf) and not marked:  # a list kept whole: plain values, per-sample or refused
+            _check_rows(path, leaf, total)
+        split.append(not marked and (_sequence(leaf) or _splittable(leaf)))
+    return total, leaves, spec, split
+
+
+def batch_size(batch: Any) -> int:
+    """The number of samples in ``batch``: the common dim-0 size of its tensor leaves (:class:`Unbatched` aside).
+
+    Its lists of plain values are checked against it: one that cannot be split with the rows is refused here.
+    """
+    return _layout(batch)[0]
+
+
 def scatter(batch: Any, chunks: int) -> list[Microbatch]:
     """Split ``batch`` along dim 0 into ``min(chunks, N)`` micro-batches whose sizes differ by at most one."""
     return split_batch(batch, validate_chunks(chunks))
@@ -98,47 +167,66 @@ def scatter(batch: Any, chunks: int) -> list[Microbatch]:
 def split_batch(batch: Any, chunks: int) -> list[Microbatch]:
     """:func:`scatter` for a ``chunks`` validated once already (a :class:`~lightning_gpipe.config.PipelineConfig`'s),
     as the engine splits every step's batch."""
-    total = batch_size(batch)
+    total, leaves, spec, split = _layout(batch)
     if total == 0:
         raise ValueError("cannot split an empty batch (0 samples) into micro-batches; drop empty batches upstream")
     count = min(chunks, total)
-    leaves, spec = flatten(batch)
-    split = _split_flags(leaves, spec)
-    pieces = [torch.tensor_split(leaf, count) if flag else None for leaf, flag in zip(leaves, split, strict=True)]
+    sizes = [total // count + (index < total % count) for index in range(count)]  # as torch.tensor_split makes them
+    starts = list(accumulate(sizes, initial=0))
     microbatches = []
-    for index in range(count):
-        parts = [leaf if piece is None else piece[index] for leaf, piece in zip(leaves, pieces, strict=True)]
-        size = next(piece[index].shape[0] for piece in pieces if piece is not None)
+    for index, size in enumerate(sizes):
+        rows = slice(starts[index], starts[index + 1])
+        parts = [leaf[rows] if flag else leaf for leaf, flag in zip(leaves, split, strict=True)]
         microbatches.append(Microbatch(index, unflatten(parts, spec), size, size / total))
     return microbatches
 
 
-def gather(values: Sequence[Any]) -> Any:
+def gather(values: Sequence[Any], sizes: Sequence[int] | None = None) -> Any:
     """Join per-micro-batch values of one structure back into the batch's value.
 
-    Tensors with a batch dimension are concatenated along dim 0. A value that is not per-sample (a Python scalar,
-    a string, a 0-d tensor, None, a tensor wrapped in :class:`~lightning_gpipe.Unbatched`) and equal in every
-    micro-batch is kept as it is, once; one that differs between micro-batches becomes the list of the micro-batches'
-    values (tensors: stacked along a new dim 0 of M entries), in order.
+    Tensors with a batch dimension are concatenated along dim 0, and so, given the micro-batches' ``sizes``, are the
+    lists and tuples holding no such tensor that are as long as their micro-batch in every one (a step's per-sample
+    strings). A value that is not per-sample (a Python scalar, a string, a 0-d tensor, None, a value wrapped in
+    :class:`~lightning_gpipe.Unbatched`) and equal in every micro-batch is kept as it is, once; one that differs
+    between micro-batches becomes the list of the micro-batches' values (tensors: stacked along a new dim 0 of M
+    entries), in order.
     """
     if not values:
         raise ValueError("nothing to gather: no micro-batch values were given")
-    flat = [flatten(value) for value in values]
-    spec = flat[0][1]
-    if any(other != spec for _leaves, other in flat[1:]):
+    if sizes is not None and len(sizes) != len(values):
+        raise ValueError(f"gather was given {len(values)} micro-batch values but {len(sizes)} sizes; give one each")
+    return _join(list(values), sizes, marked=False)
+
+
+def _one_level(value: Any) -> tuple[list[Any], Spec]:
+    """The items of the container ``value`` and its spec, one level deep; ``[value]`` and ``LEAF`` for a leaf."""
+    return flatten(value, lambda node: node is not value)
+
+
+def _per_sample(value: Any, size: int) -> bool:
+    return _plain_items(value) is not None and len(value) == size
+
+
+def _join(column: list[Any], sizes: Sequence[int] | None, marked: bool) -> Any:
+    """One value as every micro-batch holds it, joined (see :func:`gather`); ``marked`` inside an ``Unbatched``."""
+    if not marked and all(_splittable(value) for value in column):
+        return torch.cat(column)
+    if not marked and sizes is not None and all(map(_per_sample, column, sizes)):
+        return type(column[0])(item for value in column for item in value)
+    # One level down, top-down: the outermost per-sample list is the one concatenated.
+    levels = [_one_level(value) for value in column]
+    spec = levels[0][1]
+    if any(other != spec for _children, other in levels[1:]):
         raise ValueError("cannot gather micro-batch values of different structures")
-    columns = zip(*(leaves for leaves, _spec in flat), strict=True)
-    joined: list[Any] = []
-    for column, marked in zip(columns, unbatched_leaves(spec), strict=True):
-        if not marked and all(_splittable(leaf) for leaf in column):
-            joined.append(torch.cat(column))
-        elif all(_same(leaf, column[0]) for leaf in column[1:]):
-            joined.append(column[0])
-        elif all(isinstance(leaf, torch.Tensor) for leaf in column):
-            joined.append(torch.stack(column))
-        else:
-            joined.append(list(column))
-    return unflatten(joined, spec)
+    if spec != LEAF:
+        inside = marked or spec[1] is Unbatched
+        children = zip(*(children for children, _spec in levels), strict=True)
+        return unflatten([_join(list(child), sizes, inside) for child in children], spec)
+    if all(_same(value, column[0]) for value in column[1:]):
+        return column[0]
+    if all(isinstance(value, torch.Tensor) for value in column):
+        return torch.stack(column)
+    return list(column)
 
 
 def _same(a: object, b: object) -> bool:
@@ -192,12 +280,13 @@ def count_weights(counts: Sequence[Any], device: torch.device) -> torch.Tensor:
     return weights / weights.sum()
 
 
-def step_extras(outputs: Sequence[Any]) -> dict[str, Any] | None:
+def step_extras(outputs: Sequence[Any], sizes: Sequence[int] | None = None) -> dict[str, Any] | None:
     """The keys other than ``"loss"`` of the dicts a ``training_step`` returned per micro-batch, gathered, detached.
 
-    What Lightning hands ``on_train_batch_end`` next to the loss, joined as :func:`gather` joins values: per-sample
-    tensors concatenated (the batch's, as a plain step would return them), a value equal in every micro-batch once,
-    others one per micro-batch. ``None`` when the step returned no other key.
+    What Lightning hands ``on_train_batch_end`` next to the loss, joined as :func:`gather` joins values of
+    micro-batches of ``sizes``: per-sample tensors and lists concatenated (the batch's, as a plain step would return
+    them), a value equal in every micro-batch once, others one per micro-batch. ``None`` when the step returned no
+    other key.
     """
     extras = [{k: v for k, v in output.items() if k != "loss"} for output in outputs if isinstance(output, Mapping)]
     if len(extras) != len(outputs) or not any(extras):
@@ -208,5 +297,5 @@ def step_extras(outputs: Sequence[Any]) -> dict[str, Any] | None:
             f"training_step returned dicts with different keys for the micro-batches of one batch ({keys[0]} and "
             f"{next(other for other in keys if other != keys[0])}); return the same keys for every batch"
         )
-    joined = gather(extras)
+    joined = gather(extras, sizes)
     return {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in joined.items()}

@@ -131,7 +131,7 @@ class Pipeline:
         except BaseException as error:
             run.abort(repr(error))
             raise
-        return gather(outputs) if self.stage.is_last else None
+        return gather(outputs, [mb.size for mb in run.microbatches]) if self.stage.is_last else None
 
     def _input(self, input_fn: InputFn, microbatch: Any) -> Any:
         """What stage 0 feeds its cell (random augmentation draws from its stream); ``None`` on later stages."""

@@ -40,7 +40,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -200,6 +200,7 @@ class GPipeStrategy(ParallelStrategy):
         self._losses: dict[int, Tensor] = {}  # the last stage's losses awaiting backward, weighted by then
         self._declared: Tensor | None = None  # the step's micro-batch weights from the module's batch_loss_weight
         self._failed = False
+        self._sized: set[str] | None = set()  # the step hooks whose first batch was checked against chunks
         self._example_input: Any = None
         self._planned_batch: int | None = None  # plan="auto"'s batch per pipeline, until the first training batch
         self.timeline = Timeline(enabled=False)
@@ -443,8 +444,8 @@ class GPipeStrategy(ParallelStrategy):
         dist.all_gather_object(rows, (layout.replica, layout.stage, self.global_rank, layers, parameters))
         pipelines = "pipeline" if layout.num_replicas == 1 else "data-parallel pipelines"
         lines = [
-            f"GPipe: {layout.num_replicas} {pipelines} of {layout.pipe_size} stages, {self.chunks} micro-batches per "
-            f"batch; {path!r} has {num_layers} layers"
+            f"GPipe: {layout.num_replicas} {pipelines} of {layout.pipe_size} stages, up to chunks={self.chunks} "
+            f"micro-batches per batch (a batch of N < {self.chunks} samples runs N); {path!r} has {num_layers} layers"
         ]
         for _replica, stage, rank, own, (count, trainable) in sorted(row for row in rows if row[0] == 0):
             lines.append(
@@ -582,6 +583,7 @@ class GPipeStrategy(ParallelStrategy):
         if hook == "training_step" and self._planned_batch is not None:
             check_planned_batch(self._planned_batch, samples)
             self._planned_batch = None
+        self._check_chunks(hook, samples)
         if samples < self.layout.pipe_size and module.training:
             raise ValueError(
                 f"a batch of {samples} samples cannot fill {self.layout.pipe_size} pipeline stages; "
@@ -614,6 +616,20 @@ class GPipeStrategy(ParallelStrategy):
             run.abort(repr(error))
             raise
         return outputs, recorder
+
+    def _check_chunks(self, hook: str, samples: int) -> None:
+        """Warn once when a hook's first batch has fewer samples than chunks (a later one may be an epoch's last)."""
+        if self._sized is None or hook in self._sized:
+            return
+        self._sized.add(hook)
+        if samples < self.chunks:
+            self._sized = None  # warned: once is enough
+            rank_zero_warn(
+                f"chunks={self.chunks}, but the first {hook.removesuffix('_step')} batch holds {samples} samples and a "
+                f"micro-batch holds at least one, so the step runs {samples} micro-batches of one sample, not "
+                f"{self.chunks}. Set chunks={samples} (or fewer) to say so, or use batches of at least {self.chunks} "
+                "samples."
+            )
 
     def _declared_weights(self, microbatches: list[Microbatch]) -> Tensor | None:
         """The micro-batches' weights from the module's ``batch_loss_weight(batch)``, on the last stage; else None."""
@@ -727,7 +743,7 @@ class GPipeStrategy(ParallelStrategy):
         self._losses = {i: loss for i, loss in enumerate(weighted) if i in pending}
         total = torch.stack([loss.detach() for loss in weighted]).sum()
         # The step's other keys go to on_train_batch_end on every stage, as Lightning passes them on.
-        extras = step_extras(outputs)
+        extras = step_extras(outputs, [mb.size for mb in run.microbatches])
         self._mirror_logs(recorder, {"loss": total}, other=extras)
         return _with_extras(total.to(self.root_device), extras)
 
@@ -799,7 +815,8 @@ class GPipeStrategy(ParallelStrategy):
         gathered = None
         if self._stage.is_last:
             recorder.combine(self._loss_weights(outputs, self.root_device))
-            gathered = gather(outputs) if outputs[0] is not None else None
+            sizes = [mb.size for mb in self._run.microbatches]
+            gathered = gather(outputs, sizes) if outputs[0] is not None else None
         shared = self._mirror_logs(recorder, other=gathered if hook == "predict_step" else None)[1]
         return shared if hook == "predict_step" else gathered
 

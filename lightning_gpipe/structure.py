@@ -25,28 +25,36 @@ def _is_namedtuple(value: object) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def _flatten(value: Any, leaves: list[Any]) -> Spec:
+def _flatten(value: Any, leaves: list[Any], is_leaf: Callable[[Any], bool] | None) -> Spec:
+    if is_leaf is not None and is_leaf(value):
+        leaves.append(value)
+        return LEAF
     if _is_namedtuple(value):
-        return ("namedtuple", type(value), (), tuple(_flatten(item, leaves) for item in value))
+        return ("namedtuple", type(value), (), tuple(_flatten(item, leaves, is_leaf) for item in value))
     if type(value) in (tuple, list):  # exact types: subclasses such as torch.Size stay leaves
-        return (type(value).__name__, None, (), tuple(_flatten(item, leaves) for item in value))
+        return (type(value).__name__, None, (), tuple(_flatten(item, leaves, is_leaf) for item in value))
     if isinstance(value, dict):
         keys = tuple(value)
-        return ("dict", type(value), keys, tuple(_flatten(value[key], leaves) for key in keys))
+        return ("dict", type(value), keys, tuple(_flatten(value[key], leaves, is_leaf) for key in keys))
     if isinstance(value, Mapping):  # collections.UserDict, and Hugging Face's BatchEncoding, which is one
         keys = tuple(value)
-        return ("mapping", type(value), keys, tuple(_flatten(value[key], leaves) for key in keys))
+        return ("mapping", type(value), keys, tuple(_flatten(value[key], leaves, is_leaf) for key in keys))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = tuple(field.name for field in dataclasses.fields(value) if field.init)
-        return ("dataclass", type(value), names, tuple(_flatten(getattr(value, name), leaves) for name in names))
+        children = tuple(_flatten(getattr(value, name), leaves, is_leaf) for name in names)
+        return ("dataclass", type(value), names, children)
     leaves.append(value)
     return LEAF
 
 
-def flatten(value: Any) -> tuple[list[Any], Spec]:
-    """Split ``value`` into its leaves (depth first, in container order) and the spec that rebuilds it."""
+def flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Spec]:
+    """Split ``value`` into its leaves (depth first, in container order) and the spec that rebuilds it.
+
+    A container for which ``is_leaf`` returns true is kept whole, as one leaf (micro-batching splits a list of
+    per-sample strings as one value).
+    """
     leaves: list[Any] = []
-    spec = _flatten(value, leaves)
+    spec = _flatten(value, leaves, is_leaf)
     return leaves, spec
 
 

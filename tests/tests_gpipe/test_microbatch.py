@@ -1,13 +1,20 @@
 """Scatter and gather of nested batches, uneven sizes, and loss weights that keep the full-batch loss."""
 
 import dataclasses
+import logging
 from collections import UserDict, namedtuple
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.distributed import loopback_store
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, default_collate
 
-from lightning_gpipe import Unbatched
+from lightning_gpipe import GPipeStrategy, Unbatched
 from lightning_gpipe.microbatch import batch_size, gather, loss_weights, scatter
 
 Batch = namedtuple("Batch", ["x", "y"])
@@ -180,3 +187,169 @@ def test_unbatched_values_go_whole_to_every_microbatch_and_gather_once() -> None
 def test_a_batch_tensor_of_another_dim_0_is_refused_with_the_advice_to_mark_it() -> None:
     with pytest.raises(ValueError, match=r"batch\[1\]: 5.*wrap it in lightning_gpipe.Unbatched\(tensor\)"):
         scatter((torch.zeros(8, 3), torch.zeros(5, 5)), 4)
+
+
+def _collated(total: int) -> dict:
+    # What default_collate makes of samples holding a string, a per-sample list of strings and tensors.
+    samples = [
+        {"text": f"s{i}", "tags": [f"a{i}", f"b{i}", f"c{i}"], "x": torch.full((2,), float(i)), "y": i}
+        for i in range(total)
+    ]
+    return default_collate(samples)
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 8])
+def test_per_sample_strings_are_split_with_their_rows(chunks: int) -> None:
+    # Issue 29 item 3: a per-sample list of strings went whole to every micro-batch while the tensors were split, so
+    # micro-batch i saw all 8 strings beside its own 2 rows.
+    batch = _collated(8)
+    microbatches = scatter(batch, chunks)
+    for mb in microbatches:
+        rows = mb.value["x"][:, 0].long().tolist()
+        assert mb.value["text"] == [f"s{i}" for i in rows]
+        # default_collate gives a per-sample list of 3 strings as 3 tuples of one string per sample.
+        assert mb.value["tags"] == [tuple(f"{tag}{i}" for i in rows) for tag in "abc"]
+        assert mb.value["y"].tolist() == rows
+    joined = gather([mb.value for mb in microbatches], [mb.size for mb in microbatches])
+    assert joined["text"] == batch["text"]
+    assert joined["tags"] == batch["tags"]
+
+
+def test_a_custom_collate_s_lists_per_sample_are_split_whole() -> None:
+    # A list of N values each a list (ragged token lists, ids as ints, dicts of metadata) is one value per sample.
+    batch = {
+        "x": torch.arange(4),
+        "words": [["a"], ["b", "c"], [], ["d", "e", "f"]],
+        "ids": (10, 11, 12, 13),
+        "meta": [{"lang": "de"}, {"lang": "fr"}, {"lang": "en"}, {"lang": "it"}],
+    }
+    first, second = (mb.value for mb in scatter(batch, 2))
+    assert first["words"] == [["a"], ["b", "c"]]
+    assert second["ids"] == (12, 13)  # the same type: a tuple stays a tuple
+    assert second["meta"] == [{"lang": "en"}, {"lang": "it"}]
+
+
+def test_a_collated_list_of_tensors_is_a_container_even_when_its_length_is_the_batch_size() -> None:
+    # default_collate of a per-sample list of 2 tensors is a list of 2 batched tensors: each is split, not the list.
+    batch = default_collate([{"feats": [torch.full((3,), float(i)), torch.full((5,), -float(i))]} for i in range(2)])
+    first, second = (mb.value for mb in scatter(batch, 2))
+    assert [tuple(t.shape) for t in first["feats"]] == [(1, 3), (1, 5)]
+    assert second["feats"][1].tolist() == [[-1.0] * 5]
+
+
+def test_lists_that_cannot_be_split_with_the_rows_are_refused_naming_the_field_and_the_fix() -> None:
+    # A list of plain values of another length than the batch is not per-sample; it was handed whole to every
+    # micro-batch. Now it must be marked.
+    with pytest.raises(ValueError, match=r"batch\['names'\] is a list of 3 values in a batch of 8 samples.*Unbatched"):
+        scatter({"x": torch.zeros(8), "names": ["cat", "dog", "bird"]}, 4)
+    with pytest.raises(ValueError, match=r"batch\[1\]\[0\] is a list of 2 values in a batch of 8 samples"):
+        batch_size((torch.zeros(8), [["a", "b"], ["c"]]))
+    # default_collate of a per-sample list of 3 strings in a batch of 3: either level could be the samples'.
+    with pytest.raises(ValueError, match=r"batch\['tags'\] is a list of 3 tuples of 3 values .* cannot be told"):
+        scatter(_collated(3), 3)
+    marked = scatter({"x": torch.zeros(8), "names": Unbatched(["cat", "dog", "bird"])}, 4)
+    assert all(mb.value["names"].value == ["cat", "dog", "bird"] for mb in marked)
+    marked = scatter({"x": torch.zeros(2), "classes": Unbatched(("cat", "dog"))}, 2)  # as long as the batch, marked
+    assert all(mb.value["classes"].value == ("cat", "dog") for mb in marked)
+    with pytest.raises(TypeError, match=r"no tensor with a batch dimension.*split with the tensors, not alone"):
+        batch_size({"text": ["a", "b"]})
+
+
+def test_gather_concatenates_per_sample_lists_given_the_micro_batch_sizes() -> None:
+    # predict_step returning its micro-batch's strings: they came back one list per position, not the batch's list.
+    outputs = [{"text": ["a", "b", "c"], "tag": ["v", "1"]}, {"text": ["d", "e"], "tag": ["v", "1"]}]
+    joined = gather(outputs, [3, 2])
+    assert joined == {"text": ["a", "b", "c", "d", "e"], "tag": ["v", "1"]}  # a value equal in every one: once
+    assert gather([("a", "b"), ("c", "d")], [2, 2]) == ("a", "b", "c", "d")
+    assert gather([[["a"], ["b", "c"]], [["d"]]], [2, 1]) == [["a"], ["b", "c"], ["d"]]
+    with pytest.raises(ValueError, match="2 micro-batch values but 1 sizes"):
+        gather(outputs, [5])
+
+
+def test_step_extras_concatenate_per_sample_lists() -> None:
+    from lightning_gpipe.microbatch import step_extras
+
+    outputs = [{"loss": torch.tensor(1.0), "ids": ["x", "y"]}, {"loss": torch.tensor(1.0), "ids": ["z"]}]
+    assert step_extras(outputs, [2, 1]) == {"ids": ["x", "y", "z"]}
+
+
+class _Texts(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"text": f"sample {i}", "x": torch.full((4,), float(i)), "y": torch.tensor(i % 2)}
+
+
+class _TextModel(L.LightningModule):
+    """Checks in every step that its micro-batch's strings are its rows' own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.seen: list[tuple[list[str], list[int]]] = []
+
+    def _check(self, batch: dict[str, Any]) -> None:
+        self.seen.append((batch["text"], batch["x"][:, 0].long().tolist()))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        self._check(batch)
+        return F.cross_entropy(self.layers(batch["x"]), batch["y"])
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        self._check(batch)
+        return {"text": batch["text"], "logits": self.layers(batch["x"])}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.fixture
+def single_process_group(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    # The Trainer's process group gets its store from this process, on 127.0.0.1 (see helpers.distributed).
+    with loopback_store() as env:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        yield
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _trainer(chunks: int) -> L.Trainer:
+    return L.Trainer(
+        strategy=GPipeStrategy(pipe_size=1, chunks=chunks), accelerator="cpu", devices=1, max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_the_strategy_splits_per_sample_strings_with_their_rows_and_gathers_them_back() -> None:
+    # Issue 29 item 3 through the strategy: training and predict steps saw all 8 strings beside 2 rows, and
+    # predict_step's per-micro-batch lists came back as one list per position.
+    model = _TextModel()
+    trainer = _trainer(chunks=4)
+    trainer.fit(model, DataLoader(_Texts(), batch_size=8))
+    predictions = trainer.predict(model, DataLoader(_Texts(), batch_size=8))
+    assert len(model.seen) == 2 * 4 + 2 * 4
+    for text, rows in model.seen:
+        assert text == [f"sample {i}" for i in rows]
+    assert predictions is not None
+    assert predictions[1]["text"] == [f"sample {i}" for i in range(8, 16)]
+    assert predictions[1]["logits"].shape == (8, 2)
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_chunks_larger_than_the_batch_warns_once_with_the_number_used(caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 29 C4: chunks=16 with batches of 8 ran 8 micro-batches while the log said "16 micro-batches per batch",
+    # and nothing warned.
+    model = _TextModel()
+    with (
+        caplog.at_level(logging.INFO),
+        pytest.warns(UserWarning, match=r"chunks=16, but the first training batch holds 8 samples") as warned,
+    ):
+        _trainer(chunks=16).fit(model, DataLoader(_Texts(), batch_size=8))
+    messages = [str(warning.message) for warning in warned if "chunks=16" in str(warning.message)]
+    assert len(messages) == 1  # once, not every step
+    assert "runs 8 micro-batches of one sample, not 16. Set chunks=8 (or fewer)" in messages[0]
+    assert "up to chunks=16 micro-batches per batch (a batch of N < 16 samples runs N)" in caplog.text
+    assert len(model.seen) == 2 * 8

@@ -48,6 +48,18 @@ def test_equal_structures_have_equal_specs_and_paths_are_readable() -> None:
     assert leaf_paths(spec_a) == ["value['x'][0]", "value['x'][1]"]
 
 
+def test_is_leaf_keeps_a_container_whole() -> None:
+    # Micro-batching splits a list of per-sample strings as one value, so it must come out as one leaf.
+    value = {"text": ["a", "b"], "x": torch.ones(2), "nest": [["c"], ("d", "e")]}
+    leaves, spec = flatten(value, is_leaf=lambda node: isinstance(node, list) and all(type(i) is str for i in node))
+    assert leaves[:2] == [["a", "b"], value["x"]]
+    assert leaves[2:] == [["c"], "d", "e"]  # the outer list holds lists: looked into
+    assert leaf_paths(spec) == ["value['text']", "value['x']", "value['nest'][0]", "value['nest'][1][0]"] + [
+        "value['nest'][1][1]"
+    ]
+    assert unflatten(leaves, spec) == value
+
+
 def test_map_tensors_leaves_other_leaves_alone() -> None:
     doubled = map_tensors(lambda t: t * 2, (torch.ones(2), "keep", 3))
     assert doubled[0].tolist() == [2.0, 2.0]
