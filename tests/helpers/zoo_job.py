@@ -2,7 +2,9 @@
 
 ``python -m helpers.zoo_job OUT STEPS NAME:CHUNKS...``: for each model, seed, build, fit ``STEPS`` steps on one
 repeated tiny batch with ``strategy="gpipe"`` (K = 2, M = CHUNKS), then rank 0 saves the whole trained state dict to
-``OUT/NAME.pt`` and a full checkpoint to ``OUT/NAME.ckpt`` (for the fine-tuning tests).
+``OUT/NAME.pt`` and a full checkpoint to ``OUT/NAME.ckpt`` (for the fine-tuning tests). ``NAME`` is a registered zoo
+model, or ``hf_causal_lm``: the Hugging Face language model saved in ``OUT/hf_causal_lm-source`` with a padded
+collator batch (:func:`causal_lm`).
 """
 
 from __future__ import annotations
@@ -26,21 +28,50 @@ class Repeated(Dataset):
         self.batch, self.steps = batch, steps
 
     def __len__(self) -> int:
-        size = len(self.batch[0]) if isinstance(self.batch, tuple) else len(self.batch)
-        return size * self.steps
+        return _size(self.batch) * self.steps
 
     def __getitem__(self, index: int) -> Any:
         size = len(self) // self.steps
         if isinstance(self.batch, tuple):
             return tuple(part[index % size] for part in self.batch)
+        if isinstance(self.batch, dict):
+            return {key: part[index % size] for key, part in self.batch.items()}
         return self.batch[index % size]
+
+
+def _size(batch: Any) -> int:
+    if isinstance(batch, tuple):
+        return len(batch[0])
+    if isinstance(batch, dict):
+        return len(next(iter(batch.values())))
+    return len(batch)
+
+
+CAUSAL_LM = "hf_causal_lm"
+
+
+def causal_lm(root: Path) -> tuple[L.LightningModule, dict[str, torch.Tensor]]:
+    """The tiny language model saved in ``root/hf_causal_lm-source`` and a batch as Hugging Face's collators make it:
+    rows of 4 to 10 tokens right-padded to 10, labels -100 at the padding and at each row's first two (prompt) tokens,
+    so that the micro-batches learn different numbers of tokens."""
+    import zoo
+
+    model = zoo.load_pretrained(root / f"{CAUSAL_LM}-source", lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 96, (8, 10), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate([10, 4, 7, 10, 5, 9, 6, 8]):
+        mask[row, :length] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :2] = -100
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def fit(name: str, steps: int, strategy: Any, devices: int, root: Path) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
-    model = tiny_model(name)
-    batch = tiny_batch(name)
-    size = len(batch[0]) if isinstance(batch, tuple) else len(batch)
+    model, batch = causal_lm(root) if name == CAUSAL_LM else (tiny_model(name), tiny_batch(name))
+    size = _size(batch)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,

@@ -40,9 +40,9 @@ class PretrainedCausalLM(ZooModule):
     A batch is what Hugging Face's collators make (``DataCollatorForLanguageModeling(tokenizer, mlm=False)``, say): a
     mapping with ``input_ids`` [B, T], ``attention_mask`` [B, T] (optional: all ones) and ``labels`` [B, T]
     (optional: the ``input_ids``, padding left out), ``-100`` where a token is not learned. Position ``t`` learns
-    ``labels[t + 1]``, as the library's own loss does; the loss is the mean over the batch's learned tokens, and the
-    step reports their count as its ``loss_weight``, so a pipelined step with any number of micro-batches trains as
-    the whole batch does.
+    ``labels[t + 1]``, as the library's own loss does; the loss is the mean over the batch's learned tokens, whose
+    count :meth:`batch_loss_weight` declares, so a pipelined step with any number of micro-batches, under every
+    schedule, trains as the whole batch does.
     Validation logs ``val_loss``, the same token mean. ``predict_step`` returns :meth:`generate`'s tokens for the
     batch's (left-padded) prompts, with the ``generation`` settings.
 
@@ -158,13 +158,26 @@ class PretrainedCausalLM(ZooModule):
 
     # Training.
 
-    def _loss(self, batch: Mapping[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sum of the learned tokens' cross-entropies and their count."""
+    @staticmethod
+    def _targets(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """What positions ``0 .. T - 2`` learn, [B, T - 1]: the labels shifted, -100 where nothing is learned."""
         labels = batch.get("labels")
         if labels is None:
             mask = batch.get("attention_mask")
             labels = batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, IGNORE_INDEX)
-        targets = labels[:, 1:]  # [B, T - 1]: position t learns token t + 1
+        return labels[:, 1:]
+
+    def batch_loss_weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The number of tokens the loss of ``batch`` averages over (its labels other than -100, shifted).
+
+        ``GPipeStrategy`` weighs each micro-batch's token mean by it under every schedule, so a pipelined step is the
+        whole batch's token mean, padding and prompts of any length included; plain Lightning never calls it.
+        """
+        return (self._targets(batch) != IGNORE_INDEX).sum()
+
+    def _loss(self, batch: Mapping[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum of the learned tokens' cross-entropies and their count."""
+        targets = self._targets(batch)  # [B, T - 1]: position t learns token t + 1
         total = nn.functional.cross_entropy(
             logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
@@ -180,13 +193,13 @@ class PretrainedCausalLM(ZooModule):
         mask = batch.get("attention_mask")
         return ids, torch.ones_like(ids) if mask is None else mask
 
-    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self.layers(self._inputs(batch))
         # Under GPipeStrategy only the last stage runs past this line.
         total, count = self._loss(batch, logits)
         loss = total / count.clamp(min=1)
         self.log("train_loss", loss, prog_bar=True)
-        return {"loss": loss, "loss_weight": count}
+        return loss
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         logits = self.layers(self._inputs(batch))
