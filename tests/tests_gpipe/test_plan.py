@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -704,3 +705,55 @@ def test_evaluate_holds_the_first_message_of_cpu_stages_until_the_next_forward()
     parked, free = evaluate(synthetic(), **options), evaluate(synthetic(), **options, first_send_parked=False)
     stage_forward = 4 * (0.5e-3 + 8 * 1e-3)  # four layers' forward of eight samples
     assert parked.step_time - free.step_time == pytest.approx(stage_forward, rel=0.05)
+
+
+def test_a_rejected_pipe_size_is_compared_with_the_chosen_one_per_sample() -> None:
+    # Regression (issue 29, C2): with a batch per pipeline, K = 1 on 2 devices trains 2 x 16 samples per step, K = 2
+    # 16; "K=2 fits but is slower: 334.1 ms per step of 16 samples" beside a chosen "445.0 ms per step" (of 32) read
+    # as a contradiction. Both now lead with the time per sample, the measure they are ranked by.
+    result = plan(
+        nn.Sequential(*[nn.Identity()] * 8), None, devices=2, memory_per_device="1GB", batch_size=16,
+        profile=synthetic(), per_pipeline_batch=True,
+    )  # fmt: skip
+    assert result.pipe_size == 1
+    rejected = next(reason for reason in result.reasons if reason.startswith("K=2"))
+    chosen = result.reasons[-1]
+    slower = re.match(
+        r"K=2 fits but is slower: ([\d.]+) ms per sample \(([\d.]+) ms per step of 16 samples\)", rejected
+    )
+    best = re.search(r", ([\d.]+) ms per sample \(([\d.]+) ms per step of 32 samples, 2 pipelines of 16\)", chosen)
+    assert slower is not None, rejected
+    assert best is not None, chosen
+    assert float(slower.group(1)) > float(best.group(1))
+    assert float(slower.group(2)) < float(best.group(2))  # faster per step, on half the samples
+    assert "for 32 samples" in str(result)
+
+
+def _batch_norm_mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def test_a_batch_norm_model_with_micro_batches_of_one_sample_gets_the_planners_message() -> None:
+    # Regression (issue 29, C2): plan(..., batch_size=2, devices=2) gave K = 1's two replicas one sample each, and
+    # profiling that micro-batch of one raised torch's "Expected more than 1 value per channel" from BatchNorm.
+    torch.manual_seed(0)
+    result = plan(_batch_norm_mlp(), torch.randn(2, 8), devices=2, memory_per_device="1GB", batch_size=2)
+    assert result.pipe_size == 2
+    assert result.best.microbatch_size >= 2
+    assert any(
+        "K=1 is not weighed: its micro-batches would hold 1 sample(s) (2 pipeline(s) of 1), and BatchNorm needs at "
+        "least 2 per micro-batch in training (batch_size=4 would do)" in reason
+        for reason in result.reasons
+    ), result.reasons
+    with pytest.raises(ValueError, match=r"batch_size=2 on devices=2 gives micro-batches of 1 sample\(s\) even at K=1 "
+                       r".*BatchNorm layers need at least 2 .*HINT: use batch_size >= 4"):  # fmt: skip
+        plan(_batch_norm_mlp(), torch.randn(2, 8), devices=2, memory_per_device="1GB", batch_size=2, pipe_sizes=[1])
+
+
+def test_auto_plan_is_exported_by_the_package() -> None:
+    # Regression (issue 29, C3): `from lightning_gpipe import AutoPlan` failed; it lived in lightning_gpipe.plan only.
+    import lightning_gpipe
+    from lightning_gpipe.plan import AutoPlan
+
+    assert lightning_gpipe.AutoPlan is AutoPlan
+    assert "AutoPlan" in lightning_gpipe.__all__
