@@ -91,6 +91,40 @@ def fit(name: str, steps: int, strategy: Any, devices: int, root: Path) -> L.Lig
     return model
 
 
+PROMPT_LENGTHS = [6, 3, 5, 6]  # four prompts, left-padded to 6 tokens
+
+
+def prompts() -> dict[str, torch.Tensor]:
+    """Left-padded prompts for the language model's predictions."""
+    ids = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(PROMPT_LENGTHS):
+        mask[row, 6 - length :] = 1
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+GENERATION = {
+    "greedy": {"max_new_tokens": 6},
+    "sampled": {"max_new_tokens": 6, "do_sample": True, "top_k": 8, "seed": 1},
+}
+
+
+def predict_causal_lm(model: L.LightningModule, root: Path) -> dict[str, torch.Tensor]:
+    """The trained language model's greedy and sampled continuations of :func:`prompts`, generated in predict steps
+    under GPipeStrategy (K = 2, M = 2: each token is one relayed call of the stages)."""
+    out = {}
+    batch = prompts()
+    for kind, settings in GENERATION.items():
+        model.hparams["generation"] = settings
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=2), logger=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root),
+        )  # fmt: skip
+        loader = DataLoader(Repeated(batch, 1), batch_size=len(batch["input_ids"]))
+        (out[kind],) = trainer.predict(model, loader)
+    return out
+
+
 def main(out: str, steps: str, *runs: str) -> None:
     root = Path(out)
     for run in runs:
@@ -99,6 +133,10 @@ def main(out: str, steps: str, *runs: str) -> None:
         model = fit(name, int(steps), strategy, 2, root)
         if model.global_rank == 0:
             torch.save(model.state_dict(), root / f"{name}.pt")
+        if name == CAUSAL_LM:
+            predictions = predict_causal_lm(model, root)
+            if model.global_rank == 0:
+                torch.save(predictions, root / f"{name}-predictions.pt")
 
 
 if __name__ == "__main__":

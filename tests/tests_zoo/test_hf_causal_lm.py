@@ -278,3 +278,30 @@ def test_export_from_a_two_stage_checkpoint(pipelined_run: Path, tmp_path: Path)
     exported = model.export_pretrained(tmp_path / "export")
     ids, _ = prompts()
     torch.testing.assert_close(model(ids), library(exported)(ids).logits, atol=1e-4, rtol=0)
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(900)
+def test_generation_in_pipelined_predict_steps_equals_transformers_generate(
+    pipelined_run: Path, tmp_path: Path
+) -> None:
+    # predict_step generated these under GPipeStrategy (K = 2, M = 2), each token one relayed call of the stages.
+    from helpers.zoo_job import GENERATION, prompts
+
+    predictions = torch.load(pipelined_run / "hf_causal_lm-predictions.pt", weights_only=True)
+    model = zoo.load_pretrained(pipelined_run / "hf_causal_lm.ckpt")
+    batch = prompts()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    theirs = library(model.export_pretrained(tmp_path / "export")).generate(
+        ids, attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=2, **GENERATION["greedy"]
+    )
+    width = predictions["greedy"].shape[1]
+    assert width == ids.shape[1] + GENERATION["greedy"]["max_new_tokens"]
+    assert predictions["greedy"].tolist() == torch.nn.functional.pad(theirs, (0, width - theirs.shape[1])).tolist()
+    # Sampling draws per micro-batch, from a generator seeded alike: rows 0-1 and rows 2-3 on their own.
+    model.hparams["generation"] = GENERATION["sampled"]
+    halves = [
+        model.predict_step({"input_ids": ids[[a, b]], "attention_mask": mask[[a, b]]}, 0) for a, b in ((0, 1), (2, 3))
+    ]
+    assert predictions["sampled"].tolist() == torch.cat(halves).tolist()
+    assert predictions["sampled"].tolist() != predictions["greedy"].tolist()

@@ -28,7 +28,9 @@ from transformers import DynamicCache
 from lightning_gpipe.partitioned import PipelinedSequential
 from zoo.hf.causal_lm_layers import CausalDecoderLayer
 
-__all__ = ["generate", "warp_logits"]
+__all__ = ["MAX_NEW_TOKENS", "generate", "warp_logits"]
+
+MAX_NEW_TOKENS = 32  # generate's default
 
 
 def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -71,7 +73,7 @@ def generate(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int = 0,

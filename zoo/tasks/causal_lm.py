@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from zoo.hf.causal_lm import build_causal_lm, causal_layers
-from zoo.hf.causal_lm_generation import generate
+from zoo.hf.causal_lm_generation import MAX_NEW_TOKENS, generate
 from zoo.hf.conversion import export_state_dict, key_map
 from zoo.tasks.base import ZooModule
 
@@ -209,8 +209,13 @@ class PretrainedCausalLM(ZooModule):
         self.log("val_loss", total / tokens, prog_bar=True, sync_dist=True, batch_size=tokens)
 
     def predict_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """The prompts and their continuations, [B, P + max_new_tokens], padded after the rows that ended early (so
+        that the micro-batches of a pipelined step, which stop on their own, join into one tensor)."""
         ids, mask = self._inputs(batch)
-        return self.generate(ids, mask, **(self.hparams.get("generation") or {}))
+        settings = self.hparams.get("generation") or {}
+        tokens = self.generate(ids, mask, **settings)
+        width = ids.shape[1] + settings.get("max_new_tokens", MAX_NEW_TOKENS)
+        return nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=self.pad_id)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **settings: Any) -> Any:
         """:func:`~zoo.hf.causal_lm_generation.generate` on this model: prompts [B, P] (left-padded) and their
