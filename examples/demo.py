@@ -30,6 +30,7 @@ import lightning_gpipe
 import zoo
 from lightning_gpipe.callbacks import PipelineTimeline
 from zoo.data import EmbeddedImageDataModule
+from zoo.progress import LineProgress
 
 SEED = 0
 PIPE_SIZE, CHUNKS = 2, 4
@@ -76,7 +77,7 @@ def trainer(out: Path, epochs: int, *callbacks: Any) -> L.Trainer:
         gradient_clip_val=10.0,  # the AmoebaNet recipe clips the global norm at 10
         num_sanity_val_steps=0,  # every epoch ends with a full validation anyway
         enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
-        callbacks=list(callbacks),
+        callbacks=[*callbacks, LineProgress()],  # a line per epoch when the output is redirected
     )
 
 

@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_gpipe  # noqa: F401  (registers strategy="gpipe")
 import zoo  # noqa: F401  (registers the models)
 import zoo.data  # noqa: F401  (makes the data modules importable by class path)
+from zoo.progress import LineProgress
 from zoo.tasks.base import ZooModule
 
 __all__ = ["main"]
@@ -23,12 +24,15 @@ __all__ = ["main"]
 def main(args: list[str] | None = None, *, run: bool = True) -> LightningCLI:
     """Parse ``args`` (default: ``sys.argv``) and run the subcommand, as ``python -m zoo`` does."""
     options: dict[str, Any] = {"overwrite": True}
+    # A line per epoch when the output is a file or a pipe, where the progress bar prints nothing useful.
+    persistent: dict[str, Any] = {"callbacks": [LineProgress()]}
     return LightningCLI(
         ZooModule,
         L.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs=options,
+        trainer_defaults=persistent,
         args=args,
         run=run,
     )
