@@ -3,8 +3,9 @@
 Whether a tensor carries the batch dimension is guessed from its shape: a tensor of a batch is split along dim 0,
 and a tensor that crosses a stage boundary is taken for a batched one when its dim 0 equals the micro-batch's size.
 A tensor that is not per-sample (an attention bias of shape ``(T, T)``, a rotary cache, a step counter of shape
-``(1,)``) can be mistaken for a batched one, or refused where its dim 0 differs from the batch's. Wrapping it in
-:class:`Unbatched` says so explicitly::
+``(1,)``) can be mistaken for a batched one, or refused where its dim 0 differs from the batch's. So can a list of
+plain values in a batch (class names, a shape): one as long as the batch is split as per-sample strings are, one of
+another length is refused. Wrapping it in :class:`Unbatched` says so explicitly::
 
     return hidden, Unbatched(rotary_cache)  # (B, T, D) per sample, (T, D/2) shared by every sample
 
@@ -24,7 +25,7 @@ __all__ = ["Unbatched", "unbatched_leaves"]
 
 @dataclass(frozen=True)
 class Unbatched:
-    """Marks ``value`` (a tensor, or a nest of them) as having no batch dimension: it is never split along dim 0.
+    """Marks ``value`` (a tensor, a list of plain values, or a nest of them) as having no batch dimension: never split.
 
     A batch or a stage's output may hold it anywhere; every micro-batch sees the same ``Unbatched`` value, and the
     code that consumes it reads ``.value``.
