@@ -115,5 +115,6 @@ if __name__ == "__main__":
     if trainer.is_global_zero:
         print(f"final loss {trainer.callback_metrics['train_loss']:.3f}")
         embedding, head = model.layers[0], model.layers[-1]
-        assert isinstance(embedding, Embedding) and isinstance(head, Head)
+        assert isinstance(embedding, Embedding)
+        assert isinstance(head, Head)
         print(f"head still tied to the embedding: {head.projection.weight is embedding.tokens.weight}")
