@@ -13,7 +13,7 @@ from helpers.runif import RunIf
 
 
 def test_the_zoo_tutorials_are_found() -> None:
-    assert len(ZOO_NOTEBOOKS) == 3, [path.name for path in ZOO_NOTEBOOKS]
+    assert len(ZOO_NOTEBOOKS) == 4, [path.name for path in ZOO_NOTEBOOKS]
 
 
 @RunIf(multiprocess=True)

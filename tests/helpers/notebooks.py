@@ -15,7 +15,7 @@ from nbclient import NotebookClient
 __all__ = ["CELL_TIMEOUT", "NOTEBOOKS", "NOTEBOOK_TIMEOUT", "ZOO_NOTEBOOKS", "run_notebook"]
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[2] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-ZOO_NOTEBOOKS = [path for path in NOTEBOOKS if path.stem.startswith(("05_", "06_", "08_"))]
+ZOO_NOTEBOOKS = [path for path in NOTEBOOKS if path.stem.startswith(("05_", "06_", "08_", "10_"))]
 """The tutorials that train the zoo's models: the longest ones, run by their own test module."""
 CELL_TIMEOUT = 300  # seconds, any one cell
 NOTEBOOK_TIMEOUT = 480  # seconds, the whole notebook
