@@ -305,3 +305,14 @@ def test_generation_in_pipelined_predict_steps_equals_transformers_generate(
     ]
     assert predictions["sampled"].tolist() == torch.cat(halves).tolist()
     assert predictions["sampled"].tolist() != predictions["greedy"].tolist()
+
+
+def test_the_planner_plans_a_language_model_from_a_sample_of_token_ids(llama: Path) -> None:
+    # The planner feeds the first layer one tensor of the sample shape: input_ids alone, without a mask.
+    from lightning_gpipe.plan import plan
+
+    model = zoo.load_pretrained(llama)
+    ids = torch.randint(3, 96, (2, 16))
+    torch.testing.assert_close(model.layers(ids), model(ids))
+    result = plan(model, ids[:1], devices=2, memory_per_device="1GB", batch_size=8, flops_per_second=1e9)
+    assert sum(result.balance) == len(model.layers)

@@ -9,7 +9,8 @@ layer with the library's ``create_causal_mask``/``create_sliding_window_causal_m
 implementation gets the mask it expects) and GPT-2's learned positions and embedding dropout. The values between
 entries are tensors or tuples of tensors, so any entry can be a pipeline stage boundary:
 
-- input ``(input_ids [B, T] long, attention_mask [B, T] long)``, 1 at real tokens (either padding side);
+- input ``(input_ids [B, T] long, attention_mask [B, T] long)``, 1 at real tokens (either padding side), or
+  ``input_ids`` alone (no padding);
   ``attention_mask`` is [B, C + T] when a key/value cache holds ``C`` earlier tokens;
 - stream ``(x [B, T, D], attention_mask [B, T], positions [B, T] long, *rotary)`` with ``rotary = (cos [B, T, H],
   sin [B, T, H])`` for models with rotary embeddings, empty for GPT-2;
@@ -50,8 +51,10 @@ class TokenEmbedding(nn.Module):
         self.positions = positions
         self.dropout = dropout
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> Stream:
-        ids, mask = inputs  # mask [B, T + cached]: it also covers the tokens of a key/value cache
+    def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Stream:
+        # input_ids alone (no padding) is what a profiler or planner feeds the first layer from a sample shape.
+        ids, mask = (inputs, torch.ones_like(inputs)) if isinstance(inputs, torch.Tensor) else inputs
+        # mask [B, C + T]: it also covers the C tokens of a key/value cache
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -ids.shape[1] :]  # [B, T]
         x = self.tokens(ids)  # [B, T, D]
         if self.positions is not None:
