@@ -316,3 +316,17 @@ def test_the_planner_plans_a_language_model_from_a_sample_of_token_ids(llama: Pa
     torch.testing.assert_close(model.layers(ids), model(ids))
     result = plan(model, ids[:1], devices=2, memory_per_device="1GB", batch_size=8, flops_per_second=1e9)
     assert sum(result.balance) == len(model.layers)
+
+
+def test_a_model_on_the_meta_device_runs_and_plans(llama: Path) -> None:
+    # The library's mask helpers read the mask's and the positions' values (is any token padded? packed sequences?),
+    # which meta tensors do not have: on meta the layers build the mask as for an unpadded batch.
+    from lightning_gpipe.plan import plan
+
+    config = zoo.load_pretrained(llama).hparams["config"]
+    with torch.device("meta"):
+        model = zoo.PretrainedCausalLM("unused", config=config, pretrained=False)
+        ids = torch.zeros(1, 64, dtype=torch.long)
+        assert model(ids).shape == (1, 64, config["vocab_size"])
+    result = plan(model, ids, devices=2, memory_per_device="1GB", batch_size=8, flops_per_second=1e12)
+    assert sum(result.balance) == len(model.layers)

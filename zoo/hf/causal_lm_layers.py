@@ -86,7 +86,9 @@ class CausalDecoderLayer(nn.Module):
         build = create_sliding_window_causal_mask if self.sliding else create_causal_mask
         # The fourth argument (the cache) goes by position: transformers renamed it past_key_values -> cache. The
         # cached length is this layer's own, read before the layer extends it (the library reads it before any layer).
-        attention = build(self.config, x, mask, self.cache, positions, layer_idx=self.index)
+        # On the meta device (sizing a model, planning it) there are no values to read: build the mask unpadded.
+        padding, order = (None, None) if mask.is_meta else (mask, positions)
+        attention = build(self.config, x, padding, self.cache, order, layer_idx=self.index)
         extra: dict[str, Any] = {"position_embeddings": tuple(rotary)} if rotary else {}
         if self.cache is not None:
             extra.update(cache=self.cache, use_cache=True)
