@@ -31,6 +31,7 @@ SUPPORTED_STRUCTURE = (
     "a ...ForCausalLM of 'model' and 'lm_head', its 'model' made of exactly 'embed_tokens', 'layers', 'norm' and "
     "'rotary_emb' (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, OLMo, ...), or GPT-2"
 )
+"""What the adapters convert, as refusals name it."""
 # Config settings by which a model of the common structure computes something its modules' calls do not show.
 _UNSUPPORTED_SETTINGS = ("final_logit_softcapping", "logit_scale", "embedding_multiplier", "logits_scaling")
 

@@ -19,6 +19,7 @@ from tokenizers import decoders as token_decoders
 __all__ = ["CAUSAL_FAMILIES", "save_tiny_causal_lm", "tiny_causal_config"]
 
 CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "gpt2")
+"""The ``model_type`` of every family :func:`save_tiny_causal_lm` writes."""
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0, 1, 2, 3
 
 
