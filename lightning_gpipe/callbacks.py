@@ -11,10 +11,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpipe.microbatch import batch_size
-from lightning_gpipe.schedule import bubble_fraction
+from lightning_gpipe.engine.microbatch import batch_size
+from lightning_gpipe.engine.schedule import bubble_fraction
+from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.strategy import GPipeStrategy
-from lightning_gpipe.timeline import Timeline
 
 __all__ = ["PipelineTimeline"]
 

@@ -33,7 +33,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
-__all__ = ["LogRecorder", "LoggedValue"]
+__all__ = ["LogRecorder", "LoggedValue", "sync_metrics_over"]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
@@ -192,6 +192,16 @@ class LogRecorder:
                 module.log(name, value.load_into(module), **options)
             else:
                 module.log(name, value.to(device=module.device, dtype=torch.float32), **options)
+
+
+def sync_metrics_over(module: torch.nn.Module, group: Any) -> None:
+    """Make every torchmetrics ``Metric`` in ``module`` sync its state over ``group``, the replicas of its stage.
+
+    Metric state lives on the last stage of each pipeline; over the world, the other stages would never join: a hang.
+    """
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            metric.process_group = group
 
 
 def _step_value(metric: Metric, inputs: list[tuple[tuple, dict]]) -> torch.Tensor:

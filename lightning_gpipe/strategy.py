@@ -1,10 +1,10 @@
 """GPipeStrategy: Lightning's lifecycle around the GPipe engine, one process per pipeline stage.
 
 Lightning's automatic optimization calls ``training_step``, then ``zero_grad``, then ``backward``. The step's actions
-come from the engine's :class:`~lightning_gpipe.step.StepRun`: those up to the schedule's last forward run in
+come from the engine's :class:`~lightning_gpipe.engine.step.StepRun`: those up to the schedule's last forward run in
 ``training_step``, the rest in ``backward``. Under fill-drain that is all M forwards, then all M backwards; under 1F1B
 the backward passes among the forwards hold their gradients past ``zero_grad``
-(:class:`~lightning_gpipe.step.HeldGradients`). The user's ``training_step`` runs once per micro-batch with the
+(:class:`~lightning_gpipe.engine.step.HeldGradients`). The user's ``training_step`` runs once per micro-batch with the
 pipelined sequence standing in for ``self.<layers>``: on a stage that is not the last, the call ends as soon as the
 cell's output has been sent on; on the last stage the user's code computes the loss as usual.
 Data-parallel gradients are averaged once per optimizer step, inside the optimizer closure.
@@ -45,19 +45,35 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe.anomaly import check_finite
-from lightning_gpipe.assembly import AssembledStage, assemble_stage
-from lightning_gpipe.checkpoint import CheckpointMode
-from lightning_gpipe.collectives import broadcast_object, portable, to_device
-from lightning_gpipe.config import Balance, PipelineConfig, StartMethod
-from lightning_gpipe.errors import collective_errors
-from lightning_gpipe.fingerprint import batch_fingerprint
-from lightning_gpipe.gradients import WorldGradScaler, average_gradients, clip_grad_norm
-from lightning_gpipe.layout import ProcessLayout
-from lightning_gpipe.log_mirror import LogRecorder
-from lightning_gpipe.microbatch import Microbatch, batch_size, count_weights, gather, loss_weights, step_extras
-from lightning_gpipe.partitioned import Partition, find_sequence
-from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
+from lightning_gpipe.build.config import Balance
+from lightning_gpipe.build.sequence import Partition, find_sequence
+from lightning_gpipe.build.state_dict import (
+    ModelNames,
+    check_loadable,
+    local_optimizer_state,
+    merge_optimizer_states,
+    merge_state_dicts,
+    optimizer_state_by_name,
+)
+from lightning_gpipe.build.tied import TiedCopies
+from lightning_gpipe.config import StartMethod, StrategyConfig
+from lightning_gpipe.engine.anomaly import check_finite
+from lightning_gpipe.engine.collectives import broadcast_object, portable, to_device
+from lightning_gpipe.engine.errors import collective_errors
+from lightning_gpipe.engine.fingerprint import batch_fingerprint
+from lightning_gpipe.engine.gradients import WorldGradScaler, average_gradients, clip_grad_norm
+from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.engine.microbatch import Microbatch, batch_size, count_weights, gather, loss_weights, step_extras
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.relay import CallRelay
+from lightning_gpipe.engine.rematerialization import CheckpointMode
+from lightning_gpipe.engine.schedule import Phase
+from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.step import HeldGradients, StepRun
+from lightning_gpipe.engine.timeline import Timeline
+from lightning_gpipe.engine.transport import ProcessGroupTransport
+from lightning_gpipe.log_mirror import LogRecorder, sync_metrics_over
 from lightning_gpipe.plan.auto import (
     AutoPlan,
     agreed_settings,
@@ -66,21 +82,6 @@ from lightning_gpipe.plan.auto import (
     plan_for_module,
     planned_batch,
 )
-from lightning_gpipe.relay import CallRelay
-from lightning_gpipe.schedule import Phase
-from lightning_gpipe.stage import Stage
-from lightning_gpipe.state import (
-    ModelNames,
-    check_loadable,
-    local_optimizer_state,
-    merge_optimizer_states,
-    merge_state_dicts,
-    optimizer_state_by_name,
-)
-from lightning_gpipe.step import HeldGradients, StepRun
-from lightning_gpipe.tied import TiedCopies
-from lightning_gpipe.timeline import Timeline
-from lightning_gpipe.transport import ProcessGroupTransport
 
 __all__ = ["GPipeStrategy"]
 
@@ -161,7 +162,7 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.config = PipelineConfig(
+        self.config = StrategyConfig(
             pipe_size=pipe_size,
             chunks=chunks,
             balance=balance,
@@ -419,6 +420,8 @@ class GPipeStrategy(ParallelStrategy):
             replica_group=self._replica_group,
             timeline=self.timeline,
         )
+        if self._replica_group is not None:
+            sync_metrics_over(module, self._replica_group)
         self._partition, self._pipeline, self._ties = assembled.partition, assembled.pipeline, assembled.ties
         self._stage = assembled.stage
         self._names = assembled.names

@@ -103,10 +103,12 @@ def _overrides(cls: type, name: str) -> bool:
 
 
 def _public_modules(package: ModuleType) -> list[str]:
+    # lightning_gpipe's layers (engine/, build/, plan/) document every module; the zoo documents its subpackages whole.
+    walk = pkgutil.walk_packages if package.__name__ == "lightning_gpipe" else pkgutil.iter_modules
     return [
-        f"{package.__name__}.{info.name}"
-        for info in pkgutil.iter_modules(package.__path__)
-        if not info.name.startswith("_")
+        info.name
+        for info in walk(package.__path__, prefix=f"{package.__name__}.")
+        if not any(part.startswith("_") for part in info.name.split("."))
     ]
 
 

@@ -12,8 +12,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from lightning_gpipe.schedule import bubble_fraction
-from lightning_gpipe.timeline import IDLE_PHASES, SpanRecord, Timeline
+from lightning_gpipe.engine.schedule import bubble_fraction
+from lightning_gpipe.engine.timeline import IDLE_PHASES, SpanRecord, Timeline
 
 __all__ = ["Row", "Sample", "all_idle_fraction", "idle_fraction", "max_abs_difference", "summarize"]
 

@@ -20,9 +20,9 @@ from torch import nn
 
 import zoo
 from benchmarks.engine_speed.cpuload import foreign_cores, snapshot
-from lightning_gpipe.pipeline import Pipeline
-from lightning_gpipe.timeline import SpanRecord, Timeline
-from lightning_gpipe.transport import ProcessGroupTransport
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.timeline import SpanRecord, Timeline
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 
 __all__ = ["BATCH", "LAYERS_PER_STAGE", "Job", "JobResult", "measure_rank", "stage_layers"]
 

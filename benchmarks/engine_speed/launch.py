@@ -14,7 +14,7 @@ __all__ = ["JobError", "JobTimeoutError", "Launcher"]
 _PRELOAD = [
     "torch",
     "torch.distributed.pipelining",
-    "lightning_gpipe.pipeline",
+    "lightning_gpipe.engine.pipeline",
     "benchmarks.engine_speed.worker",
 ]
 

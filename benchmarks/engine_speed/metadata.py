@@ -34,8 +34,8 @@ from torch import nn
 
 from benchmarks.engine_speed.workloads import WORKLOADS, K
 from benchmarks.launch import free_port, importing_package_from
-from lightning_gpipe.pipeline import Pipeline
-from lightning_gpipe.transport import ProcessGroupTransport
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 
 __all__ = ["main"]
 

@@ -13,7 +13,7 @@ from benchmarks.engine_speed.results import Estimate, Goals, Key, Results, bubbl
 from benchmarks.engine_speed.worker import JobResult
 from benchmarks.engine_speed.workloads import WORKLOADS
 from benchmarks.machine import cpu_model
-from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.engine.timeline import Timeline
 
 __all__ = ["markdown_tables", "write_docs"]
 

@@ -24,8 +24,8 @@ from benchmarks.engine_speed.results import Results, headline
 from benchmarks.engine_speed.rounds import progress_bar, run_rounds
 from benchmarks.engine_speed.worker import Job, JobResult
 from benchmarks.engine_speed.workloads import K
-from lightning_gpipe.schedule import bubble_fraction
-from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.engine.schedule import bubble_fraction
+from lightning_gpipe.engine.timeline import Timeline
 
 __all__ = ["Plan", "main"]
 

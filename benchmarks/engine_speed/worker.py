@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from benchmarks.engine_speed.cpuload import foreign_cores, snapshot
 from benchmarks.engine_speed.workloads import PIPELINED, WORKLOADS, Step, build_step
-from lightning_gpipe.timeline import SpanRecord, Timeline
+from lightning_gpipe.engine.timeline import SpanRecord, Timeline
 
 __all__ = ["Job", "JobResult", "measure_rank"]
 

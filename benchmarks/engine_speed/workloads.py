@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_gpipe.pipeline import Pipeline
-from lightning_gpipe.timeline import Timeline
-from lightning_gpipe.transport import ProcessGroupTransport
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.timeline import Timeline
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 
 __all__ = [
     "CONFIGS",

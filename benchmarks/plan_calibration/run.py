@@ -232,10 +232,10 @@ def _job(
     import torch
     import torch.distributed as dist
 
-    from lightning_gpipe.partition import split
-    from lightning_gpipe.pipeline import Pipeline
+    from lightning_gpipe.build.balance import split
+    from lightning_gpipe.engine.pipeline import Pipeline
+    from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
     from lightning_gpipe.plan.profile import LiveTensorBytes
-    from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
 
     device = torch.device(device_name)
     scale, configs = SCALES[device.type], _configs(device.type)

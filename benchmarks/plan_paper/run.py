@@ -5,7 +5,7 @@
 Nothing here trains. The zoo's Transformer-L and AmoebaNet-D are built on the meta device at the paper's sizes and
 profiled analytically (:func:`~lightning_gpipe.plan.profile.profile_layers` with ``flops_per_second``: FLOPs and
 exact saved-tensor bytes, no data); :func:`~lightning_gpipe.plan.evaluate` then simulates each configuration with
-:func:`~lightning_gpipe.simulate.simulate_step` and walks each stage's memory through its schedule.
+:func:`~lightning_gpipe.plan.simulate.simulate_step` and walks each stage's memory through its schedule.
 
 - Table 2: throughput of AmoebaNet-D (18, 256) and Transformer-48 for K in {2, 4, 8} and M in {1, 4, 32},
   normalized to K = 2, M = 1, as in the paper (re-materialization on, fill-drain).
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import zoo
 from benchmarks.docs_page import write_block
-from lightning_gpipe.partition import balance_by_cost
+from lightning_gpipe.build.balance import balance_by_cost
 from lightning_gpipe.plan import ModelProfile, evaluate, profile_layers
 
 __all__ = ["main"]

@@ -1,8 +1,8 @@
 """Peak activation memory per stage under ``"1f1b"`` and ``"gpipe"``, for a growing number of micro-batches M.
 
 Usage: ``python -m benchmarks.schedule_memory.run [--quick]`` (seconds; ``make bench-schedules``). Each step runs the
-engine's stages as threads of this process (:class:`~lightning_gpipe.pipeline.Pipeline` over
-:class:`~lightning_gpipe.transport.ThreadTransport`) without re-materialization, so a stage keeps every layer's
+engine's stages as threads of this process (:class:`~lightning_gpipe.engine.pipeline.Pipeline` over
+:class:`~lightning_gpipe.engine.transport.ThreadTransport`) without re-materialization, so a stage keeps every layer's
 activations of each micro-batch from its forward to its backward. Each stage thread counts the bytes of the tensors
 autograd saves for backward while they are alive (a thread-local ``saved_tensors_hooks`` pair; a storage counts once
 however many tensors share it; parameters and the batch, resident before the step, not at all) and reports its
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_gpipe.pipeline import Pipeline
-from lightning_gpipe.transport import ThreadTransport
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.transport import ThreadTransport
 
 __all__ = ["SavedBytes", "main", "peak_per_stage"]
 

@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 import zoo
 from benchmarks.zoo_memory.scales import MODELS, SEQUENCE_LENGTH, ModelScale, Probe
-from lightning_gpipe.cost import memory_cost
-from lightning_gpipe.partition import balance_by_cost, split
-from lightning_gpipe.pipeline import Pipeline
+from lightning_gpipe.build.balance import balance_by_cost, split
+from lightning_gpipe.build.cost import memory_cost
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
 from lightning_gpipe.plan.profile import LiveTensorBytes
-from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
 
 __all__ = ["ProbeResult", "measure_rank"]
 

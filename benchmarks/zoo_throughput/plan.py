@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from benchmarks.engine_speed.worker import Job
 from benchmarks.zoo_throughput.models import WORKLOADS
 from benchmarks.zoo_throughput.steps import PROCESSES, Step, build_step
-from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.engine.timeline import Timeline
 
 __all__ = ["FULL", "QUICK", "REALISTIC", "SMOKE", "TINY", "TINY_CHUNKS", "Plan", "ZooJob"]
 

@@ -3,7 +3,7 @@
 :func:`plan` profiles the model's layers (:func:`~lightning_gpipe.plan.profile.profile_layers`), then, for every
 pipeline size K that divides the device count, every M, both balances (by time and by memory), every checkpoint mode
 and schedule, predicts each stage's peak memory (:func:`~lightning_gpipe.plan.memory.stage_memory`) and the step time
-(:func:`~lightning_gpipe.simulate.simulate_step`), and keeps the fastest configuration that fits. The
+(:func:`~lightning_gpipe.plan.simulate.simulate_step`), and keeps the fastest configuration that fits. The
 :class:`Plan` says what to set, what to expect and why; a request that nothing fits raises
 :class:`InfeasiblePlanError` naming the smallest device count and the smallest memory per device that would work.
 """
@@ -20,13 +20,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gpipe.checkpoint import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
-from lightning_gpipe.partition import balance_by_cost, cell_bounds
+from lightning_gpipe.build.balance import balance_by_cost, cell_bounds
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
+from lightning_gpipe.engine.schedule import SCHEDULES, validate_schedule
 from lightning_gpipe.plan.auto import AutoPlan
 from lightning_gpipe.plan.memory import StageMemory, stage_memory
 from lightning_gpipe.plan.profile import LayerProfile, ModelProfile, OptimizerFactory, profile_layers
-from lightning_gpipe.schedule import SCHEDULES, validate_schedule
-from lightning_gpipe.simulate import simulate_step
+from lightning_gpipe.plan.simulate import simulate_step
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
@@ -295,7 +295,7 @@ def evaluate(
     re-materialized micro-batch adds :data:`DEFAULT_REMATERIALIZATION_OVERHEAD` (scaled alike when ``overhead`` is
     given). ``boundary_overhead`` is what a stage adds per micro-batch and stage boundary (default by device type:
     :data:`DEFAULT_BOUNDARY_OVERHEAD`), split alike. ``first_send_parked`` holds each stage's first message of the step
-    until its next forward (see :func:`~lightning_gpipe.simulate.simulate_step`); by default on CPU stages, whose
+    until its next forward (see :func:`~lightning_gpipe.plan.simulate.simulate_step`); by default on CPU stages, whose
     transport is gloo.
     """
     K, M = pipe_size, chunks
@@ -560,7 +560,7 @@ def _batch_norm_pipe_sizes(
 def _layers_of(model: nn.Module) -> nn.Sequential:
     if isinstance(model, nn.Sequential):
         return model
-    from lightning_gpipe.partitioned import find_sequence
+    from lightning_gpipe.build.sequence import find_sequence
 
     return find_sequence(model)[1]
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from lightning_gpipe.partitioned import find_sequence
+from lightning_gpipe.build.sequence import find_sequence
 from lightning_gpipe.plan import InfeasiblePlanError, plan
 
 __all__ = ["build_model", "main"]

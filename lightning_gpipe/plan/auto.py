@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader
 
-from lightning_gpipe.checkpoint import validate_mode
-from lightning_gpipe.schedule import validate_schedule
+from lightning_gpipe.engine.rematerialization import validate_mode
+from lightning_gpipe.engine.schedule import validate_schedule
 
 if TYPE_CHECKING:
     from lightning_gpipe.plan import Plan

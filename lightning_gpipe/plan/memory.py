@@ -3,14 +3,15 @@
 A stage holds, for the whole step, its model state (parameters, gradients, optimizer state, buffers) and the
 mini-batch every stage is handed. On top, each micro-batch whose forward has run and whose backward has not keeps:
 
-- re-materialized (:func:`~lightning_gpipe.checkpoint.checkpoint_stop`): its boundary input and output only;
+- re-materialized (:func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`): its boundary input and output
+only;
 - otherwise: every activation its layers saved for backward, its boundary input and its output.
 
 :func:`stage_bytes` counts those per sample, following every tensor that crosses a layer boundary by identity (a
 tensor saved by several layers, or passed on unchanged, counts once). A backward pass first rebuilds a
 re-materialized micro-batch's activations, then runs the loss's backward (last stage) and the layers' from the last to
 the first: each layer needs its workspace on top of what the layers before it still hold. Walking the stage's actions
-(:func:`~lightning_gpipe.schedule.stage_actions`) in order gives the peak, which is how fill-drain (all M
+(:func:`~lightning_gpipe.engine.schedule.stage_actions`) in order gives the peak, which is how fill-drain (all M
 micro-batches in flight) and 1F1B (at most ``K - j`` on stage ``j``) differ. The optimizer step adds, at its own
 moment when activations are gone, temporaries of about one copy of the trainable parameters (``foreach`` kernels).
 """
@@ -20,9 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_gpipe.checkpoint import CheckpointMode, checkpoint_stop
+from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop
+from lightning_gpipe.engine.schedule import Phase, stage_actions
 from lightning_gpipe.plan.profile import LayerProfile, ModelProfile
-from lightning_gpipe.schedule import Phase, stage_actions
 
 __all__ = ["StageBytes", "StageMemory", "stage_bytes", "stage_memory"]
 

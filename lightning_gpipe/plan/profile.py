@@ -4,7 +4,7 @@
 records, per layer:
 
 - forward and backward seconds at each size (medians of round-robin repeats, as
-  :func:`~lightning_gpipe.cost.time_cost` does), or, with ``flops_per_second``, the analytic time of its FLOPs
+  :func:`~lightning_gpipe.build.cost.time_cost` does), or, with ``flops_per_second``, the analytic time of its FLOPs
   (backward = twice forward), which works on the meta device and for models far larger than the machine;
 - when measured: what re-materializing the layer adds at each size (the engine's own checkpoint wrapper, run on the
   layer: its hooks on every saved tensor cost as much as the replayed forward on models of many small operators),
@@ -34,9 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_gpipe.checkpoint import checkpointed
-from lightning_gpipe.measure import leaf_input, preserved_state
-from lightning_gpipe.structure import flatten, map_tensors
+from lightning_gpipe.build.measure import leaf_input, preserved_state
+from lightning_gpipe.engine.rematerialization import checkpointed
+from lightning_gpipe.engine.tree import flatten, map_tensors
 
 __all__ = ["LayerProfile", "LiveTensorBytes", "ModelProfile", "profile_layers"]
 

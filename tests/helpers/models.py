@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_gpipe.microbatch import scatter
+from lightning_gpipe.engine.microbatch import scatter
 
 IN, HIDDEN, OUT = 6, 12, 3
 

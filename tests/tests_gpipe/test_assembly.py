@@ -13,10 +13,10 @@ import torch
 from helpers.models import IN, batch, build, loss_fn
 from torch import nn
 
-from lightning_gpipe.assembly import AssembledStage, assemble_stage
-from lightning_gpipe.config import PipelineConfig
-from lightning_gpipe.layout import ProcessLayout
-from lightning_gpipe.transport import ThreadTransport
+from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
+from lightning_gpipe.build.config import BuildConfig
+from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.engine.transport import ThreadTransport
 
 CPU = torch.device("cpu")
 
@@ -30,7 +30,7 @@ class Net(nn.Module):
         self.register_buffer("scale", torch.tensor(2.0))
 
 
-def assemble(model: nn.Module, config: PipelineConfig, sample: Any = None) -> list[AssembledStage]:
+def assemble(model: nn.Module, config: BuildConfig, sample: Any = None) -> list[AssembledStage]:
     """Every stage of one pipeline, each from its own copy of ``model``, linked by threads."""
     K = config.pipe_size
     assert K is not None
@@ -62,7 +62,7 @@ def train_in_threads(stages: Sequence[AssembledStage], data: Any) -> None:
 
 def test_stages_assembled_in_one_process_train_as_the_plain_model() -> None:
     model = Net()
-    config = PipelineConfig(pipe_size=2, chunks=4)
+    config = BuildConfig(pipe_size=2, chunks=4)
     stages = assemble(model, config, sample=torch.randn(2, IN))  # balance=None with a sample: by FLOPs
 
     assert stages[0].layers + stages[1].layers == list(range(8))
@@ -94,24 +94,24 @@ def test_stages_assembled_in_one_process_train_as_the_plain_model() -> None:
 
 
 def test_a_list_balance_and_deferred_batch_norm_are_applied() -> None:
-    from lightning_gpipe.batchnorm import DeferredBatchNorm
+    from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 
     model = Net(nn.Sequential(nn.Linear(IN, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)))
-    config = PipelineConfig(pipe_size=2, chunks=2, balance=[3, 1], deferred_batch_norm=True)
+    config = BuildConfig(pipe_size=2, chunks=2, balance=[3, 1], deferred_batch_norm=True)
     stages = assemble(model, config)
     assert [stage.layers for stage in stages] == [[0, 1, 2], [3]]
     assert isinstance(stages[0].stage.cell[1], DeferredBatchNorm)
 
 
 def test_too_few_layers_for_the_stages_are_refused_with_the_fix() -> None:
-    config = PipelineConfig(pipe_size=4, chunks=4)
+    config = BuildConfig(pipe_size=4, chunks=4)
     transport = ThreadTransport.create(4)[0]
     with pytest.raises(ValueError, match=r"cannot split the 3 layers of 'layers' into 4 stages: every stage needs at"):
         assemble_stage(Net(build("mlp")[:3]), config, ProcessLayout(4, 4, 3), CPU, transport)
 
 
 def test_a_measured_balance_needs_a_sample_input() -> None:
-    config = PipelineConfig(pipe_size=2, chunks=4, balance="flops")
+    config = BuildConfig(pipe_size=2, chunks=4, balance="flops")
     transport = ThreadTransport.create(2)[0]
     with pytest.raises(ValueError, match=r"balance='flops' measures the layers on a sample input: set"):
         assemble_stage(Net(), config, ProcessLayout(2, 2, 1), CPU, transport)

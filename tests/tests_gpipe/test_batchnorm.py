@@ -10,8 +10,8 @@ from helpers.runif import RunIf
 from torch import Tensor, nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from lightning_gpipe.batchnorm import DeferredBatchNorm, commit_running_stats
-from lightning_gpipe.checkpoint import checkpointed
+from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, commit_running_stats
+from lightning_gpipe.engine.rematerialization import checkpointed
 
 C = 3
 # (BatchNorm class, input shape) for every input rank BatchNorm accepts; N=10 splits unevenly into 3 or 4 chunks.

@@ -9,7 +9,7 @@ from helpers.distributed import run_module
 from helpers.runif import RunIf
 
 from benchmarks.bubble.analysis import Sample, all_idle_fraction, idle_fraction, max_abs_difference, summarize
-from lightning_gpipe.schedule import bubble_fraction
+from lightning_gpipe.engine.schedule import bubble_fraction
 
 REPO = Path(__file__).resolve().parents[2]
 

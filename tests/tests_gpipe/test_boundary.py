@@ -19,9 +19,9 @@ from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe import Unbatched
-from lightning_gpipe.boundary import ActivationLink
-from lightning_gpipe.pipeline import Pipeline, run_in_threads
-from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.engine.boundary import ActivationLink
+from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
+from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
 
 TOLERANCE = 1e-6
 CHUNKS = 4

@@ -13,7 +13,7 @@ from helpers.distributed import run_processes
 from helpers.runif import RunIf
 from torch import nn
 
-from lightning_gpipe.checkpoint import checkpoint_stop, checkpointed, is_recomputing, validate_mode
+from lightning_gpipe.engine.rematerialization import checkpoint_stop, checkpointed, is_recomputing, validate_mode
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("always", 4), ("except_last", 3), ("never", 0)])

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from helpers.distributed import run_processes
 from helpers.runif import RunIf
 
-from lightning_gpipe.collectives import broadcast_object, broadcast_tensors, buckets, portable, to_device
+from lightning_gpipe.engine.collectives import broadcast_object, broadcast_tensors, buckets, portable, to_device
 
 
 @dataclass
@@ -26,7 +26,7 @@ def _payload(device: str) -> object:
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
-    from lightning_gpipe.structure import flatten
+    from lightning_gpipe.engine.tree import flatten
 
     return [leaf for leaf in flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 

@@ -1,4 +1,4 @@
-"""PipelineConfig checks every setting once, without a Trainer; the strategy and the engine take it as it is."""
+"""The configurations check every setting once, without a Trainer; the strategy and the engine take them as they are."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_gpipe.config import PipelineConfig
-from lightning_gpipe.pipeline import Pipeline, run_in_threads
-from lightning_gpipe.stage import Stage
-from lightning_gpipe.transport import ThreadTransport
+from lightning_gpipe.config import StrategyConfig
+from lightning_gpipe.engine.config import PipelineConfig
+from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
+from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.transport import ThreadTransport
 
 
 def test_a_valid_configuration_is_frozen_and_keeps_its_values() -> None:
-    config = PipelineConfig(pipe_size=2, chunks=8, balance=(3, 5), schedule="1f1b", timeout=datetime.timedelta(1))
+    config = StrategyConfig(pipe_size=2, chunks=8, balance=(3, 5), schedule="1f1b", timeout=datetime.timedelta(1))
     assert config.balance == [3, 5]  # a tuple of layers per stage becomes the list the partitioner takes
     assert config.schedule == "1f1b"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -28,7 +29,7 @@ def test_the_strategy_keeps_the_configuration_it_validated() -> None:
     from lightning_gpipe import GPipeStrategy
 
     strategy = GPipeStrategy(pipe_size=2, chunks=4, schedule="1f1b", checkpoint="never")
-    assert strategy.config == PipelineConfig(pipe_size=2, chunks=4, schedule="1f1b", checkpoint="never")
+    assert strategy.config == StrategyConfig(pipe_size=2, chunks=4, schedule="1f1b", checkpoint="never")
 
 
 @pytest.mark.parametrize(
@@ -43,7 +44,7 @@ def test_the_strategy_keeps_the_configuration_it_validated() -> None:
 )
 def test_bad_values_are_refused_without_a_trainer(arguments: dict, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
-        PipelineConfig(**arguments)
+        StrategyConfig(**arguments)
 
 
 # ---------------------------------------------------------------------------------------------- the engine takes it

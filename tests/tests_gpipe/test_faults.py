@@ -17,8 +17,8 @@ from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, PipelineError
-from lightning_gpipe.pipeline import run_in_threads
-from lightning_gpipe.transport import ProcessGroupTransport
+from lightning_gpipe.engine.pipeline import run_in_threads
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 
 
 class Explode(nn.Module):

@@ -9,7 +9,7 @@ from helpers.runif import RunIf
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from lightning_gpipe.gradients import WorldGradScaler, average_gradients
+from lightning_gpipe.engine.gradients import WorldGradScaler, average_gradients
 
 
 class _Branches(nn.Module):

@@ -14,8 +14,8 @@ from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss
 from helpers.runif import RunIf
 from torch import nn
 
-from lightning_gpipe.microbatch import scatter
-from lightning_gpipe.pipeline import run_in_threads
+from lightning_gpipe.engine.microbatch import scatter
+from lightning_gpipe.engine.pipeline import run_in_threads
 
 
 def _dropout_only_step(mode: str) -> tuple[torch.Tensor, torch.Tensor]:

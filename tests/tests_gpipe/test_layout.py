@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_gpipe.layout import ProcessLayout
+from lightning_gpipe.engine.layout import ProcessLayout
 
 
 def test_two_stages_two_replicas() -> None:

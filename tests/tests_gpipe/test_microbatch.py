@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_gpipe import GPipeStrategy, Unbatched
-from lightning_gpipe.microbatch import batch_size, gather, loss_weights, scatter
+from lightning_gpipe.engine.microbatch import batch_size, gather, loss_weights, scatter
 
 Batch = namedtuple("Batch", ["x", "y"])
 
@@ -151,7 +151,7 @@ def test_loss_weight_makes_a_token_mean_over_micro_batches_the_batch_token_mean(
 
 
 def test_step_extras_join_the_other_keys_of_the_micro_batches_outputs() -> None:
-    from lightning_gpipe.microbatch import step_extras
+    from lightning_gpipe.engine.microbatch import step_extras
 
     preds = torch.arange(5.0, requires_grad=True)
     outputs = [
@@ -267,7 +267,7 @@ def test_gather_concatenates_per_sample_lists_given_the_micro_batch_sizes() -> N
 
 
 def test_step_extras_concatenate_per_sample_lists() -> None:
-    from lightning_gpipe.microbatch import step_extras
+    from lightning_gpipe.engine.microbatch import step_extras
 
     outputs = [{"loss": torch.tensor(1.0), "ids": ["x", "y"]}, {"loss": torch.tensor(1.0), "ids": ["z"]}]
     assert step_extras(outputs, [2, 1]) == {"ids": ["x", "y", "z"]}

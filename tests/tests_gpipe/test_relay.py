@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.microbatch import gather, scatter
-from lightning_gpipe.relay import CONTROL_BYTES, CallRelay
-from lightning_gpipe.stage import Stage
-from lightning_gpipe.transport import ThreadTransport
+from lightning_gpipe.engine.microbatch import gather, scatter
+from lightning_gpipe.engine.relay import CONTROL_BYTES, CallRelay
+from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.transport import ThreadTransport
 
 V, D, EOS = 11, 16, 2
 

@@ -33,8 +33,8 @@ from test_strategy_equivalence import assert_same_parameters, plain
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, PipelineError
-from lightning_gpipe.fingerprint import batch_fingerprint, same_fingerprint
-from lightning_gpipe.pipeline import run_in_threads
+from lightning_gpipe.engine.fingerprint import batch_fingerprint, same_fingerprint
+from lightning_gpipe.engine.pipeline import run_in_threads
 
 # ---------------------------------------------------------------------------------------------- the bad-input catalogue
 
@@ -449,7 +449,9 @@ def test_a_rank_killed_mid_step_ends_the_job_and_its_last_checkpoint_resumes_exa
     survivor_stage = 1 - survivor  # K = 2: rank 0 runs the last stage, rank 1 the first
     failure = (tmp_path / f"failure-rank{survivor}.txt").read_text()
     raised = failure.strip().splitlines()[-1]  # what the survivor's fit raised, its causes chained above it
-    assert re.match(rf"lightning_gpipe.errors.PipelineError: \[pipeline stage {survivor_stage}\] ", raised), raised
+    assert re.match(rf"lightning_gpipe.engine.errors.PipelineError: \[pipeline stage {survivor_stage}\] ", raised), (
+        raised
+    )
     assert re.search(rf"global rank {victim}\).* failed: ", raised), raised
     assert "Another rank of the job probably failed first" in raised or "The other stage probably failed" in raised
     if phase == "backward":

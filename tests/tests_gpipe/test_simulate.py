@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_gpipe.schedule import bubble_fraction, simulate
-from lightning_gpipe.simulate import in_flight, simulate_step
+from lightning_gpipe.engine.schedule import bubble_fraction, simulate
+from lightning_gpipe.plan.simulate import in_flight, simulate_step
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -18,12 +18,12 @@ from helpers.distributed import run_processes
 from helpers.models import batch, build, cells, full_batch_grads, loss_fn
 from helpers.runif import RunIf
 
-from lightning_gpipe.errors import PipelineError
-from lightning_gpipe.microbatch import scatter
-from lightning_gpipe.pipeline import Pipeline, first_element, run_in_threads
-from lightning_gpipe.schedule import SCHEDULES, Phase, stage_actions
-from lightning_gpipe.stage import GRADIENTS_AHEAD, Stage
-from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport, Transport
+from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.microbatch import scatter
+from lightning_gpipe.engine.pipeline import Pipeline, first_element, run_in_threads
+from lightning_gpipe.engine.schedule import SCHEDULES, Phase, stage_actions
+from lightning_gpipe.engine.stage import GRADIENTS_AHEAD, Stage
+from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport, Transport
 
 NESTED_BALANCE = [2, 1, 2]  # three stages; every boundary is a tuple with a bool mask and a None leaf
 CHUNKS = 4

@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss_fn, relative_error
 
-from lightning_gpipe.pipeline import Pipeline
-from lightning_gpipe.schedule import SCHEDULES, Phase
-from lightning_gpipe.step import HeldGradients
-from lightning_gpipe.transport import ThreadTransport
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.schedule import SCHEDULES, Phase
+from lightning_gpipe.engine.step import HeldGradients
+from lightning_gpipe.engine.transport import ThreadTransport
 
 TOLERANCE = 1e-6
 

@@ -104,7 +104,7 @@ def test_a_loss_weight_under_1f1b_is_refused_with_the_fix() -> None:
     # 1F1B runs micro-batch 0's backward before the last forward, when the normalizers of later micro-batches
     # (what `loss_weight` reports) are not known yet; fill-drain weighs every loss after the last forward.
     from lightning_gpipe import GPipeStrategy
-    from lightning_gpipe.microbatch import Microbatch
+    from lightning_gpipe.engine.microbatch import Microbatch
 
     mb = Microbatch(0, None, 4, 0.25)
     loss = torch.tensor(2.0)
@@ -120,7 +120,7 @@ def test_a_declared_loss_weight_weighs_an_early_loss_and_a_returned_one_beside_i
     # Issue 29: a weight declared from the batch (the module's `batch_loss_weight`) is known before the schedule runs,
     # so 1F1B weighs micro-batch 0's loss by it before the last forward; a returned 'loss_weight' too says it twice.
     from lightning_gpipe import GPipeStrategy
-    from lightning_gpipe.microbatch import Microbatch
+    from lightning_gpipe.engine.microbatch import Microbatch
 
     mb = Microbatch(1, None, 4, 0.5)
     loss = torch.tensor(2.0)

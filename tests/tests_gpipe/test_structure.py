@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 import pytest
 import torch
 
-from lightning_gpipe.structure import flatten, leaf_paths, map_tensors, unflatten
+from lightning_gpipe.engine.tree import flatten, leaf_paths, map_tensors, unflatten
 
 Pair = namedtuple("Pair", ["left", "right"])
 

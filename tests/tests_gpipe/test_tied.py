@@ -23,17 +23,17 @@ from test_strategy_equivalence import assert_same_parameters
 from torch import nn
 
 from lightning_gpipe import Pipeline, run_in_threads
-from lightning_gpipe.gradients import clip_grad_norm
-from lightning_gpipe.partition import split
-from lightning_gpipe.partitioned import materialize, partition_module
-from lightning_gpipe.state import (
+from lightning_gpipe.build.balance import split
+from lightning_gpipe.build.sequence import materialize, partition_module
+from lightning_gpipe.build.state_dict import (
     local_optimizer_state,
     merge_optimizer_states,
     optimizer_state_by_name,
     parameter_aliases,
 )
-from lightning_gpipe.tied import Tie, TiedCopies, find_ties, retie
-from lightning_gpipe.transport import ProcessGroupTransport
+from lightning_gpipe.build.tied import Tie, TiedCopies, find_ties, retie
+from lightning_gpipe.engine.gradients import clip_grad_norm
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 
 
 class Holder(nn.Module):

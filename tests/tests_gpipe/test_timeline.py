@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers.runif import RunIf
 
-from lightning_gpipe.schedule import SCHEDULES, bubble_fraction, simulate
-from lightning_gpipe.timeline import Span, Timeline
+from lightning_gpipe.engine.schedule import SCHEDULES, bubble_fraction, simulate
+from lightning_gpipe.engine.timeline import Span, Timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

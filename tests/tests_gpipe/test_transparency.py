@@ -14,9 +14,9 @@ from helpers.distributed import run_processes
 from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss_fn, relative_error, stage_stream_grads
 from helpers.runif import RunIf
 
-from lightning_gpipe.checkpoint import CHECKPOINT_MODES
-from lightning_gpipe.pipeline import Pipeline, run_in_threads
-from lightning_gpipe.transport import ProcessGroupTransport
+from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 
 STAGES = [1, 2, 4]
 CHUNKS = [1, 3, 4, 8]

@@ -13,10 +13,10 @@ from helpers.runif import RunIf
 from helpers.stream_order import impose_stream_order
 from torch import nn
 
-from lightning_gpipe.layout import ProcessLayout
-from lightning_gpipe.pipeline import Pipeline
-from lightning_gpipe.stage import Stage
-from lightning_gpipe.transport import ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
 
 STALL = datetime.timedelta(seconds=6)
 

@@ -17,7 +17,7 @@ from helpers.distributed import run_job
 from helpers.runif import RunIf
 from tests_zoo.token_mean_job import CHUNKS, MODELS, fit, model_and_batch
 
-from lightning_gpipe.microbatch import count_weights, split_batch
+from lightning_gpipe.engine.microbatch import count_weights, split_batch
 
 pytest.importorskip("transformers")
 

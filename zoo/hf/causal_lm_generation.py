@@ -11,8 +11,8 @@ tokens on the CPU); a row stops after an end-of-sequence token and is padded aft
 On the whole model (after ``fit``) the decoder layers keep the library's key/value cache (``DynamicCache``): the
 prompt is read once, then each step feeds one token. Inside a ``validation_step`` or ``predict_step`` under
 ``GPipeStrategy``, where ``model.layers`` is the pipelined sequence, every token is one call of the whole sequence on
-the whole prefix, which the strategy relays through the stages (:mod:`lightning_gpipe.relay`): a call there is a step
-of its own, after which a stage keeps nothing, so there is no cache and each step re-reads the prefix (O(n²) work).
+the whole prefix, which the strategy relays through the stages (:mod:`lightning_gpipe.engine.relay`): a call there is a
+step of its own, after which a stage keeps nothing, so there is no cache and each step re-reads the prefix (O(n²) work).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from lightning_gpipe.partitioned import PipelinedSequential
+from lightning_gpipe.build.sequence import PipelinedSequential
 from zoo.hf.causal_lm_layers import CausalDecoderLayer
 
 __all__ = ["MAX_NEW_TOKENS", "generate", "warp_logits"]

@@ -7,8 +7,8 @@ and the decoder re-reads the whole growing prefix at every step (no incremental 
 simple and exact, and fine for the sentence lengths of translation. Inside a step under ``GPipeStrategy`` (a
 ``validation_step`` or ``predict_step`` that decodes), where ``model.layers`` is the pipelined sequence, every step
 calls the whole sequence on ``(source, prefix)`` instead, the encoder included: the strategy runs each such call
-through the stages (see :mod:`lightning_gpipe.relay`), and the tokens equal the whole model's. Padding and ``<s>``
-are never generated (their logits are masked before the softmax), the same in every function here, so the scores
+through the stages (see :mod:`lightning_gpipe.engine.relay`), and the tokens equal the whole model's. Padding and
+``<s>`` are never generated (their logits are masked before the softmax), the same in every function here, so the scores
 they report are comparable.
 
 Outputs are the generated tokens without the leading ``<s>``: each row ends with ``</s>`` followed by padding, or
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from lightning_gpipe.partitioned import PipelinedSequential
+from lightning_gpipe.build.sequence import PipelinedSequential
 
 if TYPE_CHECKING:
     from zoo.tasks.translation import Transformer

@@ -3,8 +3,8 @@
 Every stage of a pipeline reads its own copy of each batch: the first stage feeds the inputs into the layers, the
 last one computes the loss from the targets. If the copies differ (a sampler per stage, a shuffle seeded by rank),
 the pipeline trains on inputs paired with the wrong targets and nothing else notices. Each stage therefore computes
-a fingerprint of its batch and sends it in the step header (:mod:`lightning_gpipe.boundary`); the next stage compares
-it with its own. No extra message is sent.
+a fingerprint of its batch and sends it in the step header (:mod:`lightning_gpipe.engine.boundary`); the next stage
+compares it with its own. No extra message is sent.
 
 A fingerprint holds, for every tensor leaf of the batch, its shape, its dtype and a checksum. The checksum weighs each
 sample by its position, so a batch with its samples reordered differs too, and reads at most ``_COLUMNS`` evenly
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_gpipe.structure import flatten
+from lightning_gpipe.engine.tree import flatten
 
 __all__ = ["Fingerprint", "batch_fingerprint", "same_fingerprint"]
 

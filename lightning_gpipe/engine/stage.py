@@ -7,14 +7,14 @@ the output from the next stage (the last stage is handed the loss), back-propaga
 parameter gradients exactly as ``loss.backward()`` would, and sends the input's gradient back.
 
 Only what backward needs is kept between the two: the grad-requiring input leaves and output tensors of each
-micro-batch. Which actions run in which order is the schedule's business (:mod:`lightning_gpipe.schedule`).
+micro-batch. Which actions run in which order is the schedule's business (:mod:`lightning_gpipe.engine.schedule`).
 
 Receives are posted ahead of the actions that need them (gloo parks a send until its receive is posted): the
-activations of the whole step once its header is in (:class:`~lightning_gpipe.boundary.ActivationLink`), and, when
-the step's ``gradient_order`` is known, the gradients of up to :data:`GRADIENTS_AHEAD` micro-batches whose outputs
+activations of the whole step once its header is in (:class:`~lightning_gpipe.engine.boundary.ActivationLink`), and,
+when the step's ``gradient_order`` is known, the gradients of up to :data:`GRADIENTS_AHEAD` micro-batches whose outputs
 exist, in the order the next stage sends them. Transports that run on device streams (NCCL) do not want receives
-posted long before use (:attr:`~lightning_gpipe.transport.Transport.posts_ahead`): there activations are posted one
-micro-batch at a time and gradients from the first backward on.
+posted long before use (:attr:`~lightning_gpipe.engine.transport.Transport.posts_ahead`): there activations are posted
+one micro-batch at a time and gradients from the first backward on.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gpipe.anomaly import check_finite
-from lightning_gpipe.batchnorm import DeferredBatchNorm, commit_running_stats
-from lightning_gpipe.boundary import ActivationLink, GradientLink
-from lightning_gpipe.checkpoint import CheckpointMode, checkpoint_stop, checkpointed
-from lightning_gpipe.config import PipelineConfig, config_from
-from lightning_gpipe.errors import PipelineError
-from lightning_gpipe.fingerprint import Fingerprint
-from lightning_gpipe.structure import flatten, map_tensors
-from lightning_gpipe.timeline import Timeline
-from lightning_gpipe.transport import Transport
+from lightning_gpipe.engine.anomaly import check_finite
+from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, commit_running_stats
+from lightning_gpipe.engine.boundary import ActivationLink, GradientLink
+from lightning_gpipe.engine.config import PipelineConfig, config_from
+from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.fingerprint import Fingerprint
+from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop, checkpointed
+from lightning_gpipe.engine.timeline import Timeline
+from lightning_gpipe.engine.transport import Transport
+from lightning_gpipe.engine.tree import flatten, map_tensors
 
 __all__ = ["GRADIENTS_AHEAD", "Stage"]
 

@@ -1,7 +1,7 @@
 """Point-to-point tensor links between the stages of one pipeline.
 
 A transport moves plain tensors between neighbouring stages; what the tensors mean (which structure, which
-micro-batch) is :mod:`lightning_gpipe.boundary`'s business. Two implementations share one interface:
+micro-batch) is :mod:`lightning_gpipe.engine.boundary`'s business. Two implementations share one interface:
 
 - :class:`ProcessGroupTransport`: one process per stage, ``torch.distributed`` P2P (gloo on CPU, NCCL on GPU). This is
   what lets a pipeline span processes and nodes.
@@ -10,7 +10,7 @@ micro-batch) is :mod:`lightning_gpipe.boundary`'s business. Two implementations 
 
 Sends are asynchronous (the sender never waits for its neighbour to be ready), receives are posted ahead and waited
 for with a deadline. Every failure of either, in posting it or in waiting for it (a send is waited for at the end of
-the step), becomes a :class:`~lightning_gpipe.errors.PipelineError` naming both stages and the message, with the
+the step), becomes a :class:`~lightning_gpipe.engine.errors.PipelineError` naming both stages and the message, with the
 backend's error as its cause: a dead or stuck peer never hangs the job, nor surfaces as a bare gloo or NCCL error.
 Messages carry no tag: the receives posted for one peer take that peer's messages in posting order, so a receiver must
 post in the order its peer sends.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.errors import PipelineError
+from lightning_gpipe.engine.errors import PipelineError
 
 __all__ = ["DEFAULT_TIMEOUT", "ProcessGroupTransport", "ThreadTransport", "Transport"]
 
@@ -110,7 +110,7 @@ class ProcessGroupTransport(Transport):
         device: where received tensors are allocated; a CUDA device means NCCL (see below).
         timeout: how long a CPU receive or send may take before it raises.
         links: one process group per link, ``links[j]`` holding stages ``j`` and ``j + 1`` (as
-            :meth:`~lightning_gpipe.layout.ProcessLayout.new_groups` creates them); ``None`` sends on the default
+            :meth:`~lightning_gpipe.engine.layout.ProcessLayout.new_groups` creates them); ``None`` sends on the default
             group. On NCCL give them: the default group runs its collectives and P2P on one stream, in issue order.
 
     On CPU (gloo) a wait blocks the host, for at most ``timeout``. On a device (NCCL) a wait only makes the current

@@ -1,11 +1,12 @@
 """One step of one stage in phases: begin, forward, backward, end or abort, in the order the schedule gives.
 
-:class:`StepRun` is the only place that turns a schedule into calls on a :class:`~lightning_gpipe.stage.Stage`.
-Its drivers differ in who calls the cell: :meth:`Pipeline.train_step <lightning_gpipe.pipeline.Pipeline.train_step>`
-walks :attr:`StepRun.actions` itself, while :class:`~lightning_gpipe.strategy.GPipeStrategy` lets the user's
-``training_step`` call :meth:`StepRun.forward` once per micro-batch and runs the backward passes in Lightning's
-``backward``. Every order comes from :func:`~lightning_gpipe.schedule.stage_actions`, and :class:`StepRun` refuses
-an action out of that order, so no driver can run a schedule of its own.
+:class:`StepRun` is the only place that turns a schedule into calls on a :class:`~lightning_gpipe.engine.stage.Stage`.
+Its drivers differ in who calls the cell: :meth:`Pipeline.train_step
+<lightning_gpipe.engine.pipeline.Pipeline.train_step>` walks :attr:`StepRun.actions` itself, while
+:class:`~lightning_gpipe.strategy.GPipeStrategy` lets the user's ``training_step`` call :meth:`StepRun.forward` once per
+micro-batch and runs the backward passes in Lightning's ``backward``. Every order comes from
+:func:`~lightning_gpipe.engine.schedule.stage_actions`, and :class:`StepRun` refuses an action out of that order, so no
+driver can run a schedule of its own.
 
 Lightning zeroes gradients between ``training_step`` and ``backward``. A schedule that runs a backward pass before its
 last forward (``"1f1b"``) therefore runs those passes in ``training_step``; :class:`HeldGradients` keeps what they
@@ -19,10 +20,10 @@ from typing import Any
 
 import torch
 
-from lightning_gpipe.fingerprint import Fingerprint
-from lightning_gpipe.microbatch import Microbatch
-from lightning_gpipe.schedule import Action, Phase, stage_actions
-from lightning_gpipe.stage import Stage
+from lightning_gpipe.engine.fingerprint import Fingerprint
+from lightning_gpipe.engine.microbatch import Microbatch
+from lightning_gpipe.engine.schedule import Action, Phase, stage_actions
+from lightning_gpipe.engine.stage import Stage
 
 __all__ = ["HeldGradients", "StepRun"]
 
@@ -37,7 +38,7 @@ class StepRun:
 
     Args:
         stage: the stage that runs the passes.
-        schedule: the schedule's name (validated by :func:`~lightning_gpipe.schedule.stage_actions`).
+        schedule: the schedule's name (validated by :func:`~lightning_gpipe.engine.schedule.stage_actions`).
         microbatches: the step's micro-batches, the same on every stage.
         training: run the schedule's forward and backward passes; else forwards only.
         fingerprint: this stage's copy of the batch, checked against the other stages' (see :class:`Stage`).

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gpipe.batchnorm import DeferredBatchNorm
-from lightning_gpipe.partition import cell_bounds
-from lightning_gpipe.tied import Tie, find_ties, retie, set_aside
+from lightning_gpipe.build.balance import cell_bounds
+from lightning_gpipe.build.tied import Tie, find_ties, retie, set_aside
+from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 
 __all__ = ["Partition", "PipelinedSequential", "RemoteLayers", "find_sequence", "materialize", "partition_module"]
 
@@ -342,7 +342,7 @@ def partition_module(
     """Replace ``sequence`` (the attribute ``path`` of ``module``) by this stage's stand-in.
 
     Refuses trainable parameters outside the sequence, which one stage alone would update. A tensor (or module) that
-    layers of several stages share stays on every stage that uses it; :mod:`lightning_gpipe.tied` keeps its copies
+    layers of several stages share stays on every stage that uses it; :mod:`lightning_gpipe.build.tied` keeps its copies
     equal.
     """
     _check_aliases(module, path, sequence)

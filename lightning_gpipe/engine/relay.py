@@ -17,7 +17,7 @@ one stage computes at a time.
 
 Control wire format: a ``CONTROL_BYTES`` uint8 buffer holding the payload length (8 bytes, little endian) and the
 pickled payload when it fits, else the payload follows as a second message (as the step headers of
-:mod:`lightning_gpipe.boundary`). The payload is ``("call", value)`` with the value's tensors on the CPU, or
+:mod:`lightning_gpipe.engine.boundary`). The payload is ``("call", value)`` with the value's tensors on the CPU, or
 ``("done", None)``.
 """
 
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from lightning_gpipe.collectives import portable, to_device
-from lightning_gpipe.errors import PipelineError
-from lightning_gpipe.stage import Stage
+from lightning_gpipe.engine.collectives import portable, to_device
+from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.stage import Stage
 
 __all__ = ["CONTROL_BYTES", "CallRelay"]
 

@@ -1,6 +1,6 @@
 """Event-level simulation of one pipeline step from per-stage pass times.
 
-:func:`simulate_step` replays a schedule's actions (:func:`~lightning_gpipe.schedule.stage_actions`) on a machine
+:func:`simulate_step` replays a schedule's actions (:func:`~lightning_gpipe.engine.schedule.stage_actions`) on a machine
 where stage ``j``'s forward of one micro-batch takes ``forward[j]`` seconds and its backward ``backward[j]`` (plus
 ``recompute[j]`` for a re-materialized micro-batch), where a boundary value or its gradient takes ``transfer[j]``
 seconds to cross from stage ``j`` to ``j + 1``, and where each stage ends the step with its optimizer's step,
@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_gpipe.schedule import Action, Phase, dependencies, stage_actions, validate_schedule
+from lightning_gpipe.engine.schedule import Action, Phase, dependencies, stage_actions, validate_schedule
 
 __all__ = ["SimulatedStep", "Span", "in_flight", "simulate_step"]
 
@@ -112,7 +112,7 @@ def simulate_step(
             one number for every boundary or one per boundary (K - 1 entries).
         recompute: seconds the re-materialized forward adds to a backward pass, per stage; defaults to ``forward``.
         checkpoint_stop: micro-batches ``i < checkpoint_stop`` are re-materialized (see
-            :func:`~lightning_gpipe.checkpoint.checkpoint_stop`); 0 for none.
+            :func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`); 0 for none.
         update: seconds of each stage's optimizer step, which follows its last backward pass; the step ends when
             the last stage to finish has stepped (in fill-drain that is stage 0, whose backward ends the step).
         checkpoint_forward: seconds re-materialization adds to the forward pass of a re-materialized micro-batch,

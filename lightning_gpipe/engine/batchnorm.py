@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gpipe.checkpoint import is_recomputing
+from lightning_gpipe.engine.rematerialization import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "commit_running_stats"]
 

@@ -1,7 +1,7 @@
 """Running layers to measure them without a trace: fresh gradient leaves for their input, state restored after.
 
-The cost sources (:mod:`lightning_gpipe.cost`) and the planner's profiler (:mod:`lightning_gpipe.plan.profile`) run
-training-mode forwards and backwards of a model's layers outside training. :func:`leaf_input` gives a layer an input
+The cost sources (:mod:`lightning_gpipe.build.cost`) and the planner's profiler (:mod:`lightning_gpipe.plan.profile`)
+run training-mode forwards and backwards of a model's layers outside training. :func:`leaf_input` gives a layer an input
 that gradients flow back to, as a stage boundary does, without touching the recorded value; :func:`preserved_state`
 puts back what those runs move: BatchNorm running statistics and the random number generators.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.structure import flatten, map_tensors
+from lightning_gpipe.engine.tree import flatten, map_tensors
 
 __all__ = ["leaf_input", "preserved_state"]
 

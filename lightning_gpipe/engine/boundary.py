@@ -21,8 +21,8 @@ goes once per step, not per micro-batch:
 - gradients need no header: they go back for exactly the received tensors that require grad, with their shapes,
   one micro-batch after the other in the order of the receiving stage's backward passes.
 
-The header also carries the sender's batch fingerprint (:mod:`lightning_gpipe.fingerprint`), when the caller gives
-one: the receiver compares it with its own, so stages that read different batches are caught at the first step.
+The header also carries the sender's batch fingerprint (:mod:`lightning_gpipe.engine.fingerprint`), when the caller
+gives one: the receiver compares it with its own, so stages that read different batches are caught at the first step.
 
 Once the header is in, the receiver posts the receives of the whole step at once: gloo parks a send until its
 receive is posted, and a receive posted only when needed costs a rendezvous per message (~100 µs against ~20 µs for a
@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from lightning_gpipe.errors import PipelineError
-from lightning_gpipe.fingerprint import Fingerprint, same_fingerprint
-from lightning_gpipe.structure import Spec, flatten, leaf_paths, unflatten
-from lightning_gpipe.transport import Transport
-from lightning_gpipe.unbatched import unbatched_leaves
+from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.fingerprint import Fingerprint, same_fingerprint
+from lightning_gpipe.engine.transport import Transport
+from lightning_gpipe.engine.tree import Spec, flatten, leaf_paths, unflatten
+from lightning_gpipe.engine.unbatched import unbatched_leaves
 
 __all__ = ["HEADER_BYTES", "ActivationLink", "GradientLink", "TensorLayout"]
 

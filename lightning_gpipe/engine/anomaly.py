@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from lightning_gpipe.errors import PipelineError
-from lightning_gpipe.structure import flatten, leaf_paths
+from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.tree import flatten, leaf_paths
 
 __all__ = ["check_finite"]
 

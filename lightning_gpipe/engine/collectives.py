@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_gpipe.structure import map_tensors
+from lightning_gpipe.engine.tree import map_tensors
 
 __all__ = ["BUCKET_BYTES", "OBJECT_BYTES", "broadcast_object", "broadcast_tensors", "buckets", "portable", "to_device"]
 

@@ -1,9 +1,9 @@
 """The GPipe engine without a Trainer: one training or evaluation step of a pipeline, per stage or in-process.
 
 :class:`Pipeline` is one stage's view of a step: scatter the mini-batch into micro-batches, run the schedule's
-actions through the :class:`~lightning_gpipe.stage.Stage`, weight each micro-batch's loss by its share of the batch,
-and gather. Every stage of a pipeline is handed the same mini-batch; stage 0 feeds ``input_fn(micro-batch)`` to its
-cell and the last stage computes ``loss_fn(output, micro-batch)``. After ``train_step`` the parameters' ``.grad``
+actions through the :class:`~lightning_gpipe.engine.stage.Stage`, weight each micro-batch's loss by its share of the
+batch, and gather. Every stage of a pipeline is handed the same mini-batch; stage 0 feeds ``input_fn(micro-batch)`` to
+its cell and the last stage computes ``loss_fn(output, micro-batch)``. After ``train_step`` the parameters' ``.grad``
 hold exactly what ``loss.backward()`` of the unpartitioned model on the whole mini-batch would have accumulated (up
 to float round-off from summing micro-batches).
 
@@ -22,16 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gpipe.checkpoint import CheckpointMode
-from lightning_gpipe.config import PipelineConfig, config_from
-from lightning_gpipe.fingerprint import Fingerprint
-from lightning_gpipe.microbatch import gather, split_batch
-from lightning_gpipe.schedule import Phase
-from lightning_gpipe.stage import Stage
-from lightning_gpipe.step import StepRun
-from lightning_gpipe.structure import map_tensors
-from lightning_gpipe.timeline import Timeline
-from lightning_gpipe.transport import DEFAULT_TIMEOUT, ThreadTransport, Transport
+from lightning_gpipe.engine.config import PipelineConfig, config_from
+from lightning_gpipe.engine.fingerprint import Fingerprint
+from lightning_gpipe.engine.microbatch import gather, split_batch
+from lightning_gpipe.engine.rematerialization import CheckpointMode
+from lightning_gpipe.engine.schedule import Phase
+from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.step import StepRun
+from lightning_gpipe.engine.timeline import Timeline
+from lightning_gpipe.engine.transport import DEFAULT_TIMEOUT, ThreadTransport, Transport
+from lightning_gpipe.engine.tree import map_tensors
 
 __all__ = ["LossFn", "Pipeline", "first_element", "run_in_threads"]
 
@@ -48,7 +48,7 @@ def first_element(batch: Any) -> Any:
 class Pipeline:
     """One stage of a GPipe pipeline: ``cell`` linked to its neighbours by ``transport``.
 
-    The settings come validated in a :class:`~lightning_gpipe.config.PipelineConfig` (``config``, as the strategy
+    The settings come validated in a :class:`~lightning_gpipe.engine.config.PipelineConfig` (``config``, as the strategy
     passes its own), or one by one as keywords, which build it: ``Pipeline(cell, transport, chunks=8)``. Either
     way they are checked once, here, and never again per step.
 

@@ -27,14 +27,14 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from lightning_gpipe.structure import flatten, map_tensors, unflatten
+from lightning_gpipe.engine.tree import flatten, map_tensors, unflatten
 
 __all__ = ["CHECKPOINT_MODES", "CheckpointMode", "checkpointed", "checkpoint_stop", "is_recomputing", "validate_mode"]
 
 CheckpointMode = Literal["always", "except_last", "never"]
 """Which micro-batches re-materialize: every one, all but the last (whose backward follows at once), or none."""
 CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
-"""The values of [`CheckpointMode`][lightning_gpipe.checkpoint.CheckpointMode], for validation and messages."""
+"""The values of [`CheckpointMode`][lightning_gpipe.engine.rematerialization.CheckpointMode]: checks, messages."""
 
 _state = threading.local()
 

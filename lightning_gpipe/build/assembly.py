@@ -5,8 +5,8 @@ rank follows (several steps are collectives): find the ``nn.Sequential``, record
 checkpoints, resolve the balance (measured on rank 0 and broadcast), cut the module down to this stage's layers,
 allocate and initialize layers built on the meta device, convert BatchNorm to :class:`DeferredBatchNorm` when asked,
 give the replicas of the stage the same weights, set up the copies of tensors tied across stages, and wrap the cell
-in a :class:`~lightning_gpipe.pipeline.Pipeline` over the given transport. It needs no Trainer: a test builds every
-stage of a pipeline in one process over a :class:`~lightning_gpipe.transport.ThreadTransport`.
+in a :class:`~lightning_gpipe.engine.pipeline.Pipeline` over the given transport. It needs no Trainer: a test builds
+every stage of a pipeline in one process over a :class:`~lightning_gpipe.engine.transport.ThreadTransport`.
 
 :meth:`AssembledStage.reassemble` is the inverse at the end of training: every stage's part, gathered over the
 pipeline, restores the whole module on every rank.
@@ -22,22 +22,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torchmetrics import Metric
 
-from lightning_gpipe.batchnorm import DeferredBatchNorm
-from lightning_gpipe.collectives import broadcast_tensors, to_device
-from lightning_gpipe.config import PipelineConfig
-from lightning_gpipe.cost import layer_costs
-from lightning_gpipe.errors import collective_errors
-from lightning_gpipe.layout import ProcessLayout
-from lightning_gpipe.partition import balance_by_cost, in_place_starts, validate_balance
-from lightning_gpipe.partitioned import Partition, find_sequence, materialize, partition_module
-from lightning_gpipe.pipeline import Pipeline
-from lightning_gpipe.stage import Stage
-from lightning_gpipe.state import ModelNames
-from lightning_gpipe.tied import TiedCopies, retie
-from lightning_gpipe.timeline import Timeline
-from lightning_gpipe.transport import Transport
+from lightning_gpipe.build.balance import balance_by_cost, in_place_starts, validate_balance
+from lightning_gpipe.build.config import BuildConfig
+from lightning_gpipe.build.cost import layer_costs
+from lightning_gpipe.build.sequence import Partition, find_sequence, materialize, partition_module
+from lightning_gpipe.build.state_dict import ModelNames
+from lightning_gpipe.build.tied import TiedCopies, retie
+from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
+from lightning_gpipe.engine.collectives import broadcast_tensors, to_device
+from lightning_gpipe.engine.errors import collective_errors
+from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.timeline import Timeline
+from lightning_gpipe.engine.transport import Transport
 
 __all__ = ["AssembledStage", "assemble_stage", "measured_costs", "parameter_counts", "resolve_balance"]
 
@@ -48,7 +47,7 @@ class AssembledStage:
 
     Attributes:
         partition: how the module was cut; the module itself now holds only this stage's layers.
-        pipeline: this stage's :class:`~lightning_gpipe.pipeline.Pipeline` (its cell and transport).
+        pipeline: this stage's :class:`~lightning_gpipe.engine.pipeline.Pipeline` (its cell and transport).
         ties: this stage's copies of tensors that layers of other stages share, kept equal by collectives.
         names: the whole module's state-dict keys, shapes and parameter names, recorded before the cut.
         whole_parameters: (all, trainable) parameter counts of the whole module, each tied tensor once.
@@ -62,7 +61,7 @@ class AssembledStage:
 
     @property
     def stage(self) -> Stage:
-        """This rank's :class:`~lightning_gpipe.stage.Stage`."""
+        """This rank's :class:`~lightning_gpipe.engine.stage.Stage`."""
         return self.pipeline.stage
 
     @property
@@ -80,7 +79,7 @@ class AssembledStage:
 
         Every stage of the pipeline calls it; ``group`` is the pipeline's group (for objects: gloo keeps the parts in
         host memory), unused with a single stage. Tied tensors get back their shared value and deferred BatchNorm
-        layers become plain BatchNorm again (:meth:`~lightning_gpipe.partitioned.Partition.reassemble`).
+        layers become plain BatchNorm again (:meth:`~lightning_gpipe.build.sequence.Partition.reassemble`).
         """
         local = self.partition.stage_state()
         num_stages = self.stage.num_stages
@@ -93,7 +92,7 @@ class AssembledStage:
 
 def assemble_stage(
     module: nn.Module,
-    config: PipelineConfig,
+    config: BuildConfig,
     layout: ProcessLayout,
     device: torch.device,
     transport: Transport,
@@ -109,14 +108,13 @@ def assemble_stage(
 
     Args:
         module: the user's module, holding the ``nn.Sequential`` to pipeline (``config.module_name``, else the only
-            one); it is changed in place (see :mod:`lightning_gpipe.partitioned`).
+            one); it is changed in place (see :mod:`lightning_gpipe.build.sequence`).
         config: the settings, with ``pipe_size`` and ``chunks`` resolved (as ``layout.pipe_size`` and a number).
         layout: this rank's place in the job.
         device: where this stage's layers are allocated and run.
         transport: the links to this pipeline's other stages.
         sample: one input of the sequence, for a balance measured on it (``"flops"``, ``"time"``, ``"memory"``).
-        replica_group: the ranks running this stage in every replica: they start from replica 0's weights, and
-            torchmetrics state in the module syncs over them (not the world, which the other stages never join).
+        replica_group: the ranks running this stage in every replica: they start from replica 0's weights.
         timeline: records the pipeline's actions when given.
     """
     assert config.pipe_size == layout.pipe_size, "the config's pipe_size is resolved to the layout's"
@@ -147,18 +145,12 @@ def assemble_stage(
             config.timeout,
         )
         ties.broadcast(device)
-    if replica_group is not None:
-        for metric in module.modules():
-            if isinstance(metric, Metric):
-                # Metric state lives on the last stage of each pipeline; torchmetrics must sync it among the
-                # replicas of that stage only (over WORLD, the other stages would never join: a hang).
-                metric.process_group = replica_group
     pipeline = Pipeline(cell, transport, config, timeline=timeline)
     return AssembledStage(partition, pipeline, ties, names, whole)
 
 
 def resolve_balance(
-    config: PipelineConfig, sequence: nn.Sequential, sample: Any, layout: ProcessLayout, device: torch.device
+    config: BuildConfig, sequence: nn.Sequential, sample: Any, layout: ProcessLayout, device: torch.device
 ) -> list[int]:
     """Layers per stage: ``config.balance`` if it is a list, else found from the layers' costs.
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from lightning_gpipe.structure import LEAF, Spec, flatten, leaf_paths, unflatten
-from lightning_gpipe.unbatched import Unbatched, unbatched_leaves
+from lightning_gpipe.engine.tree import LEAF, Spec, flatten, leaf_paths, unflatten
+from lightning_gpipe.engine.unbatched import Unbatched, unbatched_leaves
 
 __all__ = [
     "Microbatch",
@@ -165,8 +165,8 @@ def scatter(batch: Any, chunks: int) -> list[Microbatch]:
 
 
 def split_batch(batch: Any, chunks: int) -> list[Microbatch]:
-    """:func:`scatter` for a ``chunks`` validated once already (a :class:`~lightning_gpipe.config.PipelineConfig`'s),
-    as the engine splits every step's batch."""
+    """:func:`scatter` for a ``chunks`` validated once already (a
+    :class:`~lightning_gpipe.engine.config.PipelineConfig`'s), as the engine splits every step's batch."""
     total, leaves, spec, split = _layout(batch)
     if total == 0:
         raise ValueError("cannot split an empty batch (0 samples) into micro-batches; drop empty batches upstream")

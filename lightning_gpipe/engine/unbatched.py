@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_gpipe.structure import LEAF, Spec
+from lightning_gpipe.engine.tree import LEAF, Spec
 
 __all__ = ["Unbatched", "unbatched_leaves"]
 
@@ -35,7 +35,7 @@ class Unbatched:
 
 
 def unbatched_leaves(spec: Spec) -> list[bool]:
-    """For each leaf of a flattened value, in :func:`~lightning_gpipe.structure.flatten` order: whether it is marked."""
+    """For each leaf of a flattened value, in :func:`~lightning_gpipe.engine.tree.flatten` order: is it marked?"""
     flags: list[bool] = []
     _walk(spec, False, flags)
     return flags

@@ -1,7 +1,7 @@
 """Per-layer costs that partitioning balances (the paper's c_i).
 
 Each source returns one non-negative float per layer of an ``nn.Sequential``, for
-:func:`~lightning_gpipe.partition.balance_by_cost`:
+:func:`~lightning_gpipe.build.balance.balance_by_cost`:
 
 - :func:`param_cost`: parameters per layer. Needs no input and works on the meta device.
 - :func:`flops_cost`: analytic forward FLOPs on a sample. Deterministic, works on the meta device.
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_gpipe.measure import leaf_input, preserved_state
+from lightning_gpipe.build.measure import leaf_input, preserved_state
 
 __all__ = [
     "COST_SOURCES",

@@ -1,0 +1,66 @@
+"""PipelineConfig: the settings a pipeline's stages run by, validated once where the user gives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_gpipe.engine.microbatch import validate_chunks
+from lightning_gpipe.engine.rematerialization import CheckpointMode, validate_mode
+from lightning_gpipe.engine.schedule import validate_schedule
+
+__all__ = ["PipelineConfig", "config_from", "validate_flag"]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The settings of :class:`~lightning_gpipe.engine.pipeline.Pipeline` and its stage, checked in ``__post_init__``.
+
+    Each bad value raises a ``ValueError`` or ``TypeError`` that names it, the rule and the fix; the layers that
+    receive a valid configuration need not check it again. The settings of the layers above (how the module is cut,
+    how the strategy starts its processes) extend this class: :class:`~lightning_gpipe.build.config.BuildConfig`,
+    :class:`~lightning_gpipe.config.StrategyConfig`. ``chunks=None`` defers to the strategy, which resolves it.
+    """
+
+    chunks: int | None = None
+    checkpoint: CheckpointMode = "except_last"
+    schedule: str = "gpipe"
+    detect_anomalies: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunks is not None:
+            validate_chunks(self.chunks)
+        validate_mode(self.checkpoint)
+        validate_schedule(self.schedule)
+        validate_flag("detect_anomalies", self.detect_anomalies)
+
+
+def validate_flag(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool, else raise a ``TypeError`` naming the setting ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
+    return value
+
+
+def config_from(config: PipelineConfig | None, owner: str, **settings: Any) -> PipelineConfig:
+    """``config`` as given, or a :class:`PipelineConfig` of those keyword ``settings`` that are not ``None``.
+
+    The engine's constructors take either a configuration validated already (the strategy's) or its settings one by
+    one (``Pipeline(cell, transport, chunks=4)``), and validate only the latter; ``owner`` names the constructor in
+    the message when both are given.
+    """
+    given = {name: value for name, value in settings.items() if value is not None}
+    if config is None:
+        return PipelineConfig(**given)
+    if not isinstance(config, PipelineConfig):
+        raise TypeError(
+            f"{owner} got config={config!r}, which must be a PipelineConfig or None; give the settings as keywords "
+            "instead, e.g. chunks=4"
+        )
+    if given:
+        listing = ", ".join(f"{name}={value!r}" for name, value in given.items())
+        raise ValueError(
+            f"{owner} got a config and also {listing}; give each setting once: in the config "
+            f"(dataclasses.replace(config, {listing})) or as keywords without a config"
+        )
+    return config
