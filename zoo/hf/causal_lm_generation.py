@@ -30,7 +30,8 @@ from zoo.hf.causal_lm_layers import CausalDecoderLayer
 
 __all__ = ["MAX_NEW_TOKENS", "generate", "warp_logits"]
 
-MAX_NEW_TOKENS = 32  # generate's default
+MAX_NEW_TOKENS = 32
+"""How many tokens :func:`generate` adds to each prompt unless told otherwise."""
 
 
 def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
