@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 XDIST ?= -n 2 --dist loadfile
 DOC_TESTS := tests/test_docs.py tests/test_api_reference.py  # run by `make docs`
 
-.PHONY: env demo test lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-schedules bench-plan gpu-check clean
+.PHONY: env demo test lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-schedules bench-plan bench-gpu gpu-check clean
 
 env:  ## create or sync .venv from uv.lock (installs uv when missing)
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
@@ -60,6 +60,9 @@ bench-schedules: env  ## peak activation memory per stage of schedule="1f1b" aga
 bench-plan: env  ## the planner's predicted vs measured peak memory and step time; the paper's Tables 1-2 simulated
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.plan_calibration.run
 	$(RUN) python -m benchmarks.plan_paper.run
+
+bench-gpu: env  ## on one CUDA GPU: auto, gpipe K=1 (M, re-materialization), hand loops, compiled layers (< 8 min; skips without CUDA)
+	$(RUN) python -m benchmarks.gpu_speed.run
 
 gpu-check: env  ## everything one CUDA GPU can verify, one line per check (under 10 minutes; skips without CUDA)
 	$(RUN) python -m benchmarks.gpu_check

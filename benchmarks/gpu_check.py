@@ -266,6 +266,24 @@ def check_plan_calibration() -> str:
     return summary
 
 
+def check_gpu_speed_quick() -> str:
+    """``make bench-gpu``'s short form (``--quick``): ``auto`` against gpipe K=1 M=4 on a small Transformer-L, which
+    must finish and print its table."""
+    from benchmarks.gpu_speed.report import read_table
+
+    tiny = ["--device", "cpu", "--tiny"] if DEVICE == "cpu" else []  # the dry run of the same code on a CPU
+    command = [sys.executable, "-m", "benchmarks.gpu_speed.run", "--quick", "--no-docs", *tiny]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
+    rows = read_table(result.stdout)
+    if result.returncode != 0 or len(rows) != 2:
+        tail = " ".join((result.stdout + result.stderr).strip().splitlines()[-3:])[-300:]
+        raise AssertionError(f"exit {result.returncode}, {len(rows)} table rows of 2: {tail}")
+    missing = [label for label, row in rows.items() if row["vs auto"] == "-"]
+    if missing:
+        raise AssertionError(f"no step time for {', '.join(missing)}: {' '.join(rows[missing[0]].values())}")
+    return ", ".join(f"{label} {row['ms']} ms ({row['vs auto']} of auto)" for label, row in rows.items())
+
+
 CHECKS: dict[str, Callable[[], str]] = {
     "gpu-marker tests": check_gpu_tests,
     "K=1 vs auto, 32-true": check_k1_fp32,
@@ -276,6 +294,7 @@ CHECKS: dict[str, Callable[[], str]] = {
     "re-materialization peak memory": check_rematerialization_memory,
     "zoo transformer_lm K=1 bf16": check_zoo_bf16,
     "planner on CUDA, K=1": check_plan_calibration,
+    "bench-gpu --quick": check_gpu_speed_quick,
 }
 
 

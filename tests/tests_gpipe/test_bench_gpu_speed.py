@@ -1,0 +1,100 @@
+"""``make bench-gpu`` (``benchmarks.gpu_speed``): its configurations, MFU and ratios, and a dry run on the CPU."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from helpers.runif import RunIf
+
+import benchmarks.gpu_speed.run as bench
+from benchmarks.gpu_speed.configs import FULL, QUICK_KEYS, TINY, configurations
+from benchmarks.gpu_speed.report import COLUMNS, model_flops, peak_tflops, read_table, rows, table
+from benchmarks.launch import run_module
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PARAMETERS = 735_404_800  # the zoo's Transformer-L at L=12, D=2048, FF=8192, 16 heads, V=32000
+
+
+def _measured(ms: float) -> dict[str, object]:
+    return {"step_seconds": [ms / 1e3] * 3, "peak_bytes": 2**30, "parameters": PARAMETERS, "device_name": "x"}
+
+
+def test_mfu_reads_as_issue_33_measured_it() -> None:
+    # The issue's table: strategy="auto" at 194 ms a step on an H100 SXM is MFU 0.40 (989 TFLOP/s).
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("CPU") is None
+    assert model_flops(FULL, PARAMETERS) / 0.194 / 989e12 == pytest.approx(0.40, abs=0.005)
+
+
+def test_ratios_divide_the_same_runs_auto_by_each_configuration() -> None:
+    configs = [c for c in configurations(False, False) if c.key in ("auto", "gpipe-m4-except_last", "hand-m8-never")]
+    results = {
+        "auto": _measured(200.0),
+        "gpipe-m4-except_last": _measured(250.0),
+        "hand-m8-never": {"note": "skipped (budget)"},
+    }
+    lines = rows(configs, results, FULL, 989.0)
+    assert [line.vs_auto for line in lines] == [1.0, 0.8, None]
+    assert lines[2].note == "skipped (budget)"
+    parsed = read_table(table(lines, 989.0))
+    assert list(parsed['`strategy="auto"`']) == ["configuration", "ms", "tokens/s", "MFU", "peak GiB", "vs auto"]
+    assert parsed["gpipe K=1, M=4, except_last"]["vs auto"] == "0.80"
+    assert parsed["gpipe K=1, M=4, except_last"]["tokens/s"] == "65,536"
+    assert parsed["hand loop, M=8, no re-materialization"]["ms"] == "skipped (budget)"
+    # Without auto in the run there is nothing to divide by: no ratio rather than one from another run.
+    assert rows(configs[1:2], {"gpipe-m4-except_last": _measured(250.0)}, FULL, 989.0)[0].vs_auto is None
+
+
+def test_the_strategys_new_options_join_when_it_accepts_them() -> None:
+    plain = {c.key for c in configurations(False, False)}
+    both = {c.key for c in configurations(True, True)}
+    assert len(plain) == len(configurations(False, False))  # keys are unique: --only names one each
+    assert set(QUICK_KEYS) <= plain
+    assert both - plain == {
+        "gpipe-m1-selective",
+        "gpipe-m4-selective",
+        "gpipe-m8-selective",
+        "gpipe-m4-except_last-compile_arg",
+        "gpipe-m4-selective-compile_arg",
+    }
+
+
+def test_without_cuda_it_says_it_needs_a_gpu_and_succeeds(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_the_cpu_runs_only_the_tiny_model() -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu"])
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.slow  # ~25 s: a forkserver imports torch, Lightning and the zoo once, then each configuration trains
+@pytest.mark.timeout(300)
+def test_dry_run_on_the_cpu_prints_the_table_with_ratios_from_the_same_run() -> None:
+    # The command's whole path (fresh processes, Lightning and GPipeStrategy, report) on the tiny model.
+    code, out, err = run_module(
+        "benchmarks.gpu_speed.run", ["--device", "cpu", "--tiny", "--quick"], timeout=270, cwd=REPO
+    )
+    assert code == 0, err[-3000:]
+    parsed = read_table(out)
+    assert list(parsed) == ['`strategy="auto"`', "gpipe K=1, M=4, except_last"]
+    auto, gpipe = parsed.values()
+    assert list(gpipe) == ["configuration", *COLUMNS[1:3], "MFU", *COLUMNS[4:]]
+    assert auto["vs auto"] == "1.00"
+    assert float(gpipe["vs auto"]) == pytest.approx(float(auto["ms"]) / float(gpipe["ms"]), abs=0.01)
+    assert float(gpipe["tokens/s"].replace(",", "")) == pytest.approx(TINY.tokens / float(gpipe["ms"]) * 1e3, rel=0.01)
+    assert "- device: CPU" in out
+
+
+def test_an_unknown_configuration_is_refused_with_the_known_ones(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "auto", "gpipe-m3-never"])
+    assert "gpipe-m3-never: no such configuration; choose from ['auto'" in capsys.readouterr().err
