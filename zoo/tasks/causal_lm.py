@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from zoo.hf.causal_lm import build_causal_lm, causal_layers
 from zoo.hf.causal_lm_generation import MAX_NEW_TOKENS, generate
@@ -60,6 +60,9 @@ class PretrainedCausalLM(ZooModule):
             :meth:`export_pretrained` writes the merged weights.
         generation: keyword arguments of :func:`~zoo.hf.causal_lm_generation.generate` for ``predict_step`` (e.g.
             ``{"max_new_tokens": 64, "do_sample": True, "top_p": 0.9, "seed": 0}``).
+        generation_config: the library's generation config as a dict; filled in from ``name_or_path`` (its
+            ``generation_config.json``), saved with the hyper-parameters and exported. Its end-of-sequence tokens
+            (Llama 3 Instruct lists several) and padding token are those :meth:`generate` uses.
     """
 
     zoo_name: ClassVar[str] = "hf_causal_lm"
@@ -75,6 +78,7 @@ class PretrainedCausalLM(ZooModule):
         freeze_backbone: bool = False,
         lora: dict[str, Any] | None = None,
         generation: dict[str, Any] | None = None,
+        generation_config: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if not lr > 0:
@@ -83,14 +87,17 @@ class PretrainedCausalLM(ZooModule):
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 optimizer steps, e.g. 100")
         library = build_causal_lm(str(name_or_path), config, pretrained=bool(pretrained))
         library_config: PretrainedConfig = library.config
-        self.save_hyperparameters(ignore=["config"])
+        self.save_hyperparameters(ignore=["config", "generation_config"])
         self.hparams["config"] = library_config.to_dict()
+        if generation_config is None:  # from_pretrained read the source's generation_config.json, if it has one
+            generation_config = library.generation_config.to_dict()
+        self.hparams["generation_config"] = generation_config
         self.layers = causal_layers(library)
         # Zoo state-dict key -> library state-dict key, for export; the library model itself is not kept.
         self.library_keys = {f"layers.{key}": value for key, value in key_map(self.layers, library).items()}
-        eos = library_config.eos_token_id
+        eos = _first_set(generation_config.get("eos_token_id"), library_config.eos_token_id)
         self.eos_ids: list[int] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        pad = library_config.pad_token_id
+        pad = _first_set(generation_config.get("pad_token_id"), library_config.pad_token_id)
         self.pad_id = int(pad if pad is not None else (self.eos_ids or [0])[0])
         self._tokenizer: PreTrainedTokenizerBase | None = None
         if freeze_backbone:
@@ -247,11 +254,16 @@ class PretrainedCausalLM(ZooModule):
         library = build_causal_lm(self.hparams["name_or_path"], self.hparams["config"], pretrained=False)
         state = {f"layers.{key}": value for key, value in _merged(self.layers).state_dict().items()}
         export_state_dict(state, self.library_keys, library)
+        library.generation_config = GenerationConfig.from_dict(self.hparams["generation_config"])
         out = Path(directory)
         library.save_pretrained(out)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(out)
         return out
+
+
+def _first_set(*values: Any) -> Any:
+    return next((value for value in values if value is not None), None)
 
 
 def _merged(layers: nn.Module) -> nn.Module:
