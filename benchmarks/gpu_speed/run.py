@@ -70,7 +70,7 @@ def measure_all(
     """Each configuration's result by key, run by priority in fresh processes; ``{"note": why}`` for one not measured.
 
     ``auto`` always runs (every ratio needs it); another configuration runs only if its guessed duration fits what is
-    left of the budget, and is stopped when the budget ends.
+    left of the budget, and is stopped when the budget ends (or after a minute, when less was left).
     """
     from benchmarks.gpu_speed.measure import run_config
 
@@ -81,7 +81,10 @@ def measure_all(
             left = budget.remaining()
             if config.key != "auto" and budget.guess(config) > left:
                 results[config.key] = {"note": "skipped (budget)"}
-                print(f"{config.key}: skipped, about {budget.guess(config):.0f} s needed, {max(left, 0):.0f} s left")
+                print(
+                    f"{config.key}: skipped, about {budget.guess(config):.0f} s needed, {max(left, 0):.0f} s left",
+                    flush=True,
+                )
                 continue
             timeout = min(JOB_LIMIT, max(left, FIRST_GUESS[False]))
             start = time.monotonic()

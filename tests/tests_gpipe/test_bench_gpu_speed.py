@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pathlib
+import time
 
 import pytest
 import torch
 from helpers.runif import RunIf
 
 import benchmarks.gpu_speed.run as bench
-from benchmarks.gpu_speed.configs import FULL, QUICK_KEYS, TINY, configurations
+from benchmarks.gpu_speed.configs import FULL, QUICK_KEYS, TINY, Config, configurations
 from benchmarks.gpu_speed.report import COLUMNS, model_flops, peak_tflops, read_table, rows, table
 from benchmarks.launch import run_module
 
@@ -61,6 +62,17 @@ def test_the_strategys_new_options_join_when_it_accepts_them() -> None:
         "gpipe-m4-except_last-compile_arg",
         "gpipe-m4-selective-compile_arg",
     }
+
+
+def test_the_budget_guesses_a_configuration_from_the_longest_of_its_kind() -> None:
+    budget = bench.Budget(100.0, time.monotonic())
+    eager, compiled = Config("gpipe", 4, "always"), Config("auto", user_compile=True)
+    assert (budget.guess(eager), budget.guess(compiled)) == (60.0, 150.0)  # before any ran: a first compile is long
+    for seconds in (12.0, 30.0, 9.0):
+        budget.record(eager, seconds)
+    budget.record(compiled, 70.0)
+    assert (budget.guess(eager), budget.guess(compiled)) == (30.0, 70.0)
+    assert 99.0 < budget.remaining() <= 100.0
 
 
 def test_without_cuda_it_says_it_needs_a_gpu_and_succeeds(monkeypatch, capsys) -> None:
