@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from lightning_gpipe.build.sequence import PipelinedSequential
 from zoo.hf.causal_lm_layers import CausalDecoderLayer
+from zoo.transformer.decoding import holds_all_layers
 
 __all__ = ["MAX_NEW_TOKENS", "generate", "warp_logits"]
 
@@ -55,7 +55,7 @@ def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
 def _cached(layers: nn.Module) -> Iterator[bool]:
     """A fresh key/value cache in every decoder layer of ``layers`` for the duration (True), or none (False) when
     ``layers`` is the pipelined sequence."""
-    decoders = [] if isinstance(layers, PipelinedSequential) else [
+    decoders = [] if not holds_all_layers(layers) else [
         layer for layer in layers.children() if isinstance(layer, CausalDecoderLayer)
     ]  # fmt: skip
     if decoders:
