@@ -1,47 +1,107 @@
-"""Fresh ranks for every measurement, forked from a server that has the heavy imports done, each job with a deadline.
+"""Starts the ranks of a job, for the benchmarks and the tests alike, under one policy.
 
-Importing torch, torch.distributed.pipelining, Lightning and the zoo takes 5-20 s of CPU on the 2-core machines,
-longer than most measurements. A forkserver pays that once; each job's ranks are forked from the clean server, so they
-are fresh processes (own interpreter state, allocator, thread pools and process group) that start in a fraction of a
-second. A job whose ranks raise, die or miss the deadline is stopped: every rank this launcher started is killed by
-its own handle, and the forkserver goes when the launcher is closed. Every benchmark that runs ranks uses this one.
+Three ways to start ranks:
+
+- **function ranks**: :class:`Launcher` (or :func:`run_processes` for one job) calls ``fn(rank, world_size, *args)``
+  in fresh processes forked from a server that has the heavy imports done, with ``MASTER_ADDR``/``MASTER_PORT``,
+  ``RANK`` and ``WORLD_SIZE`` set and a gloo group up; the return values come back in rank order;
+- **script ranks**: :func:`run_job` runs ``python -m module`` once per rank with torchrun's environment
+  (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``);
+- **Lightning's own launch**: :func:`launch` runs ``python -m module`` once; its Trainer starts the other ranks.
+
+:func:`run_command` and :func:`run_module` run one command (a CLI, a benchmark) the same way. The policy: every launch
+has a deadline; a rank that fails or dies ends the others promptly (a script rank's peers get ``grace`` seconds to
+report it themselves), with its output's tail or traceback in the error; and nothing outlives the launch: each
+process runs in its own session, whose whole process group is killed at the end.
+
+Nothing a job starts listens beyond the loopback interface. torch's TCPStore server binds every interface whatever
+``MASTER_ADDR`` says, so the launching process hosts the store itself on a socket bound to 127.0.0.1 (TCPStore's
+``master_listen_fd``) and every rank joins it as a client (``TORCHELASTIC_USE_AGENT_STORE=True``, how torchrun's agent
+hosts it); gloo's own sockets bind the interface named by ``GLOO_SOCKET_IFNAME=lo``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["JobError", "JobTimeoutError", "Launcher", "RankFn", "free_port", "importing_package_from"]
+__all__ = [
+    "JobError",
+    "JobTimeoutError",
+    "Launcher",
+    "RankFn",
+    "free_port",
+    "importing_package_from",
+    "launch",
+    "loopback_store",
+    "run_command",
+    "run_job",
+    "run_module",
+    "run_processes",
+]
 
 RankFn = Callable[..., Any]
-"""What a rank runs: ``fn(rank, world_size, *args)``; with ``world_size > 1`` a gloo group on loopback is up."""
+"""What a function rank runs: ``fn(rank, world_size, *args)``; with ``world_size > 1`` a gloo group is up."""
 
-_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+_PRELOAD = ("torch", "lightning")  # imported once by the server every function rank is forked from
+_STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 class JobError(RuntimeError):
     """A rank of a job raised, died or missed the deadline; the message carries its traceback or exit code."""
 
 
-class JobTimeoutError(JobError):
+class JobTimeoutError(JobError, TimeoutError):
     """A rank of a job missed the deadline (on a heavily loaded machine a slow window does; no bug needed)."""
 
 
 def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now, for a job's process group."""
+    """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def loopback_store() -> Iterator[dict[str, str]]:
+    """Host a TCPStore on 127.0.0.1 for the ranks of one job; yields the environment that makes them use it."""
+    import torch.distributed as dist  # here: a launcher of single-rank jobs never needs torch itself
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = int(listener.getsockname()[1])
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=_STORE_TIMEOUT,
+        master_listen_fd=listener.detach(),  # the store owns the descriptor from here on
+    )
+    try:
+        yield {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+    finally:
+        del store
 
 
 def importing_package_from(checkout: str | None) -> tuple[str, dict[str, str]]:
@@ -62,49 +122,80 @@ def importing_package_from(checkout: str | None) -> tuple[str, dict[str, str]]:
     return shadow, env
 
 
-def _rank_main(
-    fn: RankFn, args: tuple[Any, ...], rank: int, world_size: int, threads: int, port: int, tag: int, out: Any
-) -> None:
-    """Entry point of one rank; reports ``(tag, rank, status, value)`` to ``out`` and never raises.
+# ------------------------------------------------------------------------------------------------ function ranks
 
-    ``tag`` identifies the attempt, so that a late message from a killed attempt is not taken for a newer one's.
+
+def _plain(value: Any) -> Any:
+    """Tensors as NumPy arrays: torch's queue would share their memory, which dies with the exiting rank."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
+def _rank_main(
+    fn: RankFn,
+    args: tuple[Any, ...],
+    rank: int,
+    world_size: int,
+    env: dict[str, str],
+    threads: int,
+    pg_timeout: float,
+    tag: int,
+    out: Any,
+) -> None:
+    """Entry point of one function rank; reports ``(tag, rank, status, value)`` to ``out`` and never raises.
+
+    ``tag`` identifies the job, so that a late message from a job already given up on is not taken for a newer one's.
     """
-    import torch  # here: the orchestrator that starts the ranks never needs torch itself
+    import torch  # here: the process that starts the ranks never needs torch for them
     import torch.distributed as dist
 
     try:
+        os.environ.clear()  # the launching process's environment now, not the server's from when it started
+        os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size))
         # Before any torch work: the inter-op pool can be sized only once, before it starts.
         torch.set_num_threads(threads)
         torch.set_num_interop_threads(1)
         if world_size > 1:
-            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: nothing of a benchmark leaves the host
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
+                init_method=f"tcp://127.0.0.1:{env['MASTER_PORT']}",
                 rank=rank,
                 world_size=world_size,
-                timeout=_PROCESS_GROUP_TIMEOUT,
+                timeout=datetime.timedelta(seconds=pg_timeout),
             )
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            if world_size > 1:
-                dist.destroy_process_group()
-        out.put((tag, rank, "ok", value))
+        value = _plain(fn(rank, world_size, *args))
     except BaseException:
+        # Reported before the group goes: its peers fail on the closed connection, and the cause should come first.
         out.put((tag, rank, "error", traceback.format_exc()))
+    else:
+        out.put((tag, rank, "ok", value))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class Launcher:
-    """Runs jobs of ``world_size`` ranks in fresh processes; a context manager, so that nothing outlives it.
+    """Runs jobs of function ranks in fresh processes; a context manager, so that no rank outlives it.
+
+    The ranks are forked from a server (multiprocessing's ``forkserver``, one per launching process) that imports
+    ``preload`` once, so each rank starts in a fraction of a second with its own interpreter state, allocator, thread
+    pools and process group. The first launcher of a process decides what its server preloads.
 
     Args:
-        preload: modules the forkserver imports once (the rank function's module among them).
+        preload: modules the server imports once (the rank function's module among them).
     """
 
-    def __init__(self, preload: Sequence[str]) -> None:
+    def __init__(self, preload: Sequence[str] = _PRELOAD) -> None:
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(list(preload))
+        # Never empty: only with modules to preload does the server get this process's sys.path (tests' folders).
+        self._context.set_forkserver_preload(list(preload) or ["os"])
         self._results = self._context.Queue()
         self._tag = 0
         self._processes: list[multiprocessing.process.BaseProcess] = []
@@ -115,7 +206,7 @@ class Launcher:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._stop_all()
+        self._stop_all(failed=exc_type is not None)
         self._results.close()
 
     def run(
@@ -127,28 +218,39 @@ class Launcher:
         *,
         threads: int = 1,
         label: str = "job",
+        pg_timeout: float = 60.0,
     ) -> list[Any]:
-        """Every rank's return value of ``fn(rank, world_size, *args)``; :class:`JobError` on any failure.
+        """Every rank's return value of ``fn(rank, world_size, *args)``, tensors as NumPy arrays.
 
-        Each rank runs with ``threads`` intra-op threads and one inter-op thread; ``label`` names the job in errors.
+        Raises :class:`JobError` with the failing rank's traceback as soon as one rank raises or dies, and
+        :class:`JobTimeoutError` after ``timeout`` seconds; every other rank is then killed. Each rank runs with
+        ``threads`` intra-op threads and one inter-op thread; ``label`` names the job in errors; ``pg_timeout`` is
+        the gloo group's timeout.
         """
         self._tag += 1
-        port = free_port() if world_size > 1 else 0
-        self._processes = [
-            self._context.Process(
-                target=_rank_main,
-                args=(fn, args, rank, world_size, threads, port, self._tag, self._results),
-                name=f"bench-{label}-rank{rank}",
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        try:
-            for process in self._processes:
-                process.start()
-            return self._collect(world_size, timeout, label)
-        finally:
-            self._stop_all()
+        store: contextlib.AbstractContextManager[dict[str, str]] = (
+            loopback_store() if world_size > 1 else contextlib.nullcontext({})
+        )
+        with store as store_env:
+            env = {**os.environ, **store_env}
+            self._processes = [
+                self._context.Process(
+                    target=_rank_main,
+                    args=(fn, args, rank, world_size, env, threads, pg_timeout, self._tag, self._results),
+                    name=f"{label}-rank{rank}",
+                    daemon=True,
+                )
+                for rank in range(world_size)
+            ]
+            failed = True
+            try:
+                for process in self._processes:
+                    process.start()
+                results = self._collect(world_size, timeout, label)
+                failed = False
+                return results
+            finally:
+                self._stop_all(failed)
 
     def _collect(self, world_size: int, timeout: float, label: str) -> list[Any]:
         deadline = time.monotonic() + timeout
@@ -157,7 +259,8 @@ class Launcher:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise JobTimeoutError(
-                    f"{label}: {world_size - len(reported)} rank(s) did not finish within {timeout:g} s"
+                    f"{label}: {world_size - len(reported)} of {world_size} rank(s) did not finish within "
+                    f"{timeout:g} s; give the launch a longer timeout if the machine is merely slow"
                 )
             try:
                 tag, rank, status, value = self._results.get(timeout=min(remaining, 0.5))
@@ -168,20 +271,206 @@ class Launcher:
                     raise JobError(f"{label}: {dead[0].name} exited with code {dead[0].exitcode}") from None
                 continue
             if tag != self._tag:
-                continue  # a late message from an attempt that was already given up on
+                continue  # a late message from a job that was already given up on
             if status == "error":
                 raise JobError(f"{label}: rank {rank} failed:\n{value}")
             reported[rank] = value
         return [reported[rank] for rank in range(world_size)]
 
-    def _stop_all(self) -> None:
-        # Only the processes this launcher started, each by its own handle. One that failed to start (its function
-        # or arguments do not pickle) has no process to join: joining it would hide the error that stopped it.
+    def _stop_all(self, failed: bool) -> None:
+        # Only the processes this launcher started, each by its own handle; after a failure the survivors would only
+        # wait for the failed rank, so they are killed at once. One that failed to start (its function or arguments
+        # do not pickle) has no process to join: joining it would hide the error that stopped it.
         for process in self._processes:
             if process.pid is None:
                 continue
+            if failed and process.is_alive():
+                process.kill()
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
         self._processes = []
+
+
+def run_processes(
+    fn: RankFn, world_size: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0
+) -> list[Any]:
+    """One job of function ranks: ``fn(rank, world_size, *args)`` on each of ``world_size`` ranks (:class:`Launcher`).
+
+    Returns the results in rank order, tensors as NumPy arrays; :class:`JobError` with the failing rank's traceback.
+    """
+    with Launcher() as launcher:
+        return launcher.run(fn, args, world_size, timeout, label=getattr(fn, "__name__", "job"), pg_timeout=pg_timeout)
+
+
+# -------------------------------------------------------------------------------------------------- script ranks
+
+
+def run_job(
+    module: str,
+    args: Sequence[str],
+    world_size: int,
+    *,
+    timeout: float = 300.0,
+    cwd: str | Path | None = None,
+    grace: float = 30.0,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``python -m module *args`` as ``world_size`` ranks on 127.0.0.1 with torchrun's environment.
+
+    Returns every rank's completed process, its stdout and stderr together in ``stdout``. When a rank fails, the
+    others get ``grace`` seconds to end (and report the failure they see) before they are killed; at ``timeout`` every
+    rank still running is killed (exit code ``-9``).
+    """
+    with loopback_store() as store_env, tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+        processes, files = [], []
+        for rank in range(world_size):
+            env = dict(os.environ)
+            env.update(
+                store_env,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                NODE_RANK="0",
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                OMP_NUM_THREADS="1",
+            )
+            files.append(open(Path(logs) / f"rank{rank}.log", "w+"))  # noqa: SIM115 - closed below
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", module, *args],
+                    env=env,
+                    cwd=cwd,
+                    stdout=files[-1],
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,  # its own process group: one kill reaches what the rank started
+                )
+            )
+        try:
+            _supervise(processes, timeout, grace)
+        finally:
+            for process in processes:
+                _kill_group(process.pid)
+                process.wait()
+        outputs = []
+        for file in files:
+            file.seek(0)
+            outputs.append(file.read())
+            file.close()
+    return [
+        subprocess.CompletedProcess(process.args, process.returncode, output, "")
+        for process, output in zip(processes, outputs, strict=True)
+    ]
+
+
+def _supervise(processes: list[subprocess.Popen[str]], timeout: float, grace: float) -> None:
+    """Wait until every process has ended, one has failed ``grace`` seconds ago, or ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while time.monotonic() < deadline:
+        codes = [process.poll() for process in processes]
+        if all(code is not None for code in codes):
+            return
+        if failed_at is None and any(code not in (None, 0) for code in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            return
+        time.sleep(0.1)
+
+
+# ------------------------------------------------------------------------------------------- Lightning's launch
+
+
+def launch(
+    module: str, args: Sequence[str], *, timeout: float = 300.0, cwd: str | Path | None = None
+) -> tuple[subprocess.CompletedProcess[str], float, int]:
+    """Run ``python -m module *args`` as one process that Lightning's own launcher turns into the job's ranks.
+
+    Returns the first process (global rank 0) with the output of every rank, the seconds until the last process of
+    the job ended (every rank writes to the same pipe, which closes only when all have exited), and how many of the
+    job's processes were still alive then and had to be killed (0 when the job ended by itself). On ``timeout``
+    every process of the job is killed.
+    """
+    with loopback_store() as store_env:
+        env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+        env.update(store_env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        start = time.monotonic()
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # the launcher's ranks join its process group: one kill reaches them all
+        )
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+        elapsed = time.monotonic() - start
+        leftovers = _kill_group(process.pid)
+    return subprocess.CompletedProcess(process.args, process.returncode, output, ""), elapsed, leftovers
+
+
+# ------------------------------------------------------------------------------------------------ one command
+
+
+def run_command(
+    command: Sequence[str], *, timeout: float, cwd: str | Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(command, capture_output=True, text=True, timeout=...)``, but on ``timeout`` every process the
+    command started (the ranks Lightning's launcher spawns, a benchmark's workers) is killed with it.
+
+    The command gets its own session; plain ``subprocess.run`` kills only its direct child, and a rank it started
+    could outlive the caller. The timeout is then raised.
+    """
+    process = subprocess.Popen(
+        list(command),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        _kill_group(process.pid)
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
+
+
+def run_module(
+    module: str, args: Sequence[str], *, timeout: float, cwd: str | Path | None = None
+) -> tuple[int, str, str]:
+    """Run ``python -m module *args`` with one thread per process; ``(returncode, stdout, stderr)``.
+
+    On ``timeout`` every process it started is killed with it (:func:`run_command`) and the timeout is raised.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = run_command([sys.executable, "-m", module, *args], timeout=timeout, cwd=cwd, env=env)
+    return result.returncode, result.stdout, result.stderr
+
+
+def _kill_group(group: int) -> int:
+    """Kill whatever is left of process group ``group``; return how many processes were still in it."""
+    alive = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(state[2]) == group and state[0] != "Z":  # a zombie has exited already
+            alive += 1
+    if alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    return alive

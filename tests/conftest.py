@@ -3,10 +3,20 @@
 import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+
+from benchmarks.launch import loopback_store
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every process a test starts (a job's ranks, a command line) imports `helpers` as the test process does.
+    tests = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in (tests, os.environ.get("PYTHONPATH")) if path)
 
 
 @pytest.fixture(autouse=True)
@@ -31,3 +41,14 @@ def restore_environment() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def loopback_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A one-process group for a Trainer fitted in the test's process, its store on 127.0.0.1, destroyed after."""
+    with loopback_store() as env:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        yield
+        if dist.is_initialized():
+            dist.destroy_process_group()

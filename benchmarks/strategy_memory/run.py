@@ -2,64 +2,31 @@
 
 Usage: ``python -m benchmarks.strategy_memory.run [--accelerator cuda]`` (about 2 minutes on a quiet 2-core machine);
 writes this folder's ``RESULTS.md`` (``RESULTS_cuda.md`` on CUDA, read the CUDA allocator column).
-The measurements come from ``tests/helpers/memory_job.py``, the worker that ``test_memory.py`` asserts
-on, run here as one subprocess that forks a fresh process per configuration.
+The measurements come from ``measure.py`` beside it, which ``test_memory.py`` asserts on: a fresh process per
+configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
-import signal
-import subprocess
-import sys
+import tempfile
 
 import lightning
 import torch
 
 from benchmarks.machine import cpu_model
+from benchmarks.strategy_memory.measure import measure_runs
 
 __all__ = ["main"]
 
 HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-RESULT_PREFIX = "MEMORY_JOB_RESULT "
 MIB = 2**20
 CHUNKS = (1, 4, 8)
 TIMEOUT = 900.0
-
-
-def run_worker(runs: list[str], timeout: float = TIMEOUT, accelerator: str = "cpu") -> dict:
-    """Run ``helpers.memory_job`` on ``runs`` (``mode:chunks``); its whole process group is killed on any failure."""
-    env = dict(os.environ)
-    env.update(
-        MEMORY_JOB_ACCELERATOR=accelerator,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]),
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "helpers.memory_job", *runs],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its forked runs share the session: one killpg reaches them all
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    if process.returncode != 0:
-        raise RuntimeError(f"helpers.memory_job failed with code {process.returncode}:\n{output[-4000:]}")
-    line = next(line for line in reversed(output.splitlines()) if line.startswith(RESULT_PREFIX))
-    return json.loads(line.removeprefix(RESULT_PREFIX))
 
 
 def _mib(value: float) -> str:
@@ -149,8 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     started = datetime.datetime.now(datetime.timezone.utc)
     with open("/proc/loadavg") as loadavg:
         load = " ".join(loadavg.read().split()[:3])
-    runs = [f"{mode}:{chunks}" for chunks in CHUNKS for mode in ("never", "always")]
-    result = run_worker(runs, accelerator=args.accelerator)
+    runs = [(mode, chunks) for chunks in CHUNKS for mode in ("never", "always")]
+    with tempfile.TemporaryDirectory(prefix="strategy-memory-") as root:
+        result = measure_runs(runs, root, accelerator=args.accelerator, timeout=TIMEOUT)
     command = "python -m benchmarks.strategy_memory.run" + (" --accelerator cuda" if args.accelerator == "cuda" else "")
     page = markdown(result, command, started, load, args.accelerator)
     output.write_text(page)

@@ -8,7 +8,6 @@ loss scale and a checksum of its parameters after every step to ``rank-N.json``.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,3 @@ def main(out: str) -> None:
     )
     trainer.fit(module, data)
     (Path(out) / f"rank-{trainer.global_rank}.json").write_text(json.dumps(module.trace))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -4,7 +4,6 @@ to the sequence outside the module's submodules. Rank 0 writes what the module h
 
 from __future__ import annotations
 
-import sys
 from collections import UserDict
 from pathlib import Path
 from typing import Any
@@ -85,7 +84,3 @@ def main(out: str) -> None:
             "whole_head": module.whole.head.weight.detach().clone(),
         }
         torch.save(after, Path(out) / "after.pt")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

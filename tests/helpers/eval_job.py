@@ -1,14 +1,13 @@
 """Decoding and step outputs under GPipeStrategy (K = 2) in one 2-rank job; each rank writes what it saw.
 
-``python -m helpers.eval_job OUT``: a tiny zoo Transformer is fitted with ``val_bleu=True`` (greedy decoding of every
-validation batch, through the stages), then asked for greedy and beam-search predictions; a
-small classifier whose ``training_step`` returns extra keys is fitted with a callback that records what
-``on_train_batch_end`` receives. Rank ``N`` writes ``OUT/rank-N.pt``; rank 0 also the Transformer's trained weights.
+``python -m helpers.jobs helpers.eval_job OUT``: a tiny zoo Transformer is fitted with ``val_bleu=True`` (greedy
+decoding of every validation batch, through the stages), then asked for greedy and beam-search predictions; a small
+classifier whose ``training_step`` returns extra keys is fitted with a callback that records what ``on_train_batch_end``
+receives. Rank ``N`` writes ``OUT/rank-N.pt``; rank 0 also the Transformer's trained weights.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +100,3 @@ def main(out: str) -> None:
     tagger = trainer(devices=2, strategy=lightning_gpipe.GPipeStrategy(chunks=3), use_distributed_sampler=False)
     seen["outputs"] = fit_tagger(tagger)
     torch.save(seen, root / f"rank-{pipelined.global_rank}.pt")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -4,7 +4,6 @@ torchmetrics; validate; test; predict; bf16-mixed. Each rank writes what it saw 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +95,3 @@ def main(out: str) -> None:
     bf16.fit(module, train)
     seen["bf16_loss"] = plain(bf16.callback_metrics["train_loss"])
     (root / f"rank-{trainer.global_rank}.json").write_text(json.dumps(seen))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

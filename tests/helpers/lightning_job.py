@@ -1,13 +1,12 @@
 """A training job run as one process per rank (like Lightning's launcher or torchrun) by the strategy tests.
 
-``python -m helpers.lightning_job CONFIG.json`` runs every fit described in the config and writes what rank 0 sees
-(the whole model's state dict after each fit, logged metrics) next to the config.
+``python -m helpers.jobs helpers.lightning_job CONFIG.json`` runs every fit described in the config and writes what rank
+0 sees (the whole model's state dict after each fit, logged metrics) next to the config.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +155,3 @@ def main(config_path: str) -> None:
             torch.save(module.state_dict(), root / f"result-{index}.pt")
             logged = {key: value.detach().cpu() for key, value in module.trainer.callback_metrics.items()}
             torch.save(logged, root / f"metrics-{index}.pt")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -1,7 +1,7 @@
 """Training jobs that fail on purpose, resume, repeat themselves and run long, for the reliability tests.
 
-``python -m helpers.reliability_job CONFIG.json`` runs the fits listed in the config, one after the other, in every
-rank (started by ``run_job`` like torchrun, or by Lightning's own launcher through ``launch``). A run is a
+``python -m helpers.jobs helpers.reliability_job CONFIG.json`` runs the fits listed in the config, one after the other,
+in every rank (started by ``run_job`` like torchrun, or by Lightning's own launcher through ``launch``). A run is a
 ``helpers.lightning_job`` run plus:
 
 - ``fault``: ``{"rank": r, "step": s, "microbatch": i, "how": h}``: on global rank ``r``, at global step ``s``, in the
@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import signal
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -197,6 +196,16 @@ def _other_dataset(samples: int, seed: int) -> torch.utils.data.TensorDataset:
 
 
 def main(config_path: str) -> None:
+    """Every run of the config; a failure's traceback also goes to ``failure-rank{LOCAL_RANK}.txt`` beside it."""
+    try:
+        _run_all(config_path)
+    except BaseException:
+        rank = os.environ.get("LOCAL_RANK", "0")
+        (Path(config_path).parent / f"failure-rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _run_all(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     root = Path(config_path).parent
     for index, run in enumerate(config["runs"]):
@@ -210,12 +219,3 @@ def main(config_path: str) -> None:
             continue
         if module.global_rank == 0:
             torch.save(module.state_dict(), root / f"result-{index}.pt")
-
-
-if __name__ == "__main__":
-    try:
-        main(sys.argv[1])
-    except BaseException:
-        rank = os.environ.get("LOCAL_RANK", "0")
-        (Path(sys.argv[1]).parent / f"failure-rank{rank}.txt").write_text(traceback.format_exc())
-        raise

@@ -1,8 +1,8 @@
 """The getting-started page's GPT and U-Net (``examples/gpt_sequence.py``, ``examples/unet_sequence.py``) trained a few
 steps, one process per rank.
 
-``python -m helpers.sequence_examples_job CONFIG.json`` fits each example named in the config under the run's
-strategy and writes, from rank 0, the whole model's state dict after each fit (``result-NAME.pt``) and whether the
+``python -m helpers.jobs helpers.sequence_examples_job CONFIG.json`` fits each example named in the config under the
+run's strategy and writes, from rank 0, the whole model's state dict after each fit (``result-NAME.pt``) and whether the
 GPT's head is still tied to its embedding (``tied-NAME.json``).
 """
 
@@ -63,7 +63,3 @@ def main(config_path: str) -> None:
             layers: Any = module.layers
             tied = layers[0].tokens.weight is layers[-1].projection.weight if name == "gpt" else None
             (root / f"tied-{name}.json").write_text(json.dumps({"tied": tied}))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

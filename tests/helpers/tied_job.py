@@ -1,14 +1,13 @@
 """Models with weights and buffers shared across pipeline stages, and a job that trains them one process per rank.
 
-``python -m helpers.tied_job CONFIG.json`` runs every fit of the config (GPipe, DDP or plain) and writes, from rank 0,
-the whole model's state dict after each fit (``result-N.pt``) and whether its tied tensors are still one tensor
-(``tied-N.json``).
+``python -m helpers.jobs helpers.tied_job CONFIG.json`` runs every fit of the config (GPipe, DDP or plain) and writes,
+from rank 0, the whole model's state dict after each fit (``result-N.pt``) and whether its tied tensors are still one
+tensor (``tied-N.json``).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +124,3 @@ def main(config_path: str) -> None:
             assert layers is not None
             tied = layers[0].weight is layers[-1].weight if run.get("model", "lm") == "lm" else None
             (root / f"tied-{index}.json").write_text(json.dumps({"tied": tied}))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

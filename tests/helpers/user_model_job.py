@@ -3,8 +3,8 @@ a token-mean loss over padding, a Metric logged per step, predictions that are n
 sequence in ``configure_optimizers``, two optimizers, a checkpoint saved on global rank 0 alone, and a token-mean loss
 on sequences trimmed per micro-batch.
 
-``python -m helpers.user_model_job OUT [SECTION ...]`` (all sections by default) writes what each rank saw to
-``OUT/rank-N.json``; a section that fails records its error instead, so that one broken behaviour does not hide the
+``python -m helpers.jobs helpers.user_model_job OUT [SECTION ...]`` (all sections by default) writes what each rank saw
+to ``OUT/rank-N.json``; a section that fails records its error instead, so that one broken behaviour does not hide the
 others. The modules and data are importable, so the test computes the plain-Lightning reference in its own process.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -155,7 +154,7 @@ def section(seen: dict[str, Any], name: str, work: Callable[[], Any]) -> None:
     print(f"section {name}: {time.monotonic() - started:.1f} s", flush=True)
 
 
-def main(out: str, chosen: list[str]) -> None:
+def main(out: str, *chosen: str) -> None:
     root = Path(out)
     seen: dict[str, Any] = {}
     rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
@@ -217,7 +216,3 @@ def main(out: str, chosen: list[str]) -> None:
     for name in chosen or list(sections):
         section(seen, name, sections[name])
     (root / f"rank-{rank}.json").write_text(json.dumps(seen))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])

@@ -1,15 +1,15 @@
 """Train every zoo model's tiny configuration for a few steps, as one process per rank.
 
-``python -m helpers.zoo_job OUT STEPS NAME:CHUNKS...``: for each model, seed, build, fit ``STEPS`` steps on one
-repeated tiny batch with ``strategy="gpipe"`` (K = 2, M = CHUNKS), then rank 0 saves the whole trained state dict to
-``OUT/NAME.pt`` and a full checkpoint to ``OUT/NAME.ckpt`` (for the fine-tuning tests). ``NAME`` is a registered zoo
-model, or ``hf_causal_lm``: the Hugging Face language model saved in ``OUT/hf_causal_lm-source`` with a padded
-collator batch (:func:`causal_lm`).
+``python -m helpers.jobs helpers.zoo_job OUT STEPS NAME:CHUNKS...``: for each model, seed, build, fit ``STEPS`` steps on
+one repeated tiny batch with ``strategy="gpipe"`` (K = 2, M = CHUNKS), then rank 0 saves the whole trained state dict to
+``OUT/NAME.pt`` and a full checkpoint to ``OUT/NAME.ckpt`` (for the fine-tuning tests). ``NAME:CHUNKS:SCHEDULE`` runs
+that schedule and saves ``OUT/NAME-SCHEDULE.pt``. ``NAME`` is a registered zoo model, or ``hf_causal_lm``
+(``hf_causal_lm_lora``: with LoRA adapters): the Hugging Face language model saved in ``OUT/hf_causal_lm-source`` with
+a padded collator batch (:func:`causal_lm`).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +48,17 @@ def _size(batch: Any) -> int:
 
 
 CAUSAL_LM = "hf_causal_lm"
+CAUSAL_LM_LORA = "hf_causal_lm_lora"  # the same model with LoRA adapters of rank 4 on every linear layer
 
 
-def causal_lm(root: Path) -> tuple[L.LightningModule, dict[str, torch.Tensor]]:
+def causal_lm(root: Path, lora: bool = False) -> tuple[L.LightningModule, dict[str, torch.Tensor]]:
     """The tiny language model saved in ``root/hf_causal_lm-source`` and a batch as Hugging Face's collators make it:
     rows of 4 to 10 tokens right-padded to 10, labels -100 at the padding and at each row's first two (prompt) tokens,
     so that the micro-batches learn different numbers of tokens."""
     import zoo
 
-    model = zoo.load_pretrained(root / f"{CAUSAL_LM}-source", lr=1e-2)
+    adapters = {"lora": {"r": 4, "lora_alpha": 8}} if lora else {}
+    model = zoo.load_pretrained(root / f"{CAUSAL_LM}-source", lr=1e-2, **adapters)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 96, (8, 10), generator=generator)
     mask = torch.zeros_like(ids)
@@ -70,7 +72,10 @@ def causal_lm(root: Path) -> tuple[L.LightningModule, dict[str, torch.Tensor]]:
 
 def fit(name: str, steps: int, strategy: Any, devices: int, root: Path) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
-    model, batch = causal_lm(root) if name == CAUSAL_LM else (tiny_model(name), tiny_batch(name))
+    if name in (CAUSAL_LM, CAUSAL_LM_LORA):
+        model, batch = causal_lm(root, lora=name == CAUSAL_LM_LORA)
+    else:
+        model, batch = tiny_model(name), tiny_batch(name)
     size = _size(batch)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -128,16 +133,13 @@ def predict_causal_lm(model: L.LightningModule, root: Path) -> dict[str, torch.T
 def main(out: str, steps: str, *runs: str) -> None:
     root = Path(out)
     for run in runs:
-        name, chunks = run.split(":")
-        strategy = lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=int(chunks), deferred_batch_norm=True)
+        name, chunks, *schedule = run.split(":")
+        options = {"schedule": schedule[0]} if schedule else {}
+        strategy = lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=int(chunks), deferred_batch_norm=True, **options)
         model = fit(name, int(steps), strategy, 2, root)
         if model.global_rank == 0:
-            torch.save(model.state_dict(), root / f"{name}.pt")
-        if name == CAUSAL_LM:
+            torch.save(model.state_dict(), root / f"{'-'.join([name, *schedule])}.pt")
+        if name == CAUSAL_LM and not schedule:
             predictions = predict_causal_lm(model, root)
             if model.global_rank == 0:
                 torch.save(predictions, root / f"{name}-predictions.pt")
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])

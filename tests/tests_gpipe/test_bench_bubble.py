@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.distributed import run_module
 from helpers.runif import RunIf
 
 from benchmarks.bubble.analysis import Sample, all_idle_fraction, idle_fraction, max_abs_difference, summarize
+from benchmarks.launch import run_module
 from lightning_gpipe.engine.schedule import bubble_fraction
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,9 +6,9 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers.distributed import run_module
 from helpers.runif import RunIf
 
+from benchmarks.launch import run_module
 from benchmarks.zoo_memory.run import Found, headlines
 from benchmarks.zoo_memory.scales import Probe
 from benchmarks.zoo_memory.search import SearchResult, largest_fitting

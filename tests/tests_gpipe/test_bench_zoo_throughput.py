@@ -7,11 +7,11 @@ import pathlib
 
 import pytest
 import torch
-from helpers.distributed import run_module
 from helpers.runif import RunIf
 
 from benchmarks.engine_speed.results import Measurement, Results, headline
 from benchmarks.engine_speed.worker import JobResult
+from benchmarks.launch import run_module
 from benchmarks.zoo_throughput.models import WORKLOADS, balance
 from benchmarks.zoo_throughput.plan import FULL, QUICK, TINY, TINY_CHUNKS, ZooJob
 from benchmarks.zoo_throughput.report import goal_lines, table_rows

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers.distributed import run_processes
 from helpers.models import cells, full_batch_grads, loss_fn, relative_error
 from helpers.runif import RunIf
 from torch import nn
 
+from benchmarks.launch import run_processes
 from lightning_gpipe import Unbatched
 from lightning_gpipe.engine.boundary import ActivationLink
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads

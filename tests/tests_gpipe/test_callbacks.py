@@ -11,9 +11,9 @@ from types import ModuleType
 import lightning as L
 import pytest
 import torch
-from helpers.distributed import run_command
 from helpers.runif import RunIf
 
+from benchmarks.launch import run_command
 from lightning_gpipe.callbacks import PipelineTimeline
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
-from helpers.distributed import run_processes
 from helpers.runif import RunIf
 from torch import nn
 
+from benchmarks.launch import run_processes
 from lightning_gpipe.engine.rematerialization import checkpoint_stop, checkpointed, is_recomputing, validate_mode
 
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.distributed import run_processes
 from helpers.runif import RunIf
 
+from benchmarks.launch import run_processes
 from lightning_gpipe.engine.collectives import broadcast_object, broadcast_tensors, buckets, portable, to_device
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from helpers.distributed import run_job
 from helpers.eval_job import DECODING, fit_tagger, fit_translator, trainer
+from helpers.jobs import run_job
 from helpers.runif import RunIf
 from helpers.zoo_tiny import tiny_batch, tiny_model
 

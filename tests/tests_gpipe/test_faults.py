@@ -11,11 +11,11 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.distributed import loopback_store, run_processes
 from helpers.models import batch, cells, loss_fn, mlp
 from helpers.runif import RunIf
 from torch import nn
 
+from benchmarks.launch import run_processes
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.transport import ProcessGroupTransport
@@ -110,18 +110,7 @@ class Manual(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.fixture
-def single_process_group(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    # The Trainer's process group gets its store from this process, on 127.0.0.1 (see helpers.distributed).
-    with loopback_store() as env:
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        yield
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-@pytest.mark.usefixtures("single_process_group")
+@pytest.mark.usefixtures("loopback_process_group")
 def test_manual_optimization_is_refused_before_training() -> None:
     trainer = L.Trainer(
         strategy=GPipeStrategy(pipe_size=1), accelerator="cpu", devices=1, max_steps=1, logger=False,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from helpers.distributed import run_processes
 from helpers.runif import RunIf
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from benchmarks.launch import run_processes
 from lightning_gpipe.engine.gradients import WorldGradScaler, average_gradients
 
 

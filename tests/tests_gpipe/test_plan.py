@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,8 +13,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
-from helpers.distributed import loopback_store, run_job
+from helpers.jobs import run_job
 from helpers.runif import RunIf
 from torch import nn
 
@@ -516,17 +514,6 @@ def _planned_trainer(request: Any) -> L.Trainer:
         strategy=GPipeStrategy(plan=request), accelerator="cpu", devices=1, max_steps=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-
-
-@pytest.fixture
-def loopback_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """An in-process Trainer's process group, its store on 127.0.0.1, destroyed afterwards."""
-    with loopback_store() as env:
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        yield
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("loopback_process_group")

@@ -16,7 +16,6 @@ import re
 import signal
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.distributed import launch, loopback_store, run_job
+from helpers.jobs import launch, run_job
 from helpers.lightning_job import fit as fit_in_process
 from helpers.models import IN, OUT, batch, cells, loss_fn, mlp
 from helpers.reliability_job import FaultyModule
@@ -32,6 +31,7 @@ from helpers.runif import RunIf
 from test_strategy_equivalence import assert_same_parameters, plain
 from torch import nn
 
+from benchmarks.launch import loopback_store
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.engine.fingerprint import batch_fingerprint, same_fingerprint
 from lightning_gpipe.engine.pipeline import run_in_threads
@@ -216,17 +216,6 @@ def test_a_crash_in_the_middle_of_a_write_leaves_the_previous_checkpoint_intact(
 
 
 # ---------------------------------------------------------------------------------------------- one process
-
-
-@pytest.fixture
-def loopback_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """An in-process Trainer's process group, its store on 127.0.0.1, destroyed afterwards."""
-    with loopback_store() as env:
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        yield
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _trainer(**strategy: Any) -> L.Trainer:

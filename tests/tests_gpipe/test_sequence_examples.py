@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.distributed import run_job
+from helpers.jobs import run_job
 from helpers.runif import RunIf
 from helpers.sequence_examples_job import build, fit
 

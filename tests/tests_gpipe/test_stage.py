@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.distributed import run_processes
 from helpers.models import batch, build, cells, full_batch_grads, loss_fn
 from helpers.runif import RunIf
 
+from benchmarks.launch import run_processes
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline, first_element, run_in_threads

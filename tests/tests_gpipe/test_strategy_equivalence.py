@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.distributed import run_job
+from helpers.jobs import run_job
 from helpers.lightning_job import fit
 from helpers.runif import RunIf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

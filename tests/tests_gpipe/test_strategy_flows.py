@@ -10,8 +10,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers.distributed import run_job
 from helpers.flows_job import Classifier
+from helpers.jobs import run_job
 from helpers.lightning_job import SequentialModule
 from helpers.runif import RunIf
 from test_strategy_equivalence import assert_same_parameters, plain, run_fits

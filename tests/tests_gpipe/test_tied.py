@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.distributed import run_job, run_processes
+from helpers.jobs import run_job
 from helpers.runif import RunIf
 from helpers.tied_job import VOCAB, TiedModule, shared_table, tied_lm, tokens
 from helpers.tied_job import fit as fit_tied
 from test_strategy_equivalence import assert_same_parameters
 from torch import nn
 
+from benchmarks.launch import run_processes
 from lightning_gpipe import Pipeline, run_in_threads
 from lightning_gpipe.build.balance import split
 from lightning_gpipe.build.sequence import materialize, partition_module

@@ -10,10 +10,10 @@ import itertools
 
 import pytest
 import torch
-from helpers.distributed import run_processes
 from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss_fn, relative_error, stage_stream_grads
 from helpers.runif import RunIf
 
+from benchmarks.launch import run_processes
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.engine.transport import ProcessGroupTransport

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.distributed import run_processes
 from helpers.runif import RunIf
 from helpers.stream_order import impose_stream_order
 from torch import nn
 
+from benchmarks.launch import run_processes
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.stage import Stage

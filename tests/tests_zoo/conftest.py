@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers.distributed import run_job
+from helpers.jobs import run_job
 from helpers.zoo_tiny import CHUNKS, STEPS, TINY
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.distributed import run_command
 from helpers.runif import RunIf
 
+from benchmarks.launch import run_command
 from zoo.cli import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.distributed import run_command
 from helpers.runif import RunIf
+
+from benchmarks.launch import run_command
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -148,6 +148,19 @@ def test_the_loss_is_the_library_loss_over_the_learned_tokens(llama: Path) -> No
     assert int(model.batch_loss_weight(batch)) == int((batch["labels"][:, 1:] != -100).sum())
 
 
+def test_the_generation_config_gives_the_end_tokens_and_is_exported(tmp_path: Path) -> None:
+    # Llama 3 Instruct ends a turn with one of several tokens, listed in generation_config.json, not in config.json.
+    source = save_tiny_causal_lm(tmp_path / "source", "llama", init_std=0.3)
+    transformers.GenerationConfig(eos_token_id=[2, 7, 11], pad_token_id=0).save_pretrained(source)
+    model = zoo.load_pretrained(source)
+    assert model.eos_ids == [2, 7, 11]
+    ids, mask = prompts()
+    theirs = library(source).generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert model.generate(ids, mask, max_new_tokens=8).tolist() == theirs.tolist()
+    exported = model.export_pretrained(tmp_path / "export")
+    assert transformers.GenerationConfig.from_pretrained(exported).eos_token_id == [2, 7, 11]
+
+
 def test_a_directory_without_a_tokenizer_loads_and_exports_without_one(saved: Path, tmp_path: Path) -> None:
     model = zoo.load_pretrained(saved)
     assert model.tokenizer is None
@@ -240,12 +253,15 @@ def test_classification_arguments_are_refused(llama: Path) -> None:
 @pytest.fixture(scope="module")
 def pipelined_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``hf_causal_lm.pt`` and ``.ckpt`` of the tiny tied Gemma after two AdamW steps with K = 2, M = 4 (the
-    embedding on stage 0, its tied output projection on stage 1)."""
-    from helpers.distributed import run_job
+    embedding on stage 0, its tied output projection on stage 1), ``hf_causal_lm-1f1b.pt`` under ``schedule="1f1b"``
+    and ``hf_causal_lm_lora.pt`` with LoRA adapters (both run first: the fill-drain run's checkpoint is the one read),
+    and the predictions."""
+    from helpers.jobs import run_job
 
     out = tmp_path_factory.mktemp("causal-lm-gpipe")
     save_tiny_causal_lm(out / "hf_causal_lm-source", "gemma", init_std=0.3)
-    results = run_job("helpers.zoo_job", [str(out), "2", "hf_causal_lm:4"], 2, timeout=600)
+    runs = ["hf_causal_lm:4:1f1b", "hf_causal_lm_lora:4", "hf_causal_lm:4"]
+    results = run_job("helpers.zoo_job", [str(out), "2", *runs], 2, timeout=600)
     for rank, result in enumerate(results):
         assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
     return out
@@ -253,17 +269,23 @@ def pipelined_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(900)
-def test_a_two_stage_fit_equals_the_plain_fit(pipelined_run: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "schedule"), [("hf_causal_lm", "gpipe"), ("hf_causal_lm", "1f1b"), ("hf_causal_lm_lora", "gpipe")]
+)
+def test_a_two_stage_fit_equals_the_plain_fit(pipelined_run: Path, tmp_path: Path, name: str, schedule: str) -> None:
     # Rows of 4 to 10 tokens with prompts left out: the micro-batches learn 2 to 8 tokens each, so weighing them by
-    # their samples instead of their tokens (batch_loss_weight) would move every weight.
+    # their samples instead of their tokens (batch_loss_weight) would move every weight. With LoRA only the adapters
+    # (peft's, inside the library's layers on both stages) train.
     from helpers.zoo_job import fit
 
     (tmp_path / "hf_causal_lm-source").symlink_to(pipelined_run / "hf_causal_lm-source")
-    plain = fit("hf_causal_lm", 2, "auto", 1, tmp_path).state_dict()
-    pipelined = torch.load(pipelined_run / "hf_causal_lm.pt", weights_only=True)
+    plain = fit(name, 2, "auto", 1, tmp_path).state_dict()
+    saved = f"{name}.pt" if schedule == "gpipe" else f"{name}-{schedule}.pt"
+    pipelined = torch.load(pipelined_run / saved, weights_only=True)
     initial = zoo.load_pretrained(pipelined_run / "hf_causal_lm-source").state_dict()
     assert pipelined.keys() == plain.keys()
-    assert not torch.equal(initial["layers.0.tokens.weight"], plain["layers.0.tokens.weight"])
+    moved = "layers.1.layer.self_attn.q_proj.lora_B.default.weight" if "lora" in name else "layers.0.tokens.weight"
+    assert not torch.equal(plain[moved], initial.get(moved, torch.zeros_like(plain[moved])))
     for key, expected in plain.items():
         difference = (pipelined[key].double() - expected.double()).abs().max().item()
         assert difference <= 1e-5, f"{key}: max abs difference {difference:.2e}"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.distributed import run_job
+from helpers.jobs import run_job
 from helpers.runif import RunIf
 from tests_zoo.token_mean_job import CHUNKS, MODELS, fit, model_and_batch
 

@@ -1,14 +1,12 @@
 """One SGD step of the zoo's token-mean models on a padded batch, pipelined (K = 2, M = 4) or plain.
 
-``python -m tests_zoo.token_mean_job OUT TRANSLATOR_DIR SCHEDULE...`` runs, as one rank of a 2-process job, one step
-of every model in :data:`MODELS` under each schedule, and rank 0 saves each trained state dict to
+``python -m helpers.jobs tests_zoo.token_mean_job OUT TRANSLATOR_DIR SCHEDULE...`` runs, as one rank of a 2-process job,
+one step of every model in :data:`MODELS` under each schedule, and rank 0 saves each trained state dict to
 ``OUT/NAME.SCHEDULE.pt``. The test imports :func:`fit` to take the same step in plain Lightning. The batch's rows hold
-very different numbers of real target tokens, so each micro-batch's token mean has its own normalizer.
-"""
+very different numbers of real target tokens, so each micro-batch's token mean has its own normalizer. """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +81,3 @@ def main(out: str, translator: str, *schedules: str) -> None:
             model = fit(name, Path(translator), strategy, 2, Path(out))
             if model.global_rank == 0:
                 torch.save(model.state_dict(), Path(out) / f"{name}.{schedule}.pt")
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])

@@ -1,8 +1,8 @@
 """Peak memory of GPipeStrategy training runs on one device (CPU, or CUDA), each run in a fresh process.
 
-``python -m helpers.memory_job never:8 always:8`` imports torch and Lightning once, then forks one fresh process per
-``mode:chunks`` run (two at a time; importing Lightning costs about 15 s of CPU on the 2-core machines, a run about
-3 s). Each run trains ``GPipeStrategy(pipe_size=1, chunks=M, checkpoint=mode)`` for a few steps on a stack whose
+:func:`measure_runs` runs each ``(mode, chunks)`` in a fresh process forked from a server that imported torch and
+Lightning once (:class:`benchmarks.launch.Launcher`); ``test_memory.py`` asserts on it and ``run.py`` tabulates it.
+Each run trains ``GPipeStrategy(pipe_size=1, chunks=M, checkpoint=mode)`` for a few steps on a stack whose
 memory is all activations, and measures the growth from just before the first step to the peak two ways:
 
 - ``rss``: peak resident set size (``VmHWM``, what ``getrusage().ru_maxrss`` reports) minus the RSS before the first
@@ -12,26 +12,23 @@ memory is all activations, and measures the growth from just before the first st
 - ``tensors``: the peak of the bytes held by tensor storages allocated during training, counted exactly by a
   ``TorchDispatchMode`` that sees every operator (forward, backward and recomputation) and frees each storage's
   bytes when the storage dies. It does not depend on the allocator, its caching or the machine's load.
-- ``cuda``: with ``MEMORY_JOB_ACCELERATOR=cuda``, the CUDA caching allocator's own peak
+- ``cuda``: with ``accelerator="cuda"``, the CUDA caching allocator's own peak
   (``torch.cuda.max_memory_allocated``, reset before the first step) minus what it held there. RSS cannot see GPU
   memory, so on CUDA this is the figure to read.
 
-The last output line is ``MEMORY_JOB_RESULT <json>``: the model's shape, the GPipe paper's prediction counted in
-bytes for these layer types, ``lightning_gpipe.cost.memory_cost``'s count as a cross-check, and every run's numbers.
+The result holds the model's shape, the GPipe paper's prediction counted in
+bytes for these layer types, ``lightning_gpipe.build.cost.memory_cost``'s count as a cross-check, and every run's
+numbers.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import json
-import multiprocessing
 import os
 import platform
-import queue
-import sys
 import time
-import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -43,23 +40,16 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.cost import memory_cost
+from lightning_gpipe.build.cost import memory_cost
 from lightning_gpipe.plan.profile import LiveTensorBytes
 
-__all__ = [
-    "RESULT_PREFIX",
-    "hidden_activation_bytes",
-    "main",
-    "measure",
-    "predicted_growth_bytes",
-]
+__all__ = ["hidden_activation_bytes", "measure", "measure_runs", "predicted_growth_bytes"]
 
 # N samples of width D through BLOCKS x (Linear(D, D), GELU), then a Linear(D, OUT) head: 129 layers, 1.06 M
 # parameters (4.0 MiB), 512 MiB of saved activations for the whole batch.
 SAMPLES, WIDTH, BLOCKS, OUT = 8192, 128, 64, 8
 STEPS = 2
 FLOAT_BYTES = 4
-RESULT_PREFIX = "MEMORY_JOB_RESULT "
 MIB = 2**20
 
 
@@ -105,7 +95,7 @@ def predicted_growth_bytes(mode: str, chunks: int) -> int:
 
 
 def memory_cost_activation_bytes(samples: int) -> int:
-    """``lightning_gpipe.cost.memory_cost``'s activation count for the same stack, on the meta device (no memory).
+    """``lightning_gpipe.build.cost.memory_cost``'s activation count for the same stack, on the meta device (no memory).
 
     memory_cost counts, per layer, saved tensors plus parameters and gradients (no optimizer state with
     ``optimizer_slots=0``); the first layer's saved input is the stage input, which ``hidden_activation_bytes`` leaves
@@ -195,7 +185,7 @@ class StackModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def measure(mode: str, chunks: int, root: str) -> dict[str, Any]:
+def measure(mode: str, chunks: int, root: str, accelerator: str = "cpu") -> dict[str, Any]:
     """Train ``STEPS`` steps with ``GPipeStrategy(pipe_size=1, chunks=chunks, checkpoint=mode)`` and measure memory."""
     # Lightning's launcher would otherwise set torch's threads to cpu_count / processes.
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -207,7 +197,6 @@ def measure(mode: str, chunks: int, root: str) -> dict[str, Any]:
     # (which it would probe on every interface) and starts no other rank.
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ.setdefault("LOCAL_RANK", "0")
-    accelerator = os.environ.get("MEMORY_JOB_ACCELERATOR", "cpu")
     backend = "nccl" if accelerator == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -248,59 +237,23 @@ def measure(mode: str, chunks: int, root: str) -> dict[str, Any]:
     }
 
 
-def _child(mode: str, chunks: int, root: str, results: Any) -> None:
-    try:
-        results.put((mode, chunks, "ok", measure(mode, chunks, root)))
-    except BaseException:
-        results.put((mode, chunks, "error", traceback.format_exc()))
+def _measure_rank(rank: int, world_size: int, mode: str, chunks: int, root: str, accelerator: str) -> dict[str, Any]:
+    return measure(mode, chunks, root, accelerator)
 
 
-def _run_forked(runs: list[tuple[str, int]], root: str, parallel: int, timeout: float) -> list[dict[str, Any]]:
-    """Each run in a process forked from this one, which has only imported modules: fresh allocator, fresh torch."""
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    pending = list(runs)
-    running: dict[tuple[str, int], multiprocessing.process.BaseProcess] = {}
-    collected: dict[tuple[str, int], dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(collected) < len(runs):
-            while pending and len(running) < parallel:
-                run = pending.pop(0)
-                running[run] = context.Process(target=_child, args=(*run, root, results), daemon=True)
-                running[run].start()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"memory runs {runs} did not finish within {timeout:g} s")
-            try:
-                mode, chunks, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [run for run, process in running.items() if process.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"memory run {dead[0]} exited with code {running[dead[0]].exitcode}") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"run checkpoint={mode!r}, chunks={chunks} failed:\n{value}")
-            collected[(mode, chunks)] = value
-            running.pop((mode, chunks)).join(timeout=10)  # let it exit before the next run starts beside the other
-        return [collected[run] for run in runs]
-    finally:
-        for process in running.values():
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+def measure_runs(
+    runs: Sequence[tuple[str, int]], root: str, *, accelerator: str = "cpu", timeout: float = 600.0
+) -> dict[str, Any]:
+    """Every ``(mode, chunks)`` run in a fresh process (``timeout`` seconds each), the model and the predictions."""
+    from benchmarks.launch import Launcher
 
-
-def main(argv: list[str]) -> None:
-    """Run every ``mode:chunks`` argument and print ``MEMORY_JOB_RESULT <json>``."""
-    runs = []
-    for argument in argv:
-        mode, _, chunks = argument.partition(":")
-        runs.append((mode, int(chunks)))
-    root = os.environ.get("MEMORY_JOB_ROOT", os.getcwd())
-    measured = _run_forked(runs, root, parallel=int(os.environ.get("MEMORY_JOB_PARALLEL", "2")), timeout=600)
+    with Launcher(["torch", "lightning", __name__]) as launcher:
+        measured = [
+            launcher.run(_measure_rank, (mode, chunks, root, accelerator), 1, timeout, label=f"{mode}:{chunks}")[0]
+            for mode, chunks in runs
+        ]
     model = build_layers()
-    result = {
+    return {
         "model": {
             "samples": SAMPLES,
             "width": WIDTH,
@@ -314,8 +267,3 @@ def main(argv: list[str]) -> None:
         "memory_cost_activation_bytes": memory_cost_activation_bytes(SAMPLES),
         "runs": [{**run, "predicted": predicted_growth_bytes(run["mode"], run["chunks"])} for run in measured],
     }
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

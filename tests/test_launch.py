@@ -1,0 +1,132 @@
+"""The launcher of tests and benchmarks (``benchmarks/launch.py``): every launch has a deadline, a failing rank ends
+the others promptly with its error, and nothing a launch started outlives it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from helpers.runif import RunIf
+
+from benchmarks.launch import JobError, JobTimeoutError, Launcher, run_command, run_job, run_processes
+
+# A parent that starts a child (as Lightning's launcher starts the other ranks), writes the child's pid, and waits.
+SCRIPT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(120)
+"""
+
+# A rank script: prints its torchrun environment; rank 1 fails at once, rank 0 would wait two minutes.
+RANK_SCRIPT = """
+import os, sys, time
+print({key: os.environ.get(key) for key in sys.argv[1:]}, flush=True)
+if os.environ["RANK"] == "1":
+    sys.exit("rank 1 fails on purpose")
+time.sleep(120)
+"""
+TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _environment(rank: int, world_size: int) -> dict[str, str | None]:
+    return {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def _fail_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    dist.barrier()  # waits for rank 1, which never comes: only the launcher can end this rank
+    return os.getpid()
+
+
+def _sleep(rank: int, world_size: int, folder: Path) -> None:
+    (folder / f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+@RunIf(multiprocess=True)
+def test_a_timeout_kills_the_processes_the_command_started(tmp_path: Path) -> None:
+    # Found when the spiral example's test timed out under load: subprocess.run killed rank 0 only, and the rank it
+    # had started ran on for minutes.
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_command([sys.executable, "-c", SCRIPT, str(pid_file)], timeout=5, env=dict(os.environ))
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+@RunIf(multiprocess=True)
+def test_a_job_that_cannot_start_raises_its_own_error_not_the_cleanups() -> None:
+    # A lambda does not pickle, so the forkserver cannot start the rank; the launcher's cleanup used to join the
+    # unstarted process and raise AssertionError("can only join a started process") over the pickling error.
+    with Launcher([]) as launcher, pytest.raises((pickle.PicklingError, AttributeError, TypeError)) as raised:
+        launcher.run(lambda rank, world_size: rank, (), 1, timeout=30)
+    assert "pickle" in str(raised.value).lower()
+
+
+@RunIf(multiprocess=True)
+def test_function_ranks_see_their_rank_and_the_loopback_store() -> None:
+    first, second = run_processes(_environment, 2, timeout=120)
+    assert (first["RANK"], second["RANK"]) == ("0", "1")
+    assert first["WORLD_SIZE"] == second["WORLD_SIZE"] == "2"
+    assert first["MASTER_ADDR"] == "127.0.0.1"
+    assert first["MASTER_PORT"] == second["MASTER_PORT"]
+
+
+@RunIf(multiprocess=True)
+def test_a_failing_function_rank_ends_the_job_at_once_with_its_traceback() -> None:
+    # Rank 0 waits in a barrier for 300 s (the group's timeout); the job must not wait for it.
+    with Launcher() as launcher:
+        launcher.run(_environment, (), 2, timeout=300)  # the server's imports, out of the time measured
+        start = time.monotonic()
+        with pytest.raises(JobError, match=r"(?s)rank 1 failed.*ValueError: rank 1 fails on purpose"):
+            launcher.run(_fail_on_rank_1, (), 2, timeout=600, pg_timeout=300)
+    assert time.monotonic() - start < 60
+
+
+@RunIf(multiprocess=True)
+def test_function_ranks_that_miss_the_deadline_are_killed(tmp_path: Path) -> None:
+    with Launcher() as launcher:
+        launcher.run(_environment, (), 2, timeout=300)  # the server's imports, out of the deadline
+        with pytest.raises(JobTimeoutError, match="did not finish within 5 s"):
+            launcher.run(_sleep, (tmp_path,), 2, timeout=5)
+    pids = [int(path.read_text()) for path in tmp_path.glob("rank*.pid")]
+    assert len(pids) == 2
+    assert not any(_alive(pid) for pid in pids)
+
+
+@RunIf(multiprocess=True)
+def test_script_ranks_get_torchruns_environment_and_a_failing_rank_ends_the_others(tmp_path: Path) -> None:
+    # Rank 0 would sleep two minutes; once rank 1 has failed it gets `grace` seconds, then it is killed.
+    (tmp_path / "rank_script.py").write_text(RANK_SCRIPT)
+    start = time.monotonic()
+    first, second = run_job("rank_script", TORCHRUN, 2, timeout=120, cwd=tmp_path, grace=2)
+    assert time.monotonic() - start < 60
+    assert second.returncode == 1
+    assert "rank 1 fails on purpose" in second.stdout
+    assert first.returncode == -9  # killed
+    seen = [eval(result.stdout.splitlines()[0]) for result in (first, second)]  # noqa: S307 - our own output
+    assert [environment["RANK"] for environment in seen] == ["0", "1"]
+    assert [environment["LOCAL_RANK"] for environment in seen] == ["0", "1"]
+    for environment in seen:
+        assert environment["WORLD_SIZE"] == environment["LOCAL_WORLD_SIZE"] == "2"
+        assert environment["MASTER_ADDR"] == "127.0.0.1"
+        assert environment["MASTER_PORT"] == seen[0]["MASTER_PORT"]
