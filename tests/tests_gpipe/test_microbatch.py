@@ -8,9 +8,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from helpers.distributed import loopback_store
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
@@ -304,17 +302,6 @@ class _TextModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.fixture
-def single_process_group(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    # The Trainer's process group gets its store from this process, on 127.0.0.1 (see helpers.distributed).
-    with loopback_store() as env:
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        yield
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _trainer(chunks: int) -> L.Trainer:
     return L.Trainer(
         strategy=GPipeStrategy(pipe_size=1, chunks=chunks), accelerator="cpu", devices=1, max_steps=2, logger=False,
@@ -322,7 +309,7 @@ def _trainer(chunks: int) -> L.Trainer:
     )  # fmt: skip
 
 
-@pytest.mark.usefixtures("single_process_group")
+@pytest.mark.usefixtures("loopback_process_group")
 def test_the_strategy_splits_per_sample_strings_with_their_rows_and_gathers_them_back() -> None:
     # Issue 29 item 3 through the strategy: training and predict steps saw all 8 strings beside 2 rows, and
     # predict_step's per-micro-batch lists came back as one list per position.
@@ -338,7 +325,7 @@ def test_the_strategy_splits_per_sample_strings_with_their_rows_and_gathers_them
     assert predictions[1]["logits"].shape == (8, 2)
 
 
-@pytest.mark.usefixtures("single_process_group")
+@pytest.mark.usefixtures("loopback_process_group")
 def test_chunks_larger_than_the_batch_warns_once_with_the_number_used(caplog: pytest.LogCaptureFixture) -> None:
     # Issue 29 C4: chunks=16 with batches of 8 ran 8 micro-batches while the log said "16 micro-batches per batch",
     # and nothing warned.
