@@ -4,18 +4,18 @@
 Linear(128, 128) + GELU on 8,192 samples: 512 MiB of saved activations, 4 MiB of parameters). Without
 re-materialization the stage keeps every layer's activations for all N samples, O(L * N); with it, each micro-batch's
 boundary input plus one micro-batch's activations during its recomputation, O(N + L * N / M). Each mode trains in a
-fresh process (``helpers.memory_job``), which reports its peak memory growth two ways: exact live tensor bytes and
-peak RSS.
+fresh process (``benchmarks/strategy_memory/measure.py``), which reports its peak memory growth two ways: exact live
+tensor bytes and peak RSS.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
-from helpers.distributed import run_job
 from helpers.runif import RunIf
+
+from benchmarks.strategy_memory.measure import measure_runs
 
 MIB = 2**20
 CHUNKS = 8
@@ -27,10 +27,7 @@ TENSOR_OVERHEAD = 32 * MIB
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("memory")
-    [job] = run_job("helpers.memory_job", [f"never:{CHUNKS}", f"always:{CHUNKS}"], 1, timeout=240, cwd=str(root))
-    assert job.returncode == 0, job.stdout[-4000:]
-    line = next(line for line in reversed(job.stdout.splitlines()) if line.startswith("MEMORY_JOB_RESULT "))
-    result = json.loads(line.removeprefix("MEMORY_JOB_RESULT "))
+    result = measure_runs([("never", CHUNKS), ("always", CHUNKS)], str(root), timeout=240)
     result["by_mode"] = {run["mode"]: run for run in result["runs"]}
     return result
 
@@ -60,5 +57,5 @@ def test_peak_rss_drops_by_at_least_half_the_predicted_saving(measured: dict[str
     predicted = never["predicted"] - always["predicted"]
     saving = never["rss_growth"] - always["rss_growth"]
     # RSS also counts allocator and interpreter memory (25-30 MiB here, more where glibc's caching is not pinned, as
-    # helpers.memory_job does): half of the predicted 448 MiB still leaves ~200 MiB between the modes.
+    # measure.py does): half of the predicted 448 MiB still leaves ~200 MiB between the modes.
     assert saving >= 0.5 * predicted, (never["rss_growth"] / MIB, always["rss_growth"] / MIB, predicted / MIB)
