@@ -1,4 +1,5 @@
-# The two entry points of the README: `make demo` runs the main job, `make test` runs every check.
+# The two entry points of the README: `make demo` runs the main job, `make test` runs every check; `make test-fast`
+# runs the in-process tests only, the first check while developing.
 UV ?= $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 RUN := $(UV) run --frozen
 PYTEST_ARGS ?=
@@ -7,7 +8,7 @@ PYTEST_ARGS ?=
 XDIST ?= -n 2 --dist loadfile
 DOC_TESTS := tests/test_docs.py tests/test_api_reference.py  # run by `make docs`
 
-.PHONY: env demo test lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-schedules bench-plan bench-gpu gpu-check clean
+.PHONY: env demo test test-fast lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-schedules bench-plan bench-gpu gpu-check clean
 
 env:  ## create or sync .venv from uv.lock (installs uv when missing)
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
@@ -31,6 +32,9 @@ demo: env  ## pretrain AmoebaNet-D with K=2 stages on 2 CPU processes, then fine
 
 pytest: env
 	$(RUN) pytest $(PYTEST_ARGS)
+
+test-fast: env  ## the in-process tests (under 2 minutes): no process started, no notebook, no long check
+	OMP_NUM_THREADS=1 $(RUN) pytest $(XDIST) -m "not multiprocess and not slow" $(PYTEST_ARGS)
 
 test: lint types docs  ## lint, types, docs build and examples, and the rest of the test suite
 	# One thread per process, as every spawned rank has: the same float reduction order in and out of the pipeline.

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy
@@ -101,6 +102,7 @@ def test_the_command_line_says_what_is_wrong_with_a_model_it_cannot_load(
     assert "is a built module, which takes no --model-arg" in capsys.readouterr().err
 
 
+@RunIf(multiprocess=True)  # a fresh interpreter, so that nothing imported the zoo before
 @pytest.mark.timeout(300)
 def test_the_command_line_imports_the_zoo_only_for_a_zoo_model(user_module: str, tmp_path: Path) -> None:
     # Regression (issue 29, C2): plan/__main__ imported zoo for every model, a wrong-way import from the library into
