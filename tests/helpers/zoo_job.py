@@ -114,19 +114,32 @@ GENERATION = {
 }
 
 
-def predict_causal_lm(model: L.LightningModule, root: Path) -> dict[str, torch.Tensor]:
+def predict_causal_lm(model: L.LightningModule, root: Path) -> dict[str, Any]:
     """The trained language model's greedy and sampled continuations of :func:`prompts`, generated in predict steps
-    under GPipeStrategy (K = 2, M = 2: each token is one relayed call of the stages)."""
-    out = {}
+    under GPipeStrategy (K = 2, M = 2: each token is one relayed call of the stages), and, under ``"validation"``, the
+    sampled ones a ``validation_step`` generated per micro-batch (on the last stage, the only one that runs past the
+    first call; an empty list elsewhere)."""
+    out: dict[str, Any] = {}
     batch = prompts()
-    for kind, settings in GENERATION.items():
-        model.hparams["generation"] = settings
-        trainer = L.Trainer(
+    loader = DataLoader(Repeated(batch, 1), batch_size=len(batch["input_ids"]))
+
+    def trainer() -> L.Trainer:
+        return L.Trainer(
             accelerator="cpu", devices=2, strategy=lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=2), logger=False,
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root),
         )  # fmt: skip
-        loader = DataLoader(Repeated(batch, 1), batch_size=len(batch["input_ids"]))
-        (out[kind],) = trainer.predict(model, loader)
+
+    for kind, settings in GENERATION.items():
+        model.hparams["generation"] = settings
+        (out[kind],) = trainer().predict(model, loader)
+    generated: list[torch.Tensor] = []
+
+    def validation_step(batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        generated.append(model.generate(batch["input_ids"], batch["attention_mask"], **GENERATION["sampled"]))
+
+    model.validation_step = validation_step  # type: ignore[method-assign]
+    trainer().validate(model, loader, verbose=False)
+    out["validation"] = generated
     return out
 
 
@@ -141,5 +154,8 @@ def main(out: str, steps: str, *runs: str) -> None:
             torch.save(model.state_dict(), root / f"{'-'.join([name, *schedule])}.pt")
         if name == CAUSAL_LM and not schedule:
             predictions = predict_causal_lm(model, root)
+            validation = predictions.pop("validation")
             if model.global_rank == 0:
                 torch.save(predictions, root / f"{name}-predictions.pt")
+            if validation:  # the last stage's
+                torch.save(validation, root / f"{name}-validation.pt")

@@ -304,7 +304,7 @@ def test_export_from_a_two_stage_checkpoint(pipelined_run: Path, tmp_path: Path)
 
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(900)
-def test_generation_in_pipelined_predict_steps_equals_transformers_generate(
+def test_generation_in_pipelined_predict_and_validation_steps_equals_transformers_generate(
     pipelined_run: Path, tmp_path: Path
 ) -> None:
     # predict_step generated these under GPipeStrategy (K = 2, M = 2), each token one relayed call of the stages.
@@ -327,6 +327,10 @@ def test_generation_in_pipelined_predict_steps_equals_transformers_generate(
     ]
     assert predictions["sampled"].tolist() == torch.cat(halves).tolist()
     assert predictions["sampled"].tolist() != predictions["greedy"].tolist()
+    # A validation_step that generates (sampled, per micro-batch) under the pipeline: the whole model's tokens.
+    validation = torch.load(pipelined_run / "hf_causal_lm-validation.pt", weights_only=True)
+    expected = [model.generate(ids[[a, b]], mask[[a, b]], **GENERATION["sampled"]) for a, b in ((0, 1), (2, 3))]
+    assert [tokens.tolist() for tokens in validation] == [tokens.tolist() for tokens in expected]
 
 
 def test_the_planner_plans_a_language_model_from_a_sample_of_token_ids(llama: Path) -> None:
