@@ -155,7 +155,7 @@ def test_the_reference_pages_are_parsed() -> None:
     assert {"lightning_gpipe.GPipeStrategy", "zoo", "lightning_gpipe.strategy", "zoo.data"} <= set(FOUND)
     assert "AmoebaNetD" in (FOUND["zoo"] or [])
     assert FOUND["lightning_gpipe.strategy"] is None
-    assert FOUND["zoo.finetune"] == ["read_checkpoint", "load_backbone"]
+    assert FOUND["zoo.backbone"] == ["read_checkpoint", "load_backbone"]
 
 
 def test_directives_merge_their_members_and_a_directive_without_members_shows_all(tmp_path: pathlib.Path) -> None:

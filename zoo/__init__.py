@@ -17,7 +17,8 @@ memory::
 from typing import Any
 
 from zoo._registry import create_model, list_models, register_model
-from zoo.finetune import LoadReport, load_pretrained
+from zoo.backbone import LoadReport
+from zoo.finetune import load_pretrained
 from zoo.tasks.base import ZooModule
 from zoo.tasks.classification import AmoebaNetB, AmoebaNetD, ImageClassifier
 from zoo.tasks.language_model import TransformerLM

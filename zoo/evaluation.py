@@ -28,10 +28,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 from zoo._registry import model_class
+from zoo.backbone import read_checkpoint
 from zoo.bleu import bleu_by_pair, bleu_signature
 from zoo.data.tokenizer import EOS_ID, PAD_ID, SubwordTokenizer
 from zoo.data.translation import LanguageModelDataModule, TranslationDataModule, pad_sequences
-from zoo.finetune import read_checkpoint
 from zoo.tasks.base import ZooModule
 from zoo.tasks.language_model import TransformerLM
 from zoo.tasks.translation import Transformer

@@ -156,6 +156,8 @@ class PipelinedSequential(nn.Module):
     duration of a step), which pipelines the call; outside a step it refuses to run, since most layers live elsewhere.
     """
 
+    holds_all_layers = False  # model code reads this (duck typing) to call the whole sequence, never its parts
+
     def __init__(self, layers: Mapping[str, nn.Module], num_layers: int, stage: int, num_stages: int) -> None:
         super().__init__()
         for name, layer in layers.items():

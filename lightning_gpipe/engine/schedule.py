@@ -25,7 +25,6 @@ __all__ = [
     "bubble_fraction",
     "clock_cycles",
     "dependencies",
-    "simulate",
     "stage_actions",
     "validate_schedule",
 ]
@@ -156,45 +155,3 @@ def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     K = _check_count("num_stages", num_stages)
     M = _check_count("num_microbatches", num_microbatches)
     return (K - 1) / (M + K - 1)
-
-
-def simulate(
-    schedule: str,
-    num_stages: int,
-    num_microbatches: int,
-    forward_time: float = 1.0,
-    backward_time: float = 2.0,
-) -> list[list[tuple[float, float, Action]]]:
-    """Run the schedule on an ideal machine: each action starts as soon as its dependencies and its stage allow.
-
-    Returns, per stage, ``(start, end, action)`` in the stage's order. Transfers take no time. Raises
-    ``RuntimeError`` if the stages' orders are inconsistent with :func:`dependencies` (a deadlock).
-    """
-    for name, value in (("forward_time", forward_time), ("backward_time", backward_time)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
-    orders = [stage_actions(schedule, j, num_stages, num_microbatches) for j in range(num_stages)]
-    duration = {Phase.FORWARD: float(forward_time), Phase.BACKWARD: float(backward_time)}
-    finished: dict[tuple[int, Action], float] = {}
-    result: list[list[tuple[float, float, Action]]] = [[] for _ in orders]
-
-    # Event-driven: a stage whose next action waits on another stage is revisited when that stage makes progress,
-    # so the loop runs in O(actions * K) rather than rescanning everything after each step.
-    ready = list(range(num_stages))
-    while ready:
-        j = ready.pop()
-        while len(result[j]) < len(orders[j]):
-            action = orders[j][len(result[j])]
-            deps = dependencies(j, action, num_stages)
-            if any(dep not in finished for dep in deps):
-                break
-            start = max([finished[dep] for dep in deps] + [result[j][-1][1] if result[j] else 0.0])
-            end = start + duration[action.phase]
-            finished[(j, action)] = end
-            result[j].append((start, end, action))
-            ready.extend(n for n in (j - 1, j + 1) if 0 <= n < num_stages and n not in ready)
-
-    stuck = {j: str(orders[j][len(done)]) for j, done in enumerate(result) if len(done) < len(orders[j])}
-    if stuck:
-        raise RuntimeError(f"schedule {schedule!r} deadlocks with K={num_stages}, M={num_microbatches}: stuck {stuck}")
-    return result

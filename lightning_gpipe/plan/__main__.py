@@ -32,6 +32,8 @@ from lightning_gpipe.plan import InfeasiblePlanError, plan
 
 __all__ = ["build_model", "main"]
 
+ZOO = "zoo"  # the package whose create_model builds a model given by its bare name
+
 
 def _value(text: str) -> object:
     try:
@@ -50,10 +52,10 @@ def build_model(spec: str, kwargs: dict[str, Any]) -> nn.Module:
         ValueError: the module or attribute cannot be found, or does not give an ``nn.Module``.
     """
     if ":" not in spec:
-        import zoo
-
+        registry = importlib.import_module(ZOO)  # by name: the library never imports the zoo
         with torch.device("meta"):
-            return zoo.create_model(spec, **kwargs)
+            model: nn.Module = registry.create_model(spec, **kwargs)
+        return model
     path, _, attribute = spec.partition(":")
     try:
         found: Any = functools.reduce(getattr, attribute.split("."), importlib.import_module(path))

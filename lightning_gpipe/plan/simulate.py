@@ -125,6 +125,8 @@ def simulate_step(
 
     Raises:
         ValueError: unknown schedule, mismatched lengths, or negative or non-finite times.
+        RuntimeError: the stages' orders are inconsistent with
+            :func:`~lightning_gpipe.engine.schedule.dependencies` (a deadlock).
     """
     schedule = validate_schedule(schedule)
     K = len(forward)
@@ -177,6 +179,8 @@ def simulate_step(
             finished[(j, action)] = end
             spans[j].append(Span(j, action, start, end))
             ready.extend(n for n in (j - 1, j + 1) if 0 <= n < K and n not in ready)
-    assert all(len(done) == len(order) for done, order in zip(spans, orders, strict=True)), "schedule deadlocked"
+    stuck = {j: str(orders[j][len(done)]) for j, done in enumerate(spans) if len(done) < len(orders[j])}
+    if stuck:
+        raise RuntimeError(f"schedule {schedule!r} deadlocks with K={K}, M={M}: stuck {stuck}")
     makespan = max(stage[-1].end + updates[j] for j, stage in enumerate(spans))
     return SimulatedStep(schedule, M, tuple(tuple(stage) for stage in spans), makespan, tuple(updates))

@@ -10,17 +10,18 @@ import pytest
 import torch
 from helpers.runif import RunIf
 
-from lightning_gpipe.engine.schedule import SCHEDULES, bubble_fraction, simulate
+from lightning_gpipe.engine.schedule import SCHEDULES, bubble_fraction
 from lightning_gpipe.engine.timeline import Span, Timeline
+from lightning_gpipe.plan.simulate import simulate_step
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def simulated(schedule: str, K: int, M: int, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
     timeline = Timeline()
-    for stage, spans in enumerate(simulate(schedule, K, M, forward_time, backward_time)):
-        for start, end, action in spans:
-            timeline.add(Span(stage, action.phase.value, action.microbatch, start, end))
+    for stage, spans in enumerate(simulate_step(schedule, [forward_time] * K, [backward_time] * K, M).spans):
+        for span in spans:
+            timeline.add(Span(stage, span.action.phase.value, span.action.microbatch, span.start, span.end))
     return timeline
 
 

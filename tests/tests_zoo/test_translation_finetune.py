@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import zoo
+from zoo.backbone import read_checkpoint
 from zoo.data.translation import TranslationDataModule
-from zoo.finetune import read_checkpoint
 from zoo.tasks.language_model import TransformerLM
 from zoo.tasks.translation import Transformer
 

@@ -21,7 +21,7 @@ class ZooModule(L.LightningModule):
 
     zoo_name: ClassVar[str] = ""  # set by zoo.register_model
     layers: nn.Sequential
-    load_report: Any = None  # what zoo.load_pretrained loaded into this model (a zoo.finetune.LoadReport)
+    load_report: Any = None  # what zoo.load_pretrained loaded into this model (a zoo.backbone.LoadReport)
 
     def head_prefixes(self) -> tuple[str, ...]:
         """State-dict prefixes (e.g. ``"layers.21.fc"``) of the modules fine-tuning replaces with fresh ones."""

@@ -20,6 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from zoo._registry import register_model
 from zoo.amoebanet import AMOEBANET_B, AMOEBANET_D, Genotype, amoebanet_layers, head_indices, set_drop_path_progress
+from zoo.backbone import load_backbone
 from zoo.tasks.base import ZooModule
 
 __all__ = ["AmoebaNetB", "AmoebaNetD", "ImageClassifier"]
@@ -229,8 +230,6 @@ class _AmoebaNet(ImageClassifier):
         # mostly in the early, high-resolution cells, so balancing by parameters would load the first stage.
         self.example_input_array = torch.zeros(2, 3, image_size, image_size)
         if pretrained is not None:
-            from zoo.finetune import load_backbone  # finetune imports the registry, which imports this module
-
             load_backbone(self, pretrained)
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zoo._registry import register_model
-from zoo.finetune import LoadReport
+from zoo.backbone import LoadReport
 from zoo.tasks.classification import ImageClassifier
 from zoo.timm_models.layers import family_of, flatten_timm_model
 

@@ -19,15 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
-
-from lightning_gpipe.build.sequence import PipelinedSequential
-
-if TYPE_CHECKING:
-    from zoo.tasks.translation import Transformer
 
 __all__ = [
     "BOS_ID",
@@ -35,13 +30,46 @@ __all__ = [
     "PAD_ID",
     "BeamSearchResult",
     "PrefixScorer",
+    "Translator",
     "beam_search",
     "gnmt_length_penalty",
     "greedy_decode",
+    "holds_all_layers",
     "sequence_log_prob",
 ]
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the zoo's special tokens (unk is 3)
+
+
+class Translator(Protocol):
+    """What decoding reads of a model: its ``layers``, its ``encode`` and ``decode`` halves and its ``hparams``.
+
+    :class:`~zoo.tasks.translation.Transformer` and the Hugging Face translators have them.
+    """
+
+    @property
+    def layers(self) -> nn.Module: ...
+
+    @property
+    def hparams(self) -> Any: ...
+
+    @property
+    def training(self) -> bool: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def encode(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def decode(self, memory: torch.Tensor, source_mask: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor: ...
+
+
+def holds_all_layers(layers: nn.Module) -> bool:
+    """Whether ``layers`` holds every layer of the model's sequence, so that the model may call its parts one by one.
+
+    A stand-in that holds some of them and runs each call of the whole sequence elsewhere (the sequence a pipeline
+    strategy gives each stage) says ``holds_all_layers = False``; the model then calls the whole sequence instead.
+    """
+    return bool(getattr(layers, "holds_all_layers", True))
 
 
 class BeamSearchResult(NamedTuple):
@@ -57,9 +85,9 @@ def gnmt_length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tenso
 
 
 @contextmanager
-def _inference(model: Transformer) -> Iterator[None]:
+def _inference(model: Translator) -> Iterator[None]:
     """Eval mode without autograd for the duration, then the model's mode as it was."""
-    if not isinstance(model.layers, (nn.Sequential, PipelinedSequential)):
+    if not isinstance(model.layers, nn.Sequential) and holds_all_layers(model.layers):
         raise TypeError(
             f"decoding needs the whole model, but model.layers is a {type(model.layers).__name__}: decode after "
             "trainer.fit returns, or inside a validation, test or predict step under GPipeStrategy"
@@ -89,7 +117,7 @@ class PrefixScorer:
 
     def __init__(self, model: Any, source: torch.Tensor, repeats: int = 1) -> None:
         self.model = model
-        self.pipelined = isinstance(model.layers, PipelinedSequential)
+        self.pipelined = not holds_all_layers(model.layers)
         if self.pipelined:
             self.source = source.repeat_interleave(repeats, dim=0)  # [N, S]
         else:
@@ -117,7 +145,7 @@ def _check(source: torch.Tensor, max_len: int) -> None:
         raise ValueError(f"max_len={max_len} must be at least 1 (the number of tokens to generate, </s> included)")
 
 
-def greedy_decode(model: Transformer, source: torch.Tensor, max_len: int) -> torch.Tensor:
+def greedy_decode(model: Translator, source: torch.Tensor, max_len: int) -> torch.Tensor:
     """The most likely next token at every step, for a batch of ``source`` [B, S]: LongTensor [B, T]."""
     _check(source, max_len)
     with _inference(model):
@@ -134,7 +162,7 @@ def greedy_decode(model: Transformer, source: torch.Tensor, max_len: int) -> tor
     return tokens[:, 1:]
 
 
-def sequence_log_prob(model: Transformer, source: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def sequence_log_prob(model: Translator, source: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Log-probability [B] of decoded ``tokens`` [B, T] (as returned here, without ``<s>``) given ``source``.
 
     Tokens after the first ``</s>`` do not count. Use with :func:`gnmt_length_penalty` to score a hypothesis the way
@@ -153,7 +181,7 @@ def sequence_log_prob(model: Transformer, source: torch.Tensor, tokens: torch.Te
 
 
 def beam_search(
-    model: Transformer, source: torch.Tensor, beam_size: int, max_len: int, length_penalty: float = 0.6
+    model: Translator, source: torch.Tensor, beam_size: int, max_len: int, length_penalty: float = 0.6
 ) -> BeamSearchResult:
     """Beam search with GNMT's length penalty: the hypothesis maximizing ``log p / ((5 + len) / 6) ** alpha``.
 
