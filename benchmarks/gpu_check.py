@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.launch import run_command
+
 __all__ = ["CHECKS", "main"]
 
 CHECK_TIMEOUT = 300  # seconds per check; the gpu-marker tests are the longest
@@ -122,7 +124,7 @@ def check_gpu_tests(folders: tuple[str, ...] = ("tests/tests_gpipe", "tests/test
     """The test suite's ``gpu`` marker tests (the engine's and the zoo's folders: the notebook and API-reference tests,
     which need only the dev tools, hold none)."""
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *folders]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
+    result = run_command(command, timeout=CHECK_TIMEOUT)
     lines = result.stdout.strip().splitlines()
     summary = lines[-1] if lines else result.stderr.strip()[-300:]
     if result.returncode != 0:
@@ -256,7 +258,7 @@ def check_plan_calibration() -> str:
     """The planner's predictions on CUDA against measurement (K = 1, as one GPU allows): the quick calibration, whose
     memory error must stay within the CPU's target."""
     command = [sys.executable, "-m", "benchmarks.plan_calibration.run", "--device", "cuda", "--quick", "--no-docs"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
+    result = run_command(command, timeout=CHECK_TIMEOUT)
     headlines = dict(line.split("=", 1) for line in result.stdout.splitlines() if line.startswith("plan_"))
     if result.returncode != 0 or "plan_memory_error" not in headlines:
         raise AssertionError(f"exit {result.returncode}: {' '.join(result.stderr.strip().splitlines()[-3:])[-300:]}")
@@ -273,7 +275,7 @@ def check_gpu_speed_quick() -> str:
 
     tiny = ["--device", "cpu", "--tiny"] if DEVICE == "cpu" else []  # the dry run of the same code on a CPU
     command = [sys.executable, "-m", "benchmarks.gpu_speed.run", "--quick", "--no-docs", *tiny]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT)
+    result = run_command(command, timeout=CHECK_TIMEOUT)
     rows = read_table(result.stdout)
     if result.returncode != 0 or len(rows) != 2:
         tail = " ".join((result.stdout + result.stderr).strip().splitlines()[-3:])[-300:]
@@ -312,7 +314,7 @@ def _run_one(name: str) -> int:
 def _run_isolated(name: str) -> tuple[bool, str]:
     command = [sys.executable, "-m", "benchmarks.gpu_check", "--in-process", name]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT + 60)
+        result = run_command(command, timeout=CHECK_TIMEOUT + 60)
     except subprocess.TimeoutExpired:
         return False, f"FAILED (no result in {CHECK_TIMEOUT + 60} s)"
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]

@@ -138,6 +138,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _rank_env(rank: int, world_size: int, store_env: dict[str, str]) -> dict[str, str]:
+    """A function rank's environment: this process's, and with a group the store's, ``RANK`` and ``WORLD_SIZE``."""
+    if world_size == 1:
+        return dict(os.environ)
+    return {**os.environ, **store_env, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
+
+
 def _rank_main(
     fn: RankFn,
     args: tuple[Any, ...],
@@ -158,7 +165,7 @@ def _rank_main(
 
     try:
         os.environ.clear()  # the launching process's environment now, not the server's from when it started
-        os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size))
+        os.environ.update(env)
         # Before any torch work: the inter-op pool can be sized only once, before it starts.
         torch.set_num_threads(threads)
         torch.set_num_interop_threads(1)
@@ -232,11 +239,20 @@ class Launcher:
             loopback_store() if world_size > 1 else contextlib.nullcontext({})
         )
         with store as store_env:
-            env = {**os.environ, **store_env}
             self._processes = [
                 self._context.Process(
                     target=_rank_main,
-                    args=(fn, args, rank, world_size, env, threads, pg_timeout, self._tag, self._results),
+                    args=(
+                        fn,
+                        args,
+                        rank,
+                        world_size,
+                        _rank_env(rank, world_size, store_env),
+                        threads,
+                        pg_timeout,
+                        self._tag,
+                        self._results,
+                    ),
                     name=f"{label}-rank{rank}",
                     daemon=True,
                 )

@@ -3,7 +3,7 @@
 Usage: ``python -m benchmarks.engine_speed.metadata [--workload transformer|small] [--steps N] [--chunks M]
 [--baseline DIR [--rounds R]]``.
 
-Two ranks forked from this process train the engine workload's two halves (``checkpoint="never"``, as `ours` in
+Two fresh ranks (``benchmarks/launch.py``) train the engine workload's two halves (``checkpoint="never"``, as `ours` in
 ``run.py``), alternating step by step between the common path (one header per step, a control message per
 micro-batch) and the *described* path that shapes varying per micro-batch take (a layout message per micro-batch,
 each receive posted when its layout arrives). Alternating steps in the same processes compares the two side by side
@@ -12,7 +12,7 @@ over common-path throughput (median step times of rank 0, the sender).
 
 ``--baseline DIR`` measures what the common path's control messages cost against the engine before them: rounds
 alternate a run of the common path alone with this checkout's ``lightning_gpipe`` and one importing it from ``DIR``
-(each a fresh process forking its two ranks), and the last line is ``shape_metadata_vs_baseline_ratio=R``, this
+(each a fresh process starting its two ranks), and the last line is ``shape_metadata_vs_baseline_ratio=R``, this
 checkout's throughput over the baseline's (the median over rounds of each run's median step of rank 0).
 """
 
@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -33,17 +30,15 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.engine_speed.workloads import WORKLOADS, K
-from benchmarks.launch import free_port, importing_package_from
+from benchmarks.launch import Launcher, importing_package_from, run_command
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.transport import ProcessGroupTransport
 
 __all__ = ["main"]
 
 
-def _rank(rank: int, workload: str, chunks: int, steps: int, port: int, results: Any, alternate: bool) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=K)
+def _rank(rank: int, world_size: int, workload: str, chunks: int, steps: int, alternate: bool) -> Any:
+    """Rank ``rank``'s half of the workload (its gloo group up): {described: [(wall, cpu) per step]}."""
     torch.manual_seed(0)
     work = WORKLOADS[workload]
     layers = work.build_layers()
@@ -65,25 +60,14 @@ def _rank(rank: int, workload: str, chunks: int, steps: int, port: int, results:
         optimizer.step()
         if step >= 2:  # one warm-up step of each
             times[described].append((time.perf_counter() - wall, time.process_time() - cpu))
-    results.put((rank, times))
-    dist.destroy_process_group()
+    return times
 
 
 def _run_ranks(workload: str, chunks: int, steps: int, alternate: bool) -> dict[int, Any]:
-    """Fork the two ranks from this process; rank -> {described: [(wall, cpu) per step]}."""
-    port = free_port()
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    ranks = [
-        context.Process(target=_rank, args=(rank, workload, chunks, steps, port, results, alternate))
-        for rank in range(K)
-    ]
-    for process in ranks:
-        process.start()
-    collected = dict(results.get(timeout=1800) for _ in ranks)
-    for process in ranks:
-        process.join(timeout=30)
-    return collected
+    """The two ranks in fresh processes (:class:`benchmarks.launch.Launcher`); rank -> {described: [(wall, cpu)]}."""
+    with Launcher(["torch"]) as launcher:
+        times = launcher.run(_rank, (workload, chunks, steps, alternate), K, timeout=1800, label=workload)
+    return dict(enumerate(times))
 
 
 def _compare_with_baseline(args: argparse.Namespace) -> None:
@@ -95,7 +79,9 @@ def _compare_with_baseline(args: argparse.Namespace) -> None:
             cwd, env = places[name]
             command = [sys.executable, "-m", "benchmarks.engine_speed.metadata", "--common-json"]
             command += ["--workload", args.workload, "--chunks", str(args.chunks), "--steps", str(args.steps)]
-            output = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800, check=True)
+            output = run_command(command, cwd=cwd, env=env, timeout=1800)
+            if output.returncode != 0:
+                raise RuntimeError(f"{name} failed:\n{output.stdout[-3000:]}\n{output.stderr[-3000:]}")
             wall = json.loads(output.stdout.splitlines()[-1])["wall"]
             runs[name].append(wall)
             print(f"round {round_ + 1} {name}: {1e3 * wall:.1f} ms per step")

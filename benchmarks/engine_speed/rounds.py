@@ -24,9 +24,9 @@ from rich.progress import (
 )
 
 from benchmarks.engine_speed.cpuload import idle_foreign_cores
-from benchmarks.engine_speed.launch import JobError, JobTimeoutError, Launcher
 from benchmarks.engine_speed.results import Measurement
-from benchmarks.engine_speed.worker import Job
+from benchmarks.engine_speed.worker import Job, JobRunner
+from benchmarks.launch import JobError, JobTimeoutError
 
 __all__ = ["Budget", "Session", "progress_bar", "run_rounds"]
 
@@ -58,7 +58,7 @@ class Session:
     """
 
     def __init__(
-        self, plan: Budget, launcher: Launcher, log: Callable[[str], None], step_guess: Callable[[Job], float]
+        self, plan: Budget, launcher: JobRunner, log: Callable[[str], None], step_guess: Callable[[Job], float]
     ) -> None:
         self.plan = plan
         self.launcher = launcher
@@ -128,7 +128,7 @@ def progress_bar(console: Console) -> Progress:
 def run_rounds(
     plan: Budget,
     jobs: Sequence[Job],
-    launcher: Launcher,
+    launcher: JobRunner,
     progress: Progress,
     task: TaskID,
     step_guess: Callable[[Job], float],

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from benchmarks.engine_speed.launch import Launcher
 from benchmarks.engine_speed.report import markdown_tables, write_docs
 from benchmarks.engine_speed.results import Results, headline
 from benchmarks.engine_speed.rounds import progress_bar, run_rounds
-from benchmarks.engine_speed.worker import Job, JobResult
+from benchmarks.engine_speed.worker import Job, JobResult, JobRunner
 from benchmarks.engine_speed.workloads import K
 from lightning_gpipe.engine.schedule import bubble_fraction
 from lightning_gpipe.engine.timeline import Timeline
@@ -89,7 +88,7 @@ def _step_guess(job: Job) -> float:
     return {"transformer": 0.5, "small": 0.01}[job.workload]
 
 
-def _record_timeline(launcher: Launcher) -> tuple[Timeline, JobResult]:
+def _record_timeline(launcher: JobRunner) -> tuple[Timeline, JobResult]:
     """One `ours` step at M = 8 per stage, recorded; the step with the median makespan of a few is kept."""
     job = Job("transformer", "ours", TIMELINE_CHUNKS, 2, 3, record_timeline=True)
     result = launcher.run(job, FULL.job_timeout)
@@ -98,7 +97,7 @@ def _record_timeline(launcher: Launcher) -> tuple[Timeline, JobResult]:
     return timelines[makespans.index(statistics.median_low(makespans))], result
 
 
-def _profile(launcher: Launcher, directory: pathlib.Path, console: Console) -> None:
+def _profile(launcher: JobRunner, directory: pathlib.Path, console: Console) -> None:
     """cProfile each rank of both pipelines on both workloads and print where their time goes."""
     directory.mkdir(parents=True, exist_ok=True)
     for job in (
@@ -143,14 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `kill` (SIGTERM) unwinds like Ctrl-C, so that the launcher still stops every worker it started.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.profile is not None:
-        with Launcher(observer_pid=os.getpid()) as launcher:
+        with JobRunner(observer_pid=os.getpid()) as launcher:
             _profile(launcher, args.profile, Console(stderr=True))
         return 0
     plan = QUICK if args.quick else FULL
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds, min_rounds=min(plan.min_rounds, args.rounds))
     console = Console(stderr=True)
-    with progress_bar(console) as progress, Launcher(observer_pid=os.getpid()) as launcher:
+    with progress_bar(console) as progress, JobRunner(observer_pid=os.getpid()) as launcher:
         jobs = plan.round_jobs()
         total = plan.rounds * len(jobs) + 1
         task = progress.add_task("starting the worker server (imports torch once)", total=total)

@@ -10,16 +10,19 @@ import cProfile
 import os
 import resource
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
 
 from benchmarks.engine_speed.cpuload import foreign_cores, snapshot
 from benchmarks.engine_speed.workloads import PIPELINED, WORKLOADS, Step, build_step
+from benchmarks.launch import Launcher
 from lightning_gpipe.engine.timeline import SpanRecord, Timeline
 
-__all__ = ["Job", "JobResult", "measure_rank"]
+__all__ = ["Job", "JobResult", "JobRunner", "measure_rank"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,38 @@ def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
 
 
 def measure_rank(rank: int, world_size: int, job: Job, observer_pid: int) -> JobResult | None:
-    """What rank ``rank`` of ``job`` runs in its fresh process (see :class:`benchmarks.launch.Launcher`)."""
+    """What rank ``rank`` of ``job`` runs in its fresh process (see :class:`JobRunner`)."""
     assert world_size == job.world_size
     return _measure(job, rank, observer_pid)
+
+
+_PRELOAD = ["torch", "torch.distributed.pipelining", "lightning_gpipe.engine.pipeline", __name__]
+
+
+class JobRunner:
+    """Runs this benchmark's jobs, each in fresh ranks (:class:`benchmarks.launch.Launcher`); a context manager.
+
+    ``observer_pid`` is the orchestrator's process, whose CPU time counts as the benchmark's own in the load
+    measurement; ``preload``: further modules the server imports once, e.g. the module that defines the jobs.
+    """
+
+    def __init__(self, observer_pid: int, preload: Sequence[str] = ()) -> None:
+        self._launcher = Launcher([*_PRELOAD, *preload])
+        self._observer_pid = observer_pid
+
+    def __enter__(self) -> JobRunner:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._launcher.__exit__(exc_type, exc, tb)
+
+    def run(self, job: Job, timeout: float) -> JobResult:
+        """Run ``job`` once; :class:`benchmarks.launch.JobError` on an error, a dead rank or after ``timeout``."""
+        results = self._launcher.run(
+            measure_rank, (job, self._observer_pid), job.world_size, timeout, threads=job.threads, label=str(job)
+        )
+        result = results[0]
+        assert result is not None
+        return result

@@ -3,7 +3,7 @@
 Usage: ``python -m benchmarks.strategy_overhead.run [--quick] [--profile]`` (see this folder's README).
 
 Both configurations train the same MLP for a few warm-up steps and a timed window, one thread each, every run in a
-fresh process forked from this one after the imports (importing Lightning costs ~15 s of CPU here, a run ~5 s).
+fresh process forked after the imports (``benchmarks/launch.py``: importing Lightning costs more than a run).
 Rounds interleave the two (auto, gpipe, auto, gpipe, ...); the ratio of each round's median step times compares
 adjacent windows, so slow drift of the machine cancels, and the result is the median of the per-round ratios.
 Each window records the cores other processes used (from /proc/stat); rounds where that was noticeable are left out
@@ -16,16 +16,13 @@ import argparse
 import cProfile
 import datetime
 import io
-import multiprocessing
 import os
 import pathlib
 import platform
 import pstats
-import queue
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +35,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from benchmarks.engine_speed.cpuload import CpuSnapshot, foreign_cores, snapshot
+from benchmarks.launch import Launcher
 from benchmarks.machine import cpu_model
 from lightning_gpipe import GPipeStrategy
 
@@ -130,8 +128,7 @@ def measure(config: str, warmup: int, steps: int, profile: bool = False) -> dict
     # Lightning's launchers (GPipeStrategy has one, "auto" on one device has none) set torch's threads to
     # cpu_count / processes unless OMP_NUM_THREADS is set: without it, the gpipe runs would use 2 threads.
     os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
+    torch.set_num_threads(1)  # one inter-op thread too: the launcher sized that pool before this call
     L.seed_everything(0, verbose=False)
     generator = torch.Generator().manual_seed(1)
     batches = [
@@ -188,38 +185,15 @@ def _profile_report(profiler: cProfile.Profile, steps: int) -> list[tuple[str, i
     return sorted(rows, key=lambda row: -row[3])
 
 
-def _child(config: str, plan: Plan, profile: bool, results: Any) -> None:
-    try:
-        results.put(("ok", measure(config, plan.warmup, plan.steps, profile)))
-    except BaseException:
-        results.put(("error", traceback.format_exc()))
+def _measure_rank(rank: int, world_size: int, config: str, warmup: int, steps: int, profile: bool) -> dict[str, Any]:
+    return measure(config, warmup, steps, profile)
 
 
 def run_job(config: str, plan: Plan, profile: bool = False) -> dict[str, Any]:
-    """One run in a fresh process forked from this one, which has only imported modules; killed after the timeout."""
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    process = context.Process(target=_child, args=(config, plan, profile, results), name=f"overhead-{config}")
-    process.start()
-    try:
-        deadline = time.monotonic() + plan.job_timeout
-        while True:
-            try:
-                status, value = results.get(timeout=0.5)
-                break
-            except queue.Empty:
-                if process.exitcode is not None:
-                    raise RuntimeError(f"{config} run exited with code {process.exitcode} without reporting") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{config} run did not finish within {plan.job_timeout:g} s") from None
-        if status == "error":
-            raise RuntimeError(f"{config} run failed:\n{value}")
-        return value
-    finally:
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-            process.join()
+    """One run in a fresh process forked after the imports (:class:`benchmarks.launch.Launcher`), with a deadline."""
+    with Launcher(["torch", "lightning", "lightning_gpipe"]) as launcher:
+        args = (config, plan.warmup, plan.steps, profile)
+        return launcher.run(_measure_rank, args, 1, plan.job_timeout, label=config)[0]
 
 
 WALL, CPU = "step_seconds", "step_cpu_seconds"

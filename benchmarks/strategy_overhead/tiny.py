@@ -13,10 +13,11 @@ step's time is what each strategy adds around it. Configurations, two ranks each
 - ``gpipe_baseline`` (with ``--baseline DIR``): ``gpipe`` importing ``lightning_gpipe`` from another checkout, for a
   before/after comparison in the same run.
 
-Every run is a fresh process (so that a baseline can import its own ``lightning_gpipe``) that forks its two ranks
-after the imports; rounds interleave the configurations, and the result per configuration is the median over rounds
-of each run's median step (wall and CPU time of rank 0, the last stage). ``--profile`` prints, per configuration,
-where rank 0's CPU time goes (cProfile with a CPU-time clock, so other load on the machine does not inflate it).
+Every run is a fresh process (so that a baseline can import its own ``lightning_gpipe``) that starts its two ranks after
+the imports (``benchmarks/launch.py``); rounds interleave the configurations, and the result per configuration is the
+median over rounds of each run's median step (wall and CPU time of rank 0, the last stage). ``--profile`` prints, per
+configuration, where rank 0's CPU time goes (cProfile with a CPU-time clock, so other load on the machine does not
+inflate it).
 """
 
 from __future__ import annotations
@@ -25,22 +26,21 @@ import argparse
 import cProfile
 import io
 import json
-import multiprocessing
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-from benchmarks.launch import free_port, importing_package_from
+from benchmarks.launch import Launcher, importing_package_from, run_command
 
 WARMUP, STEPS, BATCH = 20, 150, 16
 CONFIGS = ("ddp", "gpipe", "gpipe_never", "gpipe_m1")
 
 
-def _rank(rank: int, config: str, port: int, profile: bool, results: Any) -> None:
+def _rank(rank: int, world_size: int, config: str, profile: bool) -> tuple[float, float, str | None]:
+    """Rank ``rank`` of a 2-rank fit of ``config`` (its group up): median step wall and CPU time, the profile."""
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -49,11 +49,7 @@ def _rank(rank: int, config: str, port: int, profile: bool, results: Any) -> Non
 
     from lightning_gpipe import GPipeStrategy
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
-    )
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)  # Lightning's sign that the ranks were started from outside
 
     class Classifier(L.LightningModule):
         def __init__(self) -> None:
@@ -111,28 +107,14 @@ def _rank(rank: int, config: str, port: int, profile: bool, results: Any) -> Non
         stats = pstats.Stats(profiler, stream=stream)
         stats.sort_stats("cumulative").print_stats(r"lightning_gpipe|checkpoint\.py|distributed_c10d", 30)
         report = stream.getvalue()
-    results.put((rank, statistics.median(wall), statistics.median(cpu), report))
+    return statistics.median(wall), statistics.median(cpu), report
 
 
 def worker(config: str, profile: bool) -> dict[str, Any]:
-    """One run of ``config``: two ranks forked from this process; rank 0's median step, wall and CPU."""
-    import lightning  # noqa: F401 - imported once here, before the fork, rather than in each rank
-    import torch  # noqa: F401
-
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=_rank, args=(rank, config, port, profile, results)) for rank in range(2)]
-    for process in ranks:
-        process.start()
-    collected = {}
-    for _ in ranks:
-        rank, wall, cpu, report = results.get(timeout=600)
-        collected[rank] = (wall, cpu, report)
-    for process in ranks:
-        process.join(timeout=30)
-    wall, cpu, report = collected[0]
-    return {"config": config, "wall": wall, "cpu": cpu, "cpu_rank1": collected[1][1], "profile": report}
+    """One run of ``config``: two fresh ranks forked after the imports; rank 0's median step, wall and CPU."""
+    with Launcher(["torch", "lightning", "lightning_gpipe"]) as launcher:
+        (wall, cpu, report), (_, cpu_rank1, _) = launcher.run(_rank, (config, profile), 2, timeout=600, label=config)
+    return {"config": config, "wall": wall, "cpu": cpu, "cpu_rank1": cpu_rank1, "profile": report}
 
 
 def _run(config: str, baseline: str | None, profile: bool) -> dict[str, Any]:
@@ -140,9 +122,7 @@ def _run(config: str, baseline: str | None, profile: bool) -> dict[str, Any]:
     cwd, env = importing_package_from(baseline if config == "gpipe_baseline" else None)
     name = "gpipe" if config == "gpipe_baseline" else config
     command = [sys.executable, "-m", "benchmarks.strategy_overhead.tiny", "--worker", name]
-    output = subprocess.run(
-        command + (["--profile"] if profile else []), cwd=cwd, env=env, capture_output=True, text=True, timeout=900
-    )
+    output = run_command(command + (["--profile"] if profile else []), cwd=cwd, env=env, timeout=900)
     lines = [line for line in output.stdout.splitlines() if line.startswith("{")]
     if output.returncode != 0 or not lines:
         raise RuntimeError(f"{config} failed:\n{output.stdout[-3000:]}\n{output.stderr[-3000:]}")

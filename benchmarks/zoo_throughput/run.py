@@ -18,10 +18,9 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from benchmarks.docs_page import write_block
-from benchmarks.engine_speed.launch import Launcher
 from benchmarks.engine_speed.results import Goals, Results, headline
 from benchmarks.engine_speed.rounds import progress_bar, run_rounds
-from benchmarks.engine_speed.worker import Job
+from benchmarks.engine_speed.worker import Job, JobRunner
 from benchmarks.machine import cpu_model
 from benchmarks.zoo_throughput.models import WORKLOADS, balance
 from benchmarks.zoo_throughput.plan import FULL, QUICK, SMOKE, TINY, TINY_CHUNKS, Plan
@@ -112,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_load = _load_average()
     balances = {workload: balance(workload) for workload in (*plan.models, TINY)}
     jobs = plan.round_jobs(balances)
-    with progress_bar(console) as progress, Launcher(os.getpid(), preload=_PRELOAD) as launcher:
+    with progress_bar(console) as progress, JobRunner(os.getpid(), preload=_PRELOAD) as launcher:
         task = progress.add_task("starting the worker server (imports torch once)", total=plan.rounds * len(jobs))
         measurements = run_rounds(plan, jobs, launcher, progress, task, _step_guess)
 

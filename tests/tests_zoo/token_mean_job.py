@@ -3,7 +3,8 @@
 ``python -m helpers.jobs tests_zoo.token_mean_job OUT TRANSLATOR_DIR SCHEDULE...`` runs, as one rank of a 2-process job,
 one step of every model in :data:`MODELS` under each schedule, and rank 0 saves each trained state dict to
 ``OUT/NAME.SCHEDULE.pt``. The test imports :func:`fit` to take the same step in plain Lightning. The batch's rows hold
-very different numbers of real target tokens, so each micro-batch's token mean has its own normalizer. """
+very different numbers of real target tokens, so each micro-batch's token mean has its own normalizer.
+"""
 
 from __future__ import annotations
 
