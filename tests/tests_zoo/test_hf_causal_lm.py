@@ -356,3 +356,19 @@ def test_a_model_on_the_meta_device_runs_and_plans(llama: Path) -> None:
         assert model(ids).shape == (1, 64, config["vocab_size"])
     result = plan(model, ids, devices=2, memory_per_device="1GB", batch_size=8, flops_per_second=1e12)
     assert sum(result.balance) == len(model.layers)
+
+
+def test_pretrained_weights_load_as_float32_unless_told(tmp_path: Path) -> None:
+    # transformers 5 loads a checkpoint in its own dtype: a bfloat16 hub model would train in bfloat16 under
+    # Lightning's default precision="32-true" without anyone asking for it.
+    source = save_tiny_causal_lm(tmp_path / "source", "llama")
+    transformers.AutoModelForCausalLM.from_pretrained(source).to(torch.bfloat16).save_pretrained(source)
+    assert {p.dtype for p in zoo.load_pretrained(source).parameters()} == {torch.float32}
+    assert {p.dtype for p in zoo.load_pretrained(source, dtype="auto").parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match=r"dtype='int8' is not a floating-point torch dtype; use 'float32'"):
+        zoo.load_pretrained(source, dtype="int8")
+
+
+def test_freeze_backbone_and_lora_are_not_combined(llama: Path) -> None:
+    with pytest.raises(ValueError, match=r"freeze_backbone=True and lora=... both choose what trains"):
+        zoo.load_pretrained(llama, freeze_backbone=True, lora={"r": 4})

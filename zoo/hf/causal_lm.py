@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -72,14 +73,20 @@ def check_causal_structure(model: nn.Module, source: str) -> None:
     )
 
 
-def build_causal_lm(source: str, config: dict[str, Any] | None = None, *, pretrained: bool = True) -> PreTrainedModel:
-    """The ``transformers`` model of ``source``: its weights (``pretrained``), or random ones from ``config`` (a
-    ``config.to_dict()``; default the source's). Random initialization also works under ``torch.device("meta")``.
-    Refuses an unsupported model before reading any weight."""
+def build_causal_lm(
+    source: str, config: dict[str, Any] | None = None, *, pretrained: bool = True, dtype: str = "float32"
+) -> PreTrainedModel:
+    """The ``transformers`` model of ``source``: its weights (``pretrained``) as ``dtype`` (a ``torch`` dtype's name,
+    or ``"auto"``: the checkpoint's), or random ones from ``config`` (a ``config.to_dict()``; default the source's) in
+    the default dtype. Random initialization also works under ``torch.device("meta")``. Refuses an unsupported model
+    before reading any weight."""
+    weights = dtype if dtype == "auto" else getattr(torch, dtype, None)
+    if not (weights == "auto" or isinstance(weights, torch.dtype) and weights.is_floating_point):
+        raise ValueError(f"dtype={dtype!r} is not a floating-point torch dtype; use 'float32', 'bfloat16' or 'auto'")
     hf_config = AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(source)
     check_causal_config(hf_config, source)
     if pretrained:
-        model = AutoModelForCausalLM.from_pretrained(source, config=hf_config)
+        model = AutoModelForCausalLM.from_pretrained(source, config=hf_config, dtype=weights)
     else:
         model = AutoModelForCausalLM.from_config(hf_config)
     assert isinstance(model, PreTrainedModel), type(model)

@@ -63,6 +63,10 @@ class PretrainedCausalLM(ZooModule):
         generation_config: the library's generation config as a dict; filled in from ``name_or_path`` (its
             ``generation_config.json``), saved with the hyper-parameters and exported. Its end-of-sequence tokens
             (Llama 3 Instruct lists several) and padding token are those :meth:`generate` uses.
+        dtype: what the pretrained weights load as: ``"float32"`` (Lightning's ``precision`` then decides what trains:
+            ``"bf16-true"`` casts the model, ``"bf16-mixed"`` keeps float32 weights), ``"bfloat16"``, or ``"auto"``
+            (the checkpoint's, ``transformers``' own default). Each process reads the whole model into host memory
+            before the strategy keeps its stage, so a large model loads in ``"bfloat16"`` to halve that.
     """
 
     zoo_name: ClassVar[str] = "hf_causal_lm"
@@ -79,13 +83,18 @@ class PretrainedCausalLM(ZooModule):
         lora: dict[str, Any] | None = None,
         generation: dict[str, Any] | None = None,
         generation_config: dict[str, Any] | None = None,
+        dtype: str = "float32",
     ) -> None:
         super().__init__()
         if not lr > 0:
             raise ValueError(f"lr={lr} must be a positive learning rate, e.g. 2e-5")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 optimizer steps, e.g. 100")
-        library = build_causal_lm(str(name_or_path), config, pretrained=bool(pretrained))
+        if freeze_backbone and lora is not None:
+            raise ValueError(
+                "freeze_backbone=True and lora=... both choose what trains (the head, or the adapters); pass one"
+            )
+        library = build_causal_lm(str(name_or_path), config, pretrained=bool(pretrained), dtype=dtype)
         library_config: PretrainedConfig = library.config
         self.save_hyperparameters(ignore=["config", "generation_config"])
         self.hparams["config"] = library_config.to_dict()
