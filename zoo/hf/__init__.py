@@ -2,7 +2,9 @@
 
 ``zoo.load_pretrained("facebook/m2m100_418M")`` (or a ``save_pretrained`` directory) returns a
 :class:`~zoo.tasks.pretrained_translation.PretrainedTranslator` whose layers are one flat ``nn.Sequential`` wrapping
-the library's own modules, so it trains with ``strategy="gpipe"`` and its forward is the library's.
+the library's own modules, so it trains with ``strategy="gpipe"`` and its forward is the library's. Decoder-only
+language models (Llama, Qwen, GPT-2, ...) take the same route to a :class:`~zoo.tasks.causal_lm.PretrainedCausalLM`
+through the ``causal_lm*`` modules: conversion, layers, generation, tiny models.
 """
 
 from zoo.hf.conversion import is_hf_source
