@@ -10,6 +10,18 @@ executor walks :func:`stage_actions` and blocks on the transfers that :func:`dep
 - ``"1f1b"``: one-forward-one-backward (PipeDream-Flush). Same makespan, hence the same bubble, as fill-drain when
   every stage takes the same time per pass, but stage ``j`` holds at most ``min(K - j, M)`` micro-batches'
   activations at once instead of ``M``. Backwards run in micro-batch order.
+
+Three more schedules are generated here and simulated by the planner (:data:`PLANNED_SCHEDULES`); a process may hold
+several stages, so their actions name their stage and come per process (:func:`process_actions`):
+
+- ``"interleaved"``: Megatron-LM's interleaved 1F1B (Narayanan et al., 2021). Each of the K processes holds
+  ``v = virtual_stages`` stages, process ``r`` the stages ``r, r + K, r + 2K, ...``; the bubble shrinks ``v`` times
+  to ``(K-1)/(v·M + K-1)`` of the step, for more activations in flight and ``v`` times the transfers.
+- ``"zero_bubble"``: ZB-H1 (Qi et al., 2024, "Zero Bubble Pipeline Parallelism"). 1F1B with each backward split into
+  the input gradient I (sent on at once) and the weight gradient W, which nothing waits for: stage ``r`` defers its
+  W by ``r`` micro-batches into the drain's bubble, which shrinks to a third of 1F1B's when F, I and W take equal time.
+- ``"zbv"``: ZB-V (same paper). Two stages per process in a V, process ``r`` holding stages ``r`` and ``2K-1-r``,
+  with split backwards: no bubble in the steady state when F, I and W take equal time, at 1F1B's activation memory.
 """
 
 from __future__ import annotations
@@ -19,13 +31,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 __all__ = [
+    "PLANNED_SCHEDULES",
     "SCHEDULES",
     "Action",
     "Phase",
     "bubble_fraction",
     "clock_cycles",
     "dependencies",
+    "process_actions",
     "stage_actions",
+    "stages_of",
     "validate_schedule",
 ]
 
@@ -35,33 +50,54 @@ __all__ = [
 #   K: number of stages in one pipeline (``pipe_size``)
 #   M: number of micro-batches per mini-batch (``chunks``)
 #   F(i) / B(i): forward / backward pass of micro-batch i on one stage
+#   I(i) / W(i): the two halves of B(i) in zero-bubble schedules: input gradient, then weight gradient
+#   r: index of process (rank in the pipeline), 0 <= r < K; v: stages per process (``virtual_stages``)
+#   s: index of stage when a process holds several, 0 <= s < K·v
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 """The schedules: GPipe's fill-drain (all forwards, then all backwards) and one-forward-one-backward."""
+
+# Generated and simulated (process_actions, plan.simulate), not yet run by the step driver, which refuses them.
+PLANNED_SCHEDULES: tuple[str, ...] = ("interleaved", "zero_bubble", "zbv")
 
 
 class Phase(str, Enum):
     """The pass an action runs on a micro-batch."""
 
     FORWARD = "forward"
-    BACKWARD = "backward"
+    BACKWARD = "backward"  # the whole backward pass
+    INPUT = "input"  # zero-bubble: the backward for the stage's input gradient, which the previous stage waits for
+    WEIGHT = "weight"  # zero-bubble: the backward for the parameters' gradients, which no other stage waits for
+
+
+_LETTERS = {Phase.FORWARD: "F", Phase.BACKWARD: "B", Phase.INPUT: "I", Phase.WEIGHT: "W"}
 
 
 @dataclass(frozen=True)
 class Action:
-    """One pass of one micro-batch on one stage; prints as ``F3`` or ``B0``."""
+    """One pass of one micro-batch on one stage; prints as ``F3`` or ``B0``, and ``I2@5`` when it names its stage.
+
+    :func:`stage_actions` leaves ``stage`` out (the stage is the one asking); :func:`process_actions` sets it, since
+    a process may hold several stages.
+    """
 
     phase: Phase
     microbatch: int
+    stage: int | None = None
 
     def __post_init__(self) -> None:
         # Accept "forward"/"backward" so that actions rebuilt from plain records compare equal to the originals.
         object.__setattr__(self, "phase", Phase(self.phase))
         if isinstance(self.microbatch, bool) or not isinstance(self.microbatch, int) or self.microbatch < 0:
             raise ValueError(f"Action.microbatch must be an int >= 0, got {self.microbatch!r}")
+        if self.stage is not None and (
+            isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage < 0
+        ):
+            raise ValueError(f"Action.stage must be an int >= 0 or None, got {self.stage!r}")
 
     def __str__(self) -> str:
-        return ("F" if self.phase is Phase.FORWARD else "B") + str(self.microbatch)
+        name = _LETTERS[self.phase] + str(self.microbatch)
+        return name if self.stage is None else f"{name}@{self.stage}"
 
 
 def validate_schedule(name: object) -> str:
@@ -119,16 +155,193 @@ def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: 
 def dependencies(stage: int, action: Action, num_stages: int) -> list[tuple[int, Action]]:
     """The ``(stage, action)`` pairs that must finish before ``action`` can run on ``stage``.
 
-    The order of a stage's own actions is not a dependency here: it is given by :func:`stage_actions`.
+    F(i) on stage ``s`` follows F(i) on ``s - 1``; B(i), or I(i), follows F(i) on ``s`` and B(i), or I(i), on ``s + 1``;
+    W(i) follows I(i) on ``s``. ``num_stages`` counts every stage (``K·v`` when each process holds ``v``). The
+    returned actions name their stage when ``action`` does. The order of a process's own actions is not a dependency
+    here: it is given by :func:`stage_actions` or :func:`process_actions`.
     """
     j, K = _check_stage(stage, num_stages)
+    if action.stage is not None and action.stage != j:
+        raise ValueError(f"{action} runs on stage {action.stage}, not on stage={j}. HINT: pass stage=action.stage.")
     i = action.microbatch
+
+    def on(s: int, phase: Phase) -> tuple[int, Action]:
+        return s, Action(phase, i, None if action.stage is None else s)
+
     if action.phase is Phase.FORWARD:
-        return [(j - 1, action)] if j > 0 else []
-    deps = [(j, Action(Phase.FORWARD, i))]
+        return [on(j - 1, Phase.FORWARD)] if j > 0 else []
+    if action.phase is Phase.WEIGHT:
+        return [on(j, Phase.INPUT)]
+    deps = [on(j, Phase.FORWARD)]
     if j < K - 1:
-        deps.append((j + 1, action))
+        deps.append(on(j + 1, action.phase))
     return deps
+
+
+def _check_virtual_stages(schedule: str, virtual_stages: object) -> int:
+    """The number of stages each process holds under ``schedule``, from the user's ``virtual_stages``."""
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+        raise TypeError(
+            f"virtual_stages must be an int, got {virtual_stages!r} of type {type(virtual_stages).__name__}."
+        )
+    if schedule == "interleaved":
+        if virtual_stages < 2:
+            raise ValueError(
+                f"schedule='interleaved' needs virtual_stages >= 2 (stages per process), got {virtual_stages}. "
+                "HINT: pass virtual_stages=2, or use schedule='1f1b' for one stage per process."
+            )
+        return virtual_stages
+    if schedule == "zbv" and virtual_stages in (1, 2):
+        return 2  # the V always places two stages on each process
+    if virtual_stages != 1:
+        fixed = "; schedule='zbv' always places 2" if schedule == "zbv" else ""
+        raise ValueError(
+            f"virtual_stages={virtual_stages} applies to schedule='interleaved' only{fixed}. "
+            f"HINT: leave virtual_stages at 1 with schedule={schedule!r}, or use schedule='interleaved'."
+        )
+    return 1
+
+
+def _check_process(
+    schedule: object, rank: object, num_processes: object, virtual_stages: object
+) -> tuple[str, int, int, int]:
+    if not (isinstance(schedule, str) and schedule in SCHEDULES + PLANNED_SCHEDULES):
+        valid = ", ".join(repr(s) for s in SCHEDULES + PLANNED_SCHEDULES)
+        raise ValueError(f"Unknown pipeline schedule {schedule!r}. HINT: use one of {valid}.")
+    v = _check_virtual_stages(schedule, virtual_stages)
+    r, K = _check_stage(rank, num_processes)
+    return schedule, r, K, v
+
+
+def stages_of(schedule: str, rank: int, num_processes: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """The stages process ``rank`` of ``num_processes`` holds, first to last in the model.
+
+    One stage per process (``(rank,)``) but for ``"interleaved"`` (``rank, rank + K, ..., rank + (v-1)·K``) and
+    ``"zbv"`` (``rank, 2K-1-rank``). The pipeline has ``num_processes · len(stages_of(...))`` stages in all.
+    """
+    schedule, r, K, v = _check_process(schedule, rank, num_processes, virtual_stages)
+    if schedule == "zbv":
+        return (r, 2 * K - 1 - r)
+    return tuple(r + c * K for c in range(v))
+
+
+def _interleaved_group(num_processes: int, num_microbatches: int) -> int:
+    """Micro-batches that go through one of a process's stages before it moves to the next (a round's size).
+
+    Megatron-LM's interleaved schedule asks for M a multiple of K (Megatron-Core's
+    ``forward_backward_pipelining_with_interleaving``: "number of microbatches is not divisible by
+    pipeline-model-parallel-size"), and uses rounds of K. We follow the relaxed rule of torch's
+    ``ScheduleInterleaved1F1B`` (torch 2.13, ``schedules.py``), which takes every such M and more: rounds of
+    ``M // max(1, M // K)`` micro-batches, so M must be a multiple of ``max(1, M // K)`` (any M <= K, or M a multiple
+    of K, or e.g. K=4, M=10).
+    """
+    K, M = num_processes, num_microbatches
+    rounds = max(1, M // K)
+    if M % rounds:
+        fits = sorted({M - M % K, M - M % K + K} - {0})
+        raise ValueError(
+            f"schedule='interleaved' runs chunks in rounds of about pipe_size micro-batches and needs chunks to be a "
+            f"multiple of max(1, chunks // pipe_size) = {rounds}; got chunks={M} with pipe_size={K}. "
+            f"HINT: use chunks <= {K} or a multiple of {K}, such as {' or '.join(str(m) for m in fits)}."
+        )
+    return M // rounds
+
+
+def _interleaved(r: int, K: int, M: int, v: int) -> list[Action]:
+    # The k-th forward (and backward) of the process walks its v stages in rounds of g micro-batches; backwards walk
+    # the stages from the last. The warm-up runs enough forwards that the first backward is back before the 1F1B part.
+    g = _interleaved_group(K, M)
+
+    def nth(k: int, phase: Phase) -> Action:
+        chunk = (k // g) % v
+        microbatch = (k // (g * v)) * g + k % g
+        return Action(phase, microbatch, r + K * (chunk if phase is Phase.FORWARD else v - 1 - chunk))
+
+    total = v * M
+    warmup = min((v - 1) * g + 2 * (K - 1 - r), total)
+    actions = [nth(k, Phase.FORWARD) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [nth(warmup + k, Phase.FORWARD), nth(k, Phase.BACKWARD)]
+    return actions + [nth(k, Phase.BACKWARD) for k in range(total - warmup, total)]
+
+
+def _zero_bubble_h1(r: int, K: int, M: int) -> list[Action]:
+    # 1F1B's order with B(i) split into I(i), W(i): stage r runs its W r micro-batches late, so that the last stages'
+    # W fill the drain while I, the critical path, goes down the pipeline at once. In flight (F done, W not): K.
+    warmup = min(K - 1 - r, M)
+    actions = [Action(Phase.FORWARD, i, r) for i in range(warmup)]
+    weights = 0
+    for i in range(M):
+        if warmup + i < M:
+            actions.append(Action(Phase.FORWARD, warmup + i, r))
+        actions.append(Action(Phase.INPUT, i, r))
+        if i >= r:
+            actions.append(Action(Phase.WEIGHT, weights, r))
+            weights += 1
+    return actions + [Action(Phase.WEIGHT, i, r) for i in range(weights, M)]
+
+
+def _zbv(r: int, K: int, M: int) -> list[Action]:
+    # ZB-V (Qi et al., 2024, section 6): the down stage a = r and the up stage b = 2K-1-r. Built for at least
+    # 2K-1 micro-batches, the ones beyond M then dropped (a subset of a deadlock-free order stays deadlock-free).
+    a, b = r, 2 * K - 1 - r
+    n = max(2 * K - 1, M)
+    count = {(phase, stage): 0 for phase in (Phase.FORWARD, Phase.INPUT, Phase.WEIGHT) for stage in (a, b)}
+    order: list[Action] = []
+
+    def run(phase: Phase, stage: int) -> None:
+        order.append(Action(phase, count[phase, stage], stage))
+        count[phase, stage] += 1
+
+    for _ in range(2 * (K - r) - 1):  # down the V until the first micro-batch turns at the bottom
+        run(Phase.FORWARD, a)
+    for _ in range(r):
+        run(Phase.FORWARD, b)
+        run(Phase.FORWARD, a)
+    for _ in range(K - r):  # up stage's first backwards come at once
+        for phase in (Phase.FORWARD, Phase.INPUT, Phase.WEIGHT):
+            run(phase, b)
+    while count[Phase.FORWARD, b] < count[Phase.FORWARD, a] or count[Phase.FORWARD, a] < n:  # steady: F I W, twice
+        if count[Phase.FORWARD, a] < n:
+            run(Phase.FORWARD, a)
+        run(Phase.INPUT, a)
+        run(Phase.WEIGHT, a)
+        for phase in (Phase.FORWARD, Phase.INPUT, Phase.WEIGHT):
+            run(phase, b)
+    for _ in range(r):  # drain: input gradients first, the weight gradients fill in after
+        run(Phase.INPUT, a)
+        run(Phase.INPUT, b)
+    for _ in range(K - r):
+        run(Phase.INPUT, a)
+        run(Phase.WEIGHT, a)
+    for stage in (b, a):
+        while count[Phase.WEIGHT, stage] < count[Phase.INPUT, stage]:
+            run(Phase.WEIGHT, stage)
+    return [action for action in order if action.microbatch < M]
+
+
+def process_actions(
+    schedule: str, rank: int, num_processes: int, num_microbatches: int, virtual_stages: int = 1
+) -> list[Action]:
+    """The ordered actions, each naming its stage, that process ``rank`` of ``num_processes`` runs for one mini-batch.
+
+    For ``"gpipe"`` and ``"1f1b"`` these are :func:`stage_actions` with the stage set. The process's stages are
+    :func:`stages_of`; every action of every stage it holds appears once, in an order that never deadlocks under
+    :func:`dependencies` across all processes.
+
+    Raises:
+        ValueError: an unknown schedule, ``virtual_stages`` that the schedule does not take, or (``"interleaved"``) a
+            number of micro-batches its rounds cannot split.
+    """
+    schedule, r, K, v = _check_process(schedule, rank, num_processes, virtual_stages)
+    M = _check_count("num_microbatches", num_microbatches)
+    if schedule in SCHEDULES:
+        return [Action(a.phase, a.microbatch, r) for a in stage_actions(schedule, r, K, M)]
+    if schedule == "interleaved":
+        return _interleaved(r, K, M, v)
+    if schedule == "zero_bubble":
+        return _zero_bubble_h1(r, K, M)
+    return _zbv(r, K, M)
 
 
 def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[int, int]]]:
