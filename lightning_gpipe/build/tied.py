@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_gpipe.engine.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = ["Tie", "TiedCopies", "find_ties", "retie", "set_aside"]
 
@@ -220,9 +221,9 @@ class TiedCopies:
                 # One count per parameter rides along: how many stages had a gradient for it.
                 counts = torch.tensor([float(p.grad is not None) for p in members], dtype=dtype, device=device)
                 grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in members]
-                flat = _flatten_dense_tensors([*grads, counts])
+                flat = flatten_dense_tensors([*grads, counts])
                 dist.all_reduce(flat, group=group)
-                *summed, counts = _unflatten_dense_tensors(flat, [*grads, counts])
+                *summed, counts = unflatten_dense_tensors(flat, [*grads, counts])
                 for parameter, grad, total, count in zip(members, grads, summed, counts.tolist(), strict=True):
                     if count == 0:
                         parameter.grad = None

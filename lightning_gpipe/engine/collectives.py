@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from lightning_gpipe.engine.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_gpipe.engine.tree import map_tensors
 
 __all__ = ["BUCKET_BYTES", "OBJECT_BYTES", "broadcast_object", "broadcast_tensors", "buckets", "portable", "to_device"]
@@ -70,11 +70,11 @@ def broadcast_tensors(
     """
     pending = []
     for bucket in buckets(tensors, bucket_bytes):
-        flat = _flatten_dense_tensors(bucket)
+        flat = flatten_dense_tensors(bucket)
         pending.append((bucket, flat, dist.broadcast(flat, src=src, group=group, async_op=True)))
     for bucket, flat, work in pending:
         work.wait()
-        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+        for tensor, value in zip(bucket, unflatten_dense_tensors(flat, bucket), strict=True):
             tensor.copy_(value)
 
 

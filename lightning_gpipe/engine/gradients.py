@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning_gpipe.engine.collectives import BUCKET_BYTES, buckets
+from lightning_gpipe.engine.torch_compat import InfAgreeingScaler, flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = ["WorldGradScaler", "average_gradients", "clip_grad_norm"]
 
@@ -55,13 +54,13 @@ def average_gradients(
     average = _average_op(group)
     pending = []
     for bucket in buckets(grads, bucket_bytes):
-        flat = _flatten_dense_tensors(bucket)
+        flat = flatten_dense_tensors(bucket)
         pending.append((bucket, flat, dist.all_reduce(flat, op=average, group=group, async_op=True)))
     for bucket, flat, work in pending:
         work.wait()
         if average != dist.ReduceOp.AVG:
             flat /= size
-        for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+        for grad, reduced in zip(bucket, unflatten_dense_tensors(flat, bucket), strict=True):
             grad.copy_(reduced)
 
 
@@ -98,13 +97,13 @@ def clip_grad_norm(
     return total
 
 
-class WorldGradScaler(ShardedGradScaler):
+class WorldGradScaler(InfAgreeingScaler):
     """A loss scaler for ``precision="16-mixed"`` with which every stage and replica skips the same steps.
 
     Each rank sees only its own gradients. ``ShardedGradScaler`` all-reduces the overflow flags in ``unscale_``, but an
     optimizer that unscales inside its own step (``fused=True`` Adam, AdamW and SGD, for which Lightning does not call
-    ``unscale_``) has them checked by ``_check_inf_per_device``, which ``ShardedGradScaler`` leaves local: a stage with
-    an inf would skip and halve its scale while the others step. This scaler agrees on that path too, over
+    ``unscale_``) has them checked where ``ShardedGradScaler`` leaves them local (:class:`InfAgreeingScaler`): a stage
+    with an inf would skip and halve its scale while the others step. This scaler agrees on that path too, over
     ``process_group`` (the world by default).
     """
 
@@ -120,8 +119,7 @@ class WorldGradScaler(ShardedGradScaler):
             enabled=scaler.is_enabled(),
         )
 
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        found = super()._check_inf_per_device(optimizer)
+    def agree(self, found: dict[Any, torch.Tensor]) -> None:
         # MAX keeps each flag 0 or 1: fused optimizers skip their step when it equals one.
         works = [
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
@@ -129,4 +127,3 @@ class WorldGradScaler(ShardedGradScaler):
         ]
         for work in works:
             work.wait()
-        return found

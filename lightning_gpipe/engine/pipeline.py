@@ -1,14 +1,14 @@
 """The GPipe engine without a Trainer: one training or evaluation step of a pipeline, per stage or in-process.
 
-:class:`Pipeline` is one stage's view of a step: scatter the mini-batch into micro-batches, run the schedule's
-actions through the :class:`~lightning_gpipe.engine.stage.Stage`, weight each micro-batch's loss by its share of the
-batch, and gather. Every stage of a pipeline is handed the same mini-batch; stage 0 feeds ``input_fn(micro-batch)`` to
-its cell and the last stage computes ``loss_fn(output, micro-batch)``. After ``train_step`` the parameters' ``.grad``
-hold exactly what ``loss.backward()`` of the unpartitioned model on the whole mini-batch would have accumulated (up
-to float round-off from summing micro-batches).
+:class:`Pipeline` is one stage's view of a step: scatter the mini-batch into micro-batches, run them through the step
+driver (:class:`~lightning_gpipe.engine.driver.StepDriver`: the schedule's actions, each micro-batch's loss weighted by
+its share of the batch), and gather. Every stage of a pipeline is handed the same mini-batch; stage 0 feeds
+``input_fn(micro-batch)`` to its cell and the last stage computes ``loss_fn(output, micro-batch)``. After ``train_step``
+the parameters' ``.grad`` hold exactly what ``loss.backward()`` of the unpartitioned model on the whole mini-batch would
+have accumulated (up to float round-off from summing micro-batches).
 
-:func:`run_in_threads` runs all the stages of a pipeline in one process, one thread each, for tests and notebooks;
-each stage keeps its own device and its own random streams, as it would in a process of its own.
+:func:`run_in_threads` runs all the stages of a pipeline in one process, one thread each, for tests and notebooks; each
+stage keeps its own device and its own random streams, as it would in a process of its own.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from lightning_gpipe.engine.config import PipelineConfig, config_from
+from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.fingerprint import Fingerprint
-from lightning_gpipe.engine.microbatch import gather, split_batch
+from lightning_gpipe.engine.microbatch import Microbatch, gather, split_batch
 from lightning_gpipe.engine.rematerialization import CheckpointMode
-from lightning_gpipe.engine.schedule import Phase
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.step import StepRun
 from lightning_gpipe.engine.timeline import Timeline
@@ -97,40 +97,29 @@ class Pipeline:
 
     def train_step(self, batch: Any, loss_fn: LossFn, input_fn: InputFn = first_element) -> torch.Tensor | None:
         """Forward and backward of one mini-batch; returns its (detached) loss on the last stage, else ``None``."""
-        run = self.begin(batch)
-        losses: dict[int, torch.Tensor] = {}
-        try:
-            for action in run.actions:
-                mb = run.microbatches[action.microbatch]
-                if action.phase is Phase.FORWARD:
-                    output = run.forward(mb.index, self._input(input_fn, mb.value))
-                    if self.stage.is_last:
-                        # Under the guard: a random loss draws from this stage's stream, as in a process of its own.
-                        with self._guard():
-                            losses[mb.index] = loss_fn(output, mb.value) * mb.weight
-                    # The loss keeps what its backward needs: a reference here would keep the last stage's output (a
-                    # language model's logits) alive through the backward passes that follow.
-                    del output
-                else:
-                    run.backward(mb.index, losses.get(mb.index))
-            run.end()
-        except BaseException as error:
-            run.abort(repr(error))
-            raise
-        if not self.stage.is_last:
-            return None
-        return torch.stack([losses[i].detach() for i in sorted(losses)]).sum()
+        driver = StepDriver(self.begin(batch), hook="train_step")
+
+        def step(mb: Microbatch) -> torch.Tensor | None:
+            output = driver.call(self._input(input_fn, mb.value))
+            if not self.stage.is_last:
+                return None
+            # Under the guard: a random loss draws from this stage's stream, as in a process of its own. Only the loss
+            # is kept: the output (a language model's logits) is freed before the backward passes that follow.
+            with self._guard():
+                return loss_fn(output, mb.value)
+
+        outputs = driver.forward_phase(step)
+        total = driver.weigh(outputs) if self.stage.is_last else None
+        driver.backward_phase()
+        return total
 
     @torch.no_grad()
     def eval_step(self, batch: Any, input_fn: InputFn = first_element) -> Any:
         """Forward only, without gradients; returns the gathered last-stage outputs there, else ``None``."""
         run = self.begin(batch, training=False)
-        try:
-            outputs = [run.forward(mb.index, self._input(input_fn, mb.value)) for mb in run.microbatches]
-            run.end()
-        except BaseException as error:
-            run.abort(repr(error))
-            raise
+        driver = StepDriver(run, hook="eval_step")
+        outputs = driver.forward_phase(lambda mb: driver.call(self._input(input_fn, mb.value)))
+        driver.finish()
         return gather(outputs, [mb.size for mb in run.microbatches]) if self.stage.is_last else None
 
     def _input(self, input_fn: InputFn, microbatch: Any) -> Any:

@@ -33,13 +33,16 @@ import torch
 
 from lightning_gpipe.engine.collectives import portable, to_device
 from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.microbatch import Microbatch
 from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.step import StepRun
 
 __all__ = ["CONTROL_BYTES", "CallRelay"]
 
 CONTROL_BYTES = 1024
 """Size in bytes of a control message: payload length, then the pickled payload when it fits."""
 _LENGTH_BYTES = 8
+_CALL = Microbatch(0, None, 1, 1.0)  # a further call is an evaluation step of one micro-batch
 
 
 class CallRelay:
@@ -52,8 +55,8 @@ class CallRelay:
 
     def __init__(self, stage: Stage, compute_guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         self.stage = stage
-        # A stage of its own for the further calls: its links keep a step's state (header, posted receives) apart
-        # from the first calls' links, whose receives may still be posted for micro-batches not yet run.
+        # A stage of its own for the further calls, each run as a step (StepRun): its links keep a step's state
+        # (header, posted receives) apart from the first calls' links, whose receives may still be posted.
         self._calls = Stage(
             stage.cell,
             stage.transport,
@@ -121,8 +124,8 @@ class CallRelay:
 
     def _run(self, value: Any) -> Any:
         # One micro-batch per call: its size only names the header's batch dimension, which nothing predicts from.
-        self._calls.begin_step([1])
-        return self._calls.forward(0, value)
+        run = StepRun(self._calls, self._calls.config.schedule, [_CALL], training=False)
+        return run.forward(0, value)
 
     def _send_control(self, payload: tuple[str, Any]) -> None:
         """Send ``payload`` to the previous stage (this stage's own or relayed from the next)."""

@@ -22,7 +22,7 @@ import torch
 
 from lightning_gpipe.engine.fingerprint import Fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch
-from lightning_gpipe.engine.schedule import Action, Phase, stage_actions
+from lightning_gpipe.engine.schedule import Action, Phase, cached_stage_actions
 from lightning_gpipe.engine.stage import Stage
 
 __all__ = ["HeldGradients", "StepRun"]
@@ -38,7 +38,8 @@ class StepRun:
 
     Args:
         stage: the stage that runs the passes.
-        schedule: the schedule's name (validated by :func:`~lightning_gpipe.engine.schedule.stage_actions`).
+        schedule: the schedule's name; its actions are built and checked once per (schedule, stage, K, M)
+            (:func:`~lightning_gpipe.engine.schedule.cached_stage_actions`), not each step.
         microbatches: the step's micro-batches, the same on every stage.
         training: run the schedule's forward and backward passes; else forwards only.
         fingerprint: this stage's copy of the batch, checked against the other stages' (see :class:`Stage`).
@@ -54,16 +55,19 @@ class StepRun:
         fingerprint: Fingerprint | None = None,
     ) -> None:
         self.stage = stage
+        self.schedule = schedule
+        self.training = training
         self.microbatches = list(microbatches)
         K, M = stage.num_stages, len(self.microbatches)
+        self.actions: tuple[Action, ...]
         if training:
-            self.actions = stage_actions(schedule, stage.index, K, M)
+            self.actions = cached_stage_actions(schedule, stage.index, K, M)
         else:
-            self.actions = [Action(Phase.FORWARD, i) for i in range(M)]
+            self.actions = tuple(Action(Phase.FORWARD, i) for i in range(M))
         # The next stage sends gradients in its backward order; knowing it, this stage posts their receives early.
         gradient_order = None
         if training and not stage.is_last:
-            later = stage_actions(schedule, stage.index + 1, K, M)
+            later = cached_stage_actions(schedule, stage.index + 1, K, M)
             gradient_order = [action.microbatch for action in later if action.phase is Phase.BACKWARD]
         self._done = 0
         stage.begin_step([mb.size for mb in self.microbatches], fingerprint, gradient_order=gradient_order)
@@ -86,7 +90,7 @@ class StepRun:
 
     def remaining(self) -> list[Action]:
         """The actions that have not run yet, in order."""
-        return self.actions[self._done :]
+        return list(self.actions[self._done :])
 
     def _advance(self, action: Action) -> None:
         expected = self.next_action

@@ -1,0 +1,255 @@
+"""The step driver: one stage's step, from its caller's per-micro-batch step function to the last backward pass.
+
+Both drivers of a pipeline run it: :meth:`Pipeline.train_step <lightning_gpipe.engine.pipeline.Pipeline.train_step>`
+with ``loss_fn(output, micro-batch)`` as the step function, the Lightning strategy with the user's ``training_step``.
+:class:`StepDriver` owns the micro-batch loop in the schedule's order (through :class:`StepRun`), the one rule that
+weighs each micro-batch's loss, the gradients of backward passes run among the forwards (:class:`HeldGradients`), the
+backward passes, and the further calls of the sequence in an evaluation step (:class:`CallRelay`).
+
+A step runs in two phases, so that a caller may put something between them (Lightning zeroes gradients there):
+:meth:`StepDriver.forward_phase` runs the schedule's actions up to its last forward, :meth:`StepDriver.backward_phase`
+(training) or :meth:`StepDriver.finish` (evaluation) the rest. The step function calls :meth:`StepDriver.call` with the
+stage's input once per micro-batch; every action goes through :class:`StepRun`, which refuses one out of the schedule's
+order, so the driver walks actions, whatever phase and micro-batch they name.
+
+The loss-weighting rule: micro-batch ``i`` weighs ``w_i``, declared from its batch before the step (a module's
+``batch_loss_weight``), else the ``loss_weight`` its step returned where the schedule allows it, else its share of the
+samples (:func:`~lightning_gpipe.engine.microbatch.loss_weights`). A loss is weighed at its forward when its weight is
+known then (declared, by samples, or needed by a backward pass among the forwards); else once the forwards are over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from lightning_gpipe.engine.anomaly import check_finite
+from lightning_gpipe.engine.microbatch import Microbatch, count_weights, loss_weights
+from lightning_gpipe.engine.relay import CallRelay
+from lightning_gpipe.engine.schedule import Phase
+from lightning_gpipe.engine.step import HeldGradients, StepRun
+
+__all__ = ["StepDriver", "StepFn"]
+
+StepFn = Callable[[Microbatch], Any]
+"""One micro-batch's step: calls :meth:`StepDriver.call` once with the stage's input and returns, on the last stage of
+a training step, the loss or a mapping with a ``"loss"`` (and, where the schedule allows it, a ``"loss_weight"``)."""
+
+
+class StepDriver:
+    """One step of ``run.stage``: the step function per forward, the weighted losses, the backward passes.
+
+    Args:
+        run: the step begun on the stage (:meth:`Pipeline.begin <lightning_gpipe.engine.pipeline.Pipeline.begin>`).
+        hook: what the step function is called in messages (``"training_step"``, ``"validation_step"``...).
+        sequence: the pipelined sequence's name in messages.
+        returns_weights: whether a step may return ``loss_weight``; without, every loss is weighed at its forward.
+        declare: the module's ``batch_loss_weight(batch)``, which declares each micro-batch's weight before the step.
+        hold: the parameters whose gradients a backward pass among the forwards computes, held until
+            :meth:`backward_phase` (Lightning zeroes ``.grad`` in between); ``None`` to leave them in ``.grad``.
+        scale_loss: applied to a weighted loss before its backward pass (accumulation, a loss scaler).
+        check_losses: check each loss for NaN and Inf at its forward.
+        relay: serves the sequence's further calls of an evaluation step (decoding).
+    """
+
+    def __init__(
+        self,
+        run: StepRun,
+        *,
+        hook: str = "step",
+        sequence: str = "",
+        returns_weights: bool = False,
+        declare: object = None,
+        hold: Iterable[torch.Tensor] | None = None,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        check_losses: bool = False,
+        relay: CallRelay | None = None,
+    ) -> None:
+        self.run = run
+        self.stage = run.stage
+        self.hook = hook
+        self.sequence = sequence
+        self.returns_weights = returns_weights
+        self.declared: torch.Tensor | None = None  # the step's weights from `declare`, on the last stage
+        self.step_weights: torch.Tensor | None = None  # every micro-batch's weight, once :meth:`weigh` knows them
+        self.early = run.backward_before_last_forward and run.training
+        self._declare = declare
+        self._hold = hold
+        self._held: HeldGradients | None = None
+        self._scale_loss = scale_loss
+        self._check_losses = check_losses
+        self._relay = relay
+        self._losses: dict[int, torch.Tensor] = {}  # the last stage's losses, weighted once their weight is known
+        self._current: Microbatch | None = None
+        self._calls = 0
+
+    # --- the forward phase
+
+    def forward_phase(self, step: StepFn) -> list[Any]:
+        """Run the schedule's actions up to its last forward, each forward a call of ``step``; its outputs in order.
+
+        The backward passes among them (``"1f1b"``) run here, their gradients held when ``hold`` was given.
+        """
+        run = self.run
+        outputs: list[Any] = []
+        try:
+            if self._declare is not None and self.stage.is_last:
+                self.declared = self._declared_weights()  # known before the first forward: any schedule may use it
+            if self.early and self._hold is not None:
+                self._held = HeldGradients(self._hold)
+            for action in run.actions[: run.forward_span]:
+                mb = run.microbatches[action.microbatch]
+                if action.phase is Phase.BACKWARD:
+                    run.backward(mb.index, self._backward_loss(mb.index))
+                    continue
+                outputs.append(self._step(step, mb))
+                if run.training and self.stage.is_last:
+                    self._losses[mb.index] = self._loss_at_forward(mb, outputs[-1])
+            if self._held is not None:
+                self._held.hold()
+        except BaseException as error:
+            self.abort(error)
+            raise
+        return outputs
+
+    def _step(self, step: StepFn, mb: Microbatch) -> Any:
+        self._current, self._calls = mb, 0
+        try:
+            output = step(mb)
+        finally:
+            self._current = None
+        if self._calls == 0:
+            raise RuntimeError(
+                f"{self.hook} returned without calling the pipelined sequence {self.sequence!r}"
+                "; GPipeStrategy pipelines that call, so every step must pass its input through it once"
+            )
+        return output
+
+    def call(self, value: Any) -> Any:
+        """The sequence's call in the running step function: the schedule's forward first, then further calls.
+
+        ``value`` is the stage's input (used on stage 0 only). A further call of one micro-batch's step is relayed
+        through every stage (:class:`CallRelay`, evaluation only).
+        """
+        mb = self._current
+        if mb is None:
+            raise RuntimeError("the pipelined sequence was called outside a step of the pipeline")
+        self._calls += 1
+        if self._calls == 1:
+            return self.run.forward(mb.index, value if self.stage.is_first else None)
+        if self._relay is None:
+            raise RuntimeError(
+                "the step called the pipelined sequence twice for one batch; under GPipeStrategy each step "
+                "passes its input through the sequence exactly once (validation, test and predict steps may call "
+                "it again, e.g. to decode)"
+            )
+        return self._relay.call(mb.index, value)  # decoding: only the last stage gets here
+
+    # --- the one loss-weighting rule
+
+    def _declared_weights(self) -> torch.Tensor:
+        declare = self._declare
+        if not callable(declare):
+            raise TypeError(
+                f"batch_loss_weight is a {type(declare).__name__}; GPipeStrategy calls it as a method "
+                "batch_loss_weight(batch) -> the number of elements the loss of `batch` averages over; rename it"
+            )
+        return count_weights([declare(mb.value) for mb in self.run.microbatches], self.stage.transport.device)
+
+    def _loss_at_forward(self, mb: Microbatch, output: Any) -> torch.Tensor:
+        """The loss ``output`` holds for ``mb``, weighted if its weight is known at its forward."""
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"{self.hook} returned {type(output).__name__}; under GPipeStrategy it must return the loss "
+                "tensor or a dict with a 'loss' tensor for every batch"
+            )
+        if self._check_losses:
+            check_finite(self.stage.index, mb.index, "the loss", loss)
+        if isinstance(output, Mapping) and "loss_weight" in output:
+            if self.declared is not None:
+                raise ValueError(
+                    f"{self.hook} returned 'loss_weight' and {_owner(self._declare)} declares batch_loss_weight(batch) "
+                    "too; say it once: drop 'loss_weight' from the step's output"
+                )
+            if self.early:
+                raise ValueError(
+                    f"{self.hook} returned 'loss_weight' under schedule={self.run.schedule!r}, which runs the backward "
+                    "of micro-batch 0 before the forward of the last one, before the weights of all micro-batches are "
+                    "known. Use schedule='gpipe', or declare the weight from the batch before the schedule runs: a "
+                    "method batch_loss_weight(batch) on the LightningModule, without 'loss_weight'."
+                )
+        if self.returns_weights and not self.early:
+            return loss  # weighed once every micro-batch's step has returned
+        return loss * (mb.weight if self.declared is None else self.declared[mb.index].to(loss.dtype))
+
+    def weights(self, outputs: list[Any], device: torch.device) -> torch.Tensor:
+        """Each micro-batch's share of the step's loss and logs: declared, returned, or by samples (float64)."""
+        if self.declared is not None:
+            return self.declared
+        return loss_weights(outputs, self.run.microbatches, device)
+
+    def weigh(self, outputs: list[Any]) -> torch.Tensor:
+        """After the forward phase on the last stage: the step's total loss (detached), its losses weighted.
+
+        Where a step may return ``loss_weight``, every loss is weighed now, by :attr:`step_weights`, and the backward
+        passes still to run start from these.
+        """
+        if not self.returns_weights:
+            return torch.stack([self._losses[i].detach() for i in sorted(self._losses)]).sum()
+        losses = [output["loss"] if isinstance(output, Mapping) else output for output in outputs]
+        self.step_weights = weights = self.weights(outputs, losses[0].device)
+        weighted = [loss * weight.to(loss.dtype) for loss, weight in zip(losses, weights, strict=True)]
+        pending = {action.microbatch for action in self.run.remaining()}
+        self._losses = {i: loss for i, loss in enumerate(weighted) if i in pending}
+        return torch.stack([loss.detach() for loss in weighted]).sum()
+
+    def _backward_loss(self, index: int) -> torch.Tensor | None:
+        """What the backward of micro-batch ``index`` starts from: its weighted loss on the last stage, scaled."""
+        if not self.stage.is_last:
+            return None
+        loss = self._losses[index]
+        return self._scale_loss(loss) if self._scale_loss is not None else loss
+
+    # --- the backward phase, the end
+
+    def backward_phase(self) -> None:
+        """Add the held gradients back, run the schedule's remaining (backward) actions, and end the step."""
+        run = self.run
+        try:
+            if self._held is not None:
+                self._held.release()
+                self._held = None
+            for action in run.remaining():  # the schedule's actions after its last forward: backward passes only
+                run.backward(action.microbatch, self._backward_loss(action.microbatch))
+            run.end()
+        except BaseException as error:
+            self.abort(error)
+            raise
+
+    def finish(self) -> None:
+        """End an evaluation step: the last stage ends its further calls, the others serve them, then the step ends."""
+        try:
+            if self._relay is not None:
+                if self.stage.is_last:
+                    self._relay.finish()
+                else:
+                    self._relay.serve()
+            self.run.end()
+        except BaseException as error:
+            self.abort(error)
+            if self._relay is not None:
+                self._relay.abort(repr(error))
+            raise
+
+    def abort(self, error: BaseException) -> None:
+        """Drop the step after ``error`` and tell the other stages (see :meth:`StepRun.abort`)."""
+        self.run.abort(repr(error))
+
+
+def _owner(method: object) -> str:
+    """The class name of a bound method's object, as messages name the module that declares it."""
+    owner = getattr(method, "__self__", None)
+    return type(owner).__name__ if owner is not None else "the module"
