@@ -26,6 +26,7 @@ several stages, so their actions name their stage and come per process (:func:`p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -36,6 +37,7 @@ __all__ = [
     "Action",
     "Phase",
     "bubble_fraction",
+    "cached_stage_actions",
     "clock_cycles",
     "dependencies",
     "process_actions",
@@ -150,6 +152,12 @@ def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: 
     for i in range(M - warmup):
         actions += [forwards[warmup + i], backwards[i]]
     return actions + backwards[M - warmup :]
+
+
+@functools.lru_cache(maxsize=None, typed=True)  # typed: stage=True must not find stage=1's actions
+def cached_stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> tuple[Action, ...]:
+    """:func:`stage_actions`, built and checked once per ``(schedule, stage, K, M)`` and shared by every step."""
+    return tuple(stage_actions(schedule, stage, num_stages, num_microbatches))
 
 
 def dependencies(stage: int, action: Action, num_stages: int) -> list[tuple[int, Action]]:

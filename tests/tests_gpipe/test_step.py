@@ -48,6 +48,27 @@ def test_a_step_cannot_end_with_actions_left() -> None:
     run.abort("test")
 
 
+def test_every_step_reuses_the_schedules_actions_built_once() -> None:
+    # StepRun asked the schedule for its actions, checking the schedule's name and K, M, twice per step (its own and
+    # the next stage's); they are built once per (schedule, stage, K, M) and later steps, of any stage, share them.
+    pipeline = one_stage("1f1b")
+    actions = []
+    for _ in range(2):
+        run = pipeline.begin((torch.randn(8, 4),))
+        actions.append(run.actions)
+        outputs = {}
+        for action in run.actions:
+            mb = run.microbatches[action.microbatch]
+            if action.phase is Phase.FORWARD:
+                outputs[mb.index] = run.forward(mb.index, mb.value[0]).sum()
+            else:
+                run.backward(mb.index, outputs.pop(mb.index))
+        run.end()
+    other = one_stage("1f1b").begin((torch.randn(8, 4),))
+    assert actions[0] is actions[1] is other.actions
+    other.abort("test")
+
+
 def test_held_gradients_survive_a_zero_grad_and_add_to_what_is_there() -> None:
     weight = torch.nn.Parameter(torch.ones(3))
     weight.grad = torch.full((3,), 10.0)  # accumulated by an earlier batch
