@@ -11,6 +11,11 @@ give?" for models far larger than the machine it runs on.
 With equal stages and free transfers the fill-drain makespan is ``(M + K - 1)·(f + b)`` and the bubble is
 ``(K - 1)/(M + K - 1)``, the paper's figure; unequal stages, recomputation and transfers move both, which is what the
 planner needs to know.
+
+The same replay runs the schedules whose processes hold several stages or split the backward pass
+(:data:`~lightning_gpipe.engine.schedule.PLANNED_SCHEDULES`): times are then given per stage, a process runs its
+stages' actions (:func:`~lightning_gpipe.engine.schedule.process_actions`) one at a time, and a zero-bubble backward
+takes ``backward - weight`` seconds for its input gradient and ``weight`` for its weight gradient.
 """
 
 from __future__ import annotations
@@ -19,16 +24,24 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_gpipe.engine.schedule import Action, Phase, dependencies, stage_actions, validate_schedule
+from lightning_gpipe.engine.schedule import (
+    PLANNED_SCHEDULES,
+    SCHEDULES,
+    Action,
+    Phase,
+    dependencies,
+    process_actions,
+    stages_of,
+)
 
 __all__ = ["SimulatedStep", "Span", "in_flight", "simulate_step"]
 
 
 @dataclass(frozen=True)
 class Span:
-    """One action of one stage in a simulated step: ``[start, end)`` in seconds from the step's start."""
+    """One action of one process in a simulated step: ``[start, end)`` in seconds from the step's start."""
 
-    stage: int
+    stage: int  # the process that runs it, which is its stage when each process holds one (else ``action.stage``)
     action: Action
     start: float
     end: float
@@ -40,18 +53,18 @@ class SimulatedStep:
 
     schedule: str
     num_microbatches: int
-    spans: tuple[tuple[Span, ...], ...]  # per stage, in the stage's order
+    spans: tuple[tuple[Span, ...], ...]  # per process, in the process's order
     makespan: float
-    updates: tuple[float, ...] = ()  # per stage: the optimizer step's seconds after its last action
+    updates: tuple[float, ...] = ()  # per process: the optimizer step's seconds after its last action
 
     @property
     def num_stages(self) -> int:
-        """K, the number of stages."""
+        """K, the number of processes (of stages, when each process holds one)."""
         return len(self.spans)
 
     @property
     def busy(self) -> tuple[float, ...]:
-        """Seconds each stage spends computing (the sum of its spans and its optimizer step)."""
+        """Seconds each process spends computing (the sum of its spans and its optimizer step)."""
         updates = self.updates or (0.0,) * len(self.spans)
         return tuple(
             sum(span.end - span.start for span in spans) + update
@@ -60,20 +73,25 @@ class SimulatedStep:
 
     @property
     def bubble(self) -> float:
-        """The idle share of the K stages over the makespan: ``1 - sum(busy) / (K · makespan)``."""
+        """The idle share of the K processes over the makespan: ``1 - sum(busy) / (K · makespan)``."""
         if self.makespan <= 0:
             return 0.0
         return 1.0 - sum(self.busy) / (self.num_stages * self.makespan)
 
 
-def in_flight(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
+def in_flight(schedule: str, stage: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> int:
     """The most micro-batches whose forward has run on ``stage`` while their backward has not: what it must keep.
 
-    Fill-drain keeps all ``M``; one-forward-one-backward keeps ``min(K - stage, M)``.
+    Fill-drain keeps all ``M``; one-forward-one-backward keeps ``min(K - stage, M)``. When a process holds several
+    stages (``stage`` is then the process, ``num_stages`` the number of processes), each stage's micro-batch counts
+    one; a split backward frees its micro-batch at its weight gradient, the last pass that reads it.
     """
     held = most = 0
-    for action in stage_actions(schedule, stage, num_stages, num_microbatches):
-        held += 1 if action.phase is Phase.FORWARD else -1
+    for action in process_actions(schedule, stage, num_stages, num_microbatches, virtual_stages):
+        if action.phase is Phase.FORWARD:
+            held += 1
+        elif action.phase is not Phase.INPUT:
+            held -= 1
         most = max(most, held)
     return most
 
@@ -100,87 +118,116 @@ def simulate_step(
     update: Sequence[float] | None = None,
     checkpoint_forward: Sequence[float] | None = None,
     first_send_parked: bool = False,
+    weight: Sequence[float] | None = None,
+    virtual_stages: int = 1,
 ) -> SimulatedStep:
     """Simulate one training step of a ``len(forward)``-stage pipeline.
 
     Args:
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"`` or ``"1f1b"``, or one of
+            :data:`~lightning_gpipe.engine.schedule.PLANNED_SCHEDULES`.
         forward: seconds of one micro-batch's forward pass, per stage.
         backward: seconds of one micro-batch's backward pass, per stage (without recomputation).
         num_microbatches: M.
         transfer: seconds for a boundary value (and, backwards, its gradient) to cross from stage ``j`` to ``j + 1``;
-            one number for every boundary or one per boundary (K - 1 entries).
+            one number for every boundary or one per boundary (K - 1 entries). Stages on one process pass values
+            for free.
         recompute: seconds the re-materialized forward adds to a backward pass, per stage; defaults to ``forward``.
+            A split backward pays it in its input gradient only: the weight gradient reuses what it rebuilt.
         checkpoint_stop: micro-batches ``i < checkpoint_stop`` are re-materialized (see
             :func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`); 0 for none.
         update: seconds of each stage's optimizer step, which follows its last backward pass; the step ends when
-            the last stage to finish has stepped (in fill-drain that is stage 0, whose backward ends the step).
+            the last stage to finish has stepped (in fill-drain that is stage 0, whose backward ends the step). A
+            process holding several stages steps them all after its last action.
         checkpoint_forward: seconds re-materialization adds to the forward pass of a re-materialized micro-batch,
             per stage (the checkpoint wrapper's work in the first pass); none by default.
         first_send_parked: the first value each stage sends forward in a step leaves only once that stage has
             finished its next forward, as over gloo: the receiver posts that receive after it has read the step's
             header, gloo parks a send whose receive is not posted yet, and the parked send moved when its sender
-            next called the transport (one forward later: 6.4 ms against 0.5-0.8 ms for the step's other messages
-            on this project's CPU machines).
+            next called the transport, one forward later (measured in docs/benchmarks/plan.md).
+        weight: seconds of the weight-gradient part of each stage's backward, which ``"zero_bubble"`` and ``"zbv"``
+            run as an action of its own; the input gradient takes the rest of ``backward``. Defaults to half of it.
+        virtual_stages: stages per process for ``"interleaved"`` (the pipeline then has ``len(forward) // v``
+            processes; ``"zbv"`` always has two).
 
     Raises:
         ValueError: unknown schedule, mismatched lengths, or negative or non-finite times.
-        RuntimeError: the stages' orders are inconsistent with
+        RuntimeError: the processes' orders are inconsistent with
             :func:`~lightning_gpipe.engine.schedule.dependencies` (a deadlock).
     """
-    schedule = validate_schedule(schedule)
-    K = len(forward)
-    if K < 1:
+    if not (isinstance(schedule, str) and schedule in SCHEDULES + PLANNED_SCHEDULES):
+        valid = ", ".join(repr(s) for s in SCHEDULES + PLANNED_SCHEDULES)
+        raise ValueError(f"Unknown pipeline schedule {schedule!r}. HINT: use one of {valid}.")
+    S = len(forward)
+    if S < 1:
         raise ValueError("forward is empty; give one forward time per stage (at least one stage)")
-    fwd = _per_stage("forward", forward, K)
-    bwd = _per_stage("backward", backward, K)
-    extra = fwd if recompute is None else _per_stage("recompute", recompute, K)
-    links = _per_stage("transfer", transfer, K - 1)
-    updates = [0.0] * K if update is None else _per_stage("update", update, K)
-    wrapped = [0.0] * K if checkpoint_forward is None else _per_stage("checkpoint_forward", checkpoint_forward, K)
+    per_process = len(stages_of(schedule, 0, 1, virtual_stages))
+    if S % per_process:
+        raise ValueError(
+            f"forward has {S} entries, but schedule={schedule!r} places {per_process} stages on each process; "
+            f"give a multiple of {per_process} stage times"
+        )
+    K = S // per_process
+    fwd = _per_stage("forward", forward, S)
+    bwd = _per_stage("backward", backward, S)
+    extra = fwd if recompute is None else _per_stage("recompute", recompute, S)
+    links = _per_stage("transfer", transfer, S - 1)
+    updates = [0.0] * S if update is None else _per_stage("update", update, S)
+    wrapped = [0.0] * S if checkpoint_forward is None else _per_stage("checkpoint_forward", checkpoint_forward, S)
+    weights = [b / 2 for b in bwd] if weight is None else _per_stage("weight", weight, S)
+    if any(w > b for w, b in zip(weights, bwd, strict=True)):
+        raise ValueError(f"weight holds {weights}, more than backward {bwd}; the weight gradient is part of backward")
     M = num_microbatches
-    orders = [stage_actions(schedule, j, K, M) for j in range(K)]
+    orders = [process_actions(schedule, r, K, M, virtual_stages) for r in range(K)]
+    owner = {s: r for r in range(K) for s in stages_of(schedule, r, K, virtual_stages)}
 
-    def duration(j: int, action: Action) -> float:
-        rematerialized = action.microbatch < checkpoint_stop
+    def duration(action: Action) -> float:
+        s, rematerialized = action.stage, action.microbatch < checkpoint_stop
+        assert s is not None
         if action.phase is Phase.FORWARD:
-            return fwd[j] + (wrapped[j] if rematerialized else 0.0)
-        return bwd[j] + (extra[j] if rematerialized else 0.0)
+            return fwd[s] + (wrapped[s] if rematerialized else 0.0)
+        if action.phase is Phase.WEIGHT:
+            return weights[s]
+        own = bwd[s] - weights[s] if action.phase is Phase.INPUT else bwd[s]
+        return own + (extra[s] if rematerialized else 0.0)
 
-    def released_by(j: int, dep: tuple[int, Action]) -> tuple[int, Action] | None:
-        # The sender's action whose end lets a parked first send go: its next forward, if it has one.
-        other, action = dep
-        if not first_send_parked or other >= j or orders[other][0] != action or len(orders[other]) < 2:
+    def released_by(stage: int, dep: Action) -> Action | None:
+        # The sender's action whose end lets a parked first send go forward: its next forward, if it has one.
+        assert dep.stage is not None
+        sender = orders[owner[dep.stage]]
+        if not first_send_parked or dep.stage >= stage or sender[0] != dep or len(sender) < 2:
             return None
-        following = orders[other][1]
-        return (other, following) if following.phase is Phase.FORWARD else None
+        return sender[1] if sender[1].phase is Phase.FORWARD else None
 
-    def arrival(j: int, dep: tuple[int, Action], end: float) -> float:
-        # A value produced on another stage crosses the link between the two before it can be used.
-        other = dep[0]
-        if other == j:
+    def arrival(stage: int, dep: Action, end: float) -> float:
+        # A value produced on another process crosses the link between the two stages before it can be used.
+        assert dep.stage is not None
+        if owner[dep.stage] == owner[stage]:
             return end
-        release = released_by(j, dep)
-        return max(end + links[min(j, other)], finished[release] if release is not None else 0.0)
+        release = released_by(stage, dep)
+        return max(end + links[min(stage, dep.stage)], finished[release] if release is not None else 0.0)
 
-    finished: dict[tuple[int, Action], float] = {}
+    finished: dict[Action, float] = {}
     spans: list[list[Span]] = [[] for _ in range(K)]
     ready = list(range(K))
     while ready:
-        j = ready.pop()
-        while len(spans[j]) < len(orders[j]):
-            action = orders[j][len(spans[j])]
-            deps = dependencies(j, action, K)
-            releases = [release for dep in deps if (release := released_by(j, dep)) is not None]
+        r = ready.pop()
+        while len(spans[r]) < len(orders[r]):
+            action = orders[r][len(spans[r])]
+            s = action.stage
+            assert s is not None
+            deps = [dep for _, dep in dependencies(s, action, S)]
+            releases = [release for dep in deps if (release := released_by(s, dep)) is not None]
             if any(dep not in finished for dep in [*deps, *releases]):
                 break
-            start = max([arrival(j, dep, finished[dep]) for dep in deps] + [spans[j][-1].end if spans[j] else 0.0])
-            end = start + duration(j, action)
-            finished[(j, action)] = end
-            spans[j].append(Span(j, action, start, end))
-            ready.extend(n for n in (j - 1, j + 1) if 0 <= n < K and n not in ready)
-    stuck = {j: str(orders[j][len(done)]) for j, done in enumerate(spans) if len(done) < len(orders[j])}
+            start = max([arrival(s, dep, finished[dep]) for dep in deps] + [spans[r][-1].end if spans[r] else 0.0])
+            end = start + duration(action)
+            finished[action] = end
+            spans[r].append(Span(r, action, start, end))
+            ready.extend(n for n in range(K) if n != r and n not in ready)
+    stuck = {r: str(orders[r][len(done)]) for r, done in enumerate(spans) if len(done) < len(orders[r])}
     if stuck:
         raise RuntimeError(f"schedule {schedule!r} deadlocks with K={K}, M={M}: stuck {stuck}")
-    makespan = max(stage[-1].end + updates[j] for j, stage in enumerate(spans))
-    return SimulatedStep(schedule, M, tuple(tuple(stage) for stage in spans), makespan, tuple(updates))
+    stepped = [sum(updates[s] for s, r in owner.items() if r == p) for p in range(K)]
+    makespan = max(spans[r][-1].end + stepped[r] for r in range(K))
+    return SimulatedStep(schedule, M, tuple(tuple(process) for process in spans), makespan, tuple(stepped))

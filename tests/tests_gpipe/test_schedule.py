@@ -9,18 +9,24 @@ from pathlib import Path
 import pytest
 
 from lightning_gpipe.engine.schedule import (
+    PLANNED_SCHEDULES,
     SCHEDULES,
     Action,
     Phase,
     bubble_fraction,
     clock_cycles,
     dependencies,
+    process_actions,
     stage_actions,
+    stages_of,
     validate_schedule,
 )
 from lightning_gpipe.plan.simulate import simulate_step
 
 GRID = [(K, M) for K in range(1, 7) for M in range(1, 13)]
+F, B, I, W = Phase.FORWARD, Phase.BACKWARD, Phase.INPUT, Phase.WEIGHT  # noqa: E741 (the papers' letters)
+# Every schedule with the stages per process it is tried with: (schedule, virtual_stages).
+ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1), ("zbv", 1)]
 
 
 def simulate(schedule: str, K: int, M: int, forward_time: float = 1.0, backward_time: float = 2.0) -> list[list[tuple]]:
@@ -81,7 +87,7 @@ def test_1f1b_actions(K, M, expected):
 def test_every_stage_runs_each_pass_once_forward_first(schedule, K, M):
     for j in range(K):
         actions = stage_actions(schedule, j, K, M)
-        expected = {Action(p, i) for p in Phase for i in range(M)}
+        expected = {Action(p, i) for p in (F, B) for i in range(M)}
         assert len(actions) == 2 * M
         assert set(actions) == expected
         position = {a: n for n, a in enumerate(actions)}
@@ -101,25 +107,25 @@ def test_dependencies():
 @pytest.mark.parametrize(("K", "M"), GRID)
 def test_simulate_never_deadlocks_and_respects_dependencies(schedule, K, M):
     timeline = simulate(schedule, K, M)
-    end = {(j, a): e for j, spans in enumerate(timeline) for _, e, a in spans}
+    end = {a: e for spans in timeline for _, e, a in spans}
     for j, spans in enumerate(timeline):
-        assert [a for _, _, a in spans] == stage_actions(schedule, j, K, M)
+        assert [a for _, _, a in spans] == process_actions(schedule, j, K, M)
         previous_end = 0.0
         for start, stop, action in spans:
             assert start >= previous_end
             previous_end = stop
-            assert all(start >= end[dep] for dep in dependencies(j, action, K))
+            assert all(start >= end[dep] for _, dep in dependencies(j, action, K))
 
 
 def test_simulate_reports_a_deadlock(monkeypatch):
     from lightning_gpipe.plan import simulate as simulate_module
 
     # The detector itself must fire: here every stage's first backward waits on a forward that comes after it.
-    def backwards_first(schedule, stage, num_stages, num_microbatches):
-        return [Action(Phase.BACKWARD, 0), Action(Phase.FORWARD, 0)]
+    def backwards_first(schedule, rank, num_processes, num_microbatches, virtual_stages):
+        return [Action(Phase.BACKWARD, 0, rank), Action(Phase.FORWARD, 0, rank)]
 
-    monkeypatch.setattr(simulate_module, "stage_actions", backwards_first)
-    with pytest.raises(RuntimeError, match=r"deadlocks with K=2, M=1: stuck \{0: 'B0', 1: 'B0'\}"):
+    monkeypatch.setattr(simulate_module, "process_actions", backwards_first)
+    with pytest.raises(RuntimeError, match=r"deadlocks with K=2, M=1: stuck \{0: 'B0@0', 1: 'B0@1'\}"):
         simulate("gpipe", 2, 1)
 
 
@@ -217,3 +223,203 @@ def test_the_schedule_imports_the_standard_library_only():
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             imported.add(node.module.partition(".")[0])
     assert imported <= sys.stdlib_module_names | {"__future__"}, imported - sys.stdlib_module_names
+
+
+# --- Schedules whose processes hold several stages or split the backward pass (generated, not yet run) ---------
+
+
+def names_of(schedule: str, K: int, M: int, v: int = 1) -> list[str]:
+    return [" ".join(str(a) for a in process_actions(schedule, r, K, M, v)) for r in range(K)]
+
+
+def replay(schedule: str, K: int, M: int, v: int = 1) -> list[Action]:
+    """Run every process's list in order, each action once its dependencies have run; the order they ran in."""
+    orders = [process_actions(schedule, r, K, M, v) for r in range(K)]
+    num_stages = K * len(stages_of(schedule, 0, K, v))
+    done: list[Action] = []
+    seen: set[Action] = set()
+    position = [0] * K
+    moved = True
+    while moved:
+        moved = False
+        for r, order in enumerate(orders):
+            while position[r] < len(order):
+                action = order[position[r]]
+                if any(dep not in seen for _, dep in dependencies(action.stage, action, num_stages)):
+                    break
+                done.append(action)
+                seen.add(action)
+                position[r] += 1
+                moved = True
+    stuck = {r: str(order[position[r]]) for r, order in enumerate(orders) if position[r] < len(order)}
+    assert not stuck, f"{schedule} deadlocks with K={K}, M={M}, v={v}: stuck {stuck}"
+    return done
+
+
+def allowed(schedule: str, K: int, M: int) -> bool:
+    # Interleaved rounds must split M evenly (see test_interleaved_refuses_chunks_its_rounds_cannot_split).
+    return schedule != "interleaved" or M % max(1, M // K) == 0
+
+
+PROCESS_GRID = [(K, M) for K in range(1, 9) for M in (1, 2, 3, 4, 5, 7, 8, 12, 16, 24)]
+
+
+def test_actions_name_their_stage_and_phase_letter():
+    assert str(Action(Phase.INPUT, 2, 5)) == "I2@5"
+    assert str(Action(Phase.WEIGHT, 0, 0)) == "W0@0"
+    assert str(Action(Phase.BACKWARD, 1)) == "B1"
+    assert Action(Phase.FORWARD, 1) != Action(Phase.FORWARD, 1, 0)
+    with pytest.raises(ValueError, match=r"Action.stage must be an int >= 0 or None, got -1"):
+        Action(Phase.FORWARD, 0, -1)
+
+
+def test_the_new_schedules_are_generated_but_not_run():
+    # Until the step driver runs them, the strategy and Pipeline (validate_schedule, stage_actions) refuse them.
+    assert set(PLANNED_SCHEDULES) == {"interleaved", "zero_bubble", "zbv"}
+    assert not set(PLANNED_SCHEDULES) & set(SCHEDULES)
+    for name in PLANNED_SCHEDULES:
+        with pytest.raises(ValueError, match=rf"Unknown pipeline schedule '{name}'\. HINT: use one of 'gpipe', '1f1b'"):
+            validate_schedule(name)
+        with pytest.raises(ValueError, match="Unknown pipeline schedule"):
+            stage_actions(name, 0, 2, 4)
+
+
+def test_stages_of():
+    assert stages_of("1f1b", 2, 4) == (2,)
+    assert stages_of("zero_bubble", 3, 4) == (3,)
+    assert stages_of("interleaved", 1, 4, 2) == (1, 5)
+    assert stages_of("interleaved", 0, 2, 3) == (0, 2, 4)
+    assert stages_of("zbv", 1, 4) == (1, 6)
+    assert stages_of("zbv", 0, 1, 2) == (0, 1)
+    # Every stage sits on exactly one process.
+    for schedule, v in ALL:
+        for K in range(1, 6):
+            held = [s for r in range(K) for s in stages_of(schedule, r, K, v)]
+            assert sorted(held) == list(range(K * len(stages_of(schedule, 0, K, v))))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("K", "M"), [(1, 1), (2, 3), (4, 6), (4, 2)])
+def test_process_actions_of_one_stage_schedules_are_stage_actions_with_the_stage(schedule, K, M):
+    for r in range(K):
+        assert process_actions(schedule, r, K, M) == [
+            Action(a.phase, a.microbatch, r) for a in stage_actions(schedule, r, K, M)
+        ]
+
+
+def test_zero_bubble_h1_actions():
+    # K=2, M=3: stage 0 runs 1F1B with B split and W right after I; stage 1 (the last) defers its W by one
+    # micro-batch, so its I, which stage 0 waits for, goes first.
+    assert names_of("zero_bubble", 2, 3) == [
+        "F0@0 F1@0 I0@0 W0@0 F2@0 I1@0 W1@0 I2@0 W2@0",
+        "F0@1 I0@1 F1@1 I1@1 W0@1 F2@1 I2@1 W1@1 W2@1",
+    ]
+
+
+def test_interleaved_actions():
+    # K=2, v=2, M=4: process 0 holds stages 0 and 2, process 1 stages 1 and 3; rounds of 2 micro-batches; warm-up
+    # (v-1)·2 + 2·(K-1-r) forwards, then one forward and one backward, backwards from the last stage first.
+    assert names_of("interleaved", 2, 4, 2) == [
+        "F0@0 F1@0 F0@2 F1@2 F2@0 B0@2 F3@0 B1@2 F2@2 B0@0 F3@2 B1@0 B2@2 B3@2 B2@0 B3@0",
+        "F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 F2@1 B0@1 F3@1 B1@1 F2@3 B2@3 F3@3 B3@3 B2@1 B3@1",
+    ]
+
+
+def test_zbv_actions():
+    # K=2, M=4: process 0 holds stages 0 and 3 (the V's two ends), process 1 stages 1 and 2 (its bottom).
+    assert names_of("zbv", 2, 4) == [
+        "F0@0 F1@0 F2@0 F0@3 I0@3 W0@3 F1@3 I1@3 W1@3 F3@0 I0@0 W0@0 F2@3 I2@3 W2@3 I1@0 W1@0 F3@3 I3@3 W3@3 "
+        "I2@0 W2@0 I3@0 W3@0",
+        "F0@1 F0@2 F1@1 F1@2 I0@2 W0@2 F2@1 I0@1 W0@1 F2@2 I1@2 W1@2 F3@1 I1@1 W1@1 F3@2 I2@2 W2@2 I2@1 I3@2 "
+        "I3@1 W2@1 W3@2 W3@1",
+    ]
+
+
+@pytest.mark.parametrize(("schedule", "v"), ALL)
+@pytest.mark.parametrize(("K", "M"), PROCESS_GRID)
+def test_every_pass_runs_once_on_the_process_holding_its_stage_and_never_deadlocks(schedule, v, K, M):
+    if not allowed(schedule, K, M):
+        pytest.skip("chunks that interleaved rounds cannot split")
+    split = schedule in ("zero_bubble", "zbv")
+    phases = (F, I, W) if split else (F, B)
+    for r in range(K):
+        actions = process_actions(schedule, r, K, M, v)
+        expected = [Action(p, i, s) for s in stages_of(schedule, r, K, v) for p in phases for i in range(M)]
+        assert sorted(actions, key=str) == sorted(expected, key=str)  # each exactly once, nothing else
+        position = {a: n for n, a in enumerate(actions)}
+        for s in stages_of(schedule, r, K, v):
+            for i in range(M):
+                chain = [position[Action(p, i, s)] for p in phases]
+                assert chain == sorted(chain), f"{schedule}: the passes of micro-batch {i} on stage {s} out of order"
+    ran = replay(schedule, K, M, v)
+    assert len(ran) == K * len(stages_of(schedule, 0, K, v)) * M * len(phases)
+
+
+def held(actions: list[Action], frees: tuple[Phase, ...]) -> int:
+    """The most (micro-batch, stage) pairs at once whose forward has run and whose freeing pass has not."""
+    count = most = 0
+    for action in actions:
+        count += 1 if action.phase is F else -1 if action.phase in frees else 0
+        most = max(most, count)
+    return most
+
+
+@pytest.mark.parametrize(("K", "M"), PROCESS_GRID)
+def test_zero_bubble_keeps_1f1bs_activations(K, M):
+    # ZB-H1's promise: no process keeps more micro-batches than 1F1B's first stage (min(K, M)) until their W, and
+    # what the input gradient needs (everything the forward saved) stays within 1F1B's bound of its own stage.
+    for r in range(K):
+        actions = process_actions("zero_bubble", r, K, M)
+        assert held(actions, (W,)) <= min(K, M)
+        assert held(actions, (I,)) == held(stage_actions("1f1b", r, K, M), (B,)) == min(K - r, M)
+
+
+@pytest.mark.parametrize(("K", "M"), PROCESS_GRID)
+def test_zbv_keeps_1f1bs_activations(K, M):
+    # Each of the two stages holds half of a process's layers: 2·min(K, M) half-stage micro-batches are the
+    # activations of min(K, M) whole ones, 1F1B's first stage.
+    for r in range(K):
+        assert held(process_actions("zbv", r, K, M), (W,)) <= 2 * min(K, M)
+
+
+def test_interleaved_refuses_chunks_its_rounds_cannot_split():
+    # Rounds of M // max(1, M // K) micro-batches: K=4 takes M <= 4, multiples of 4, and M=10 (rounds of 5).
+    for M in (1, 3, 4, 6, 8, 10, 12):
+        process_actions("interleaved", 0, 4, M, 2)
+    with pytest.raises(
+        ValueError,
+        match=r"needs chunks to be a multiple of max\(1, chunks // pipe_size\) = 2; "
+        r"got chunks=9 with pipe_size=4\. HINT: use chunks <= 4 or a multiple of 4, such as 8 or 12",
+    ):
+        process_actions("interleaved", 0, 4, 9, 2)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (
+            ("interleaved", 0, 2, 4, 1),
+            ValueError,
+            r"schedule='interleaved' needs virtual_stages >= 2.*HINT: pass virtual",
+        ),
+        (("1f1b", 0, 2, 4, 2), ValueError, r"virtual_stages=2 applies to schedule='interleaved' only\. HINT"),
+        (("zbv", 0, 2, 4, 3), ValueError, r"virtual_stages=3 applies to schedule='interleaved' only; schedule='zbv'"),
+        (("interleaved", 0, 2, 4, 2.0), TypeError, r"virtual_stages must be an int, got 2\.0 of type float"),
+        (("zb", 0, 2, 4, 1), ValueError, r"Unknown pipeline schedule 'zb'\. HINT: use one of 'gpipe', '1f1b', 'interl"),
+        (("zbv", 2, 2, 4, 1), ValueError, r"stage must satisfy 0 <= stage < num_stages = 2, got stage=2"),
+        (("zbv", 0, 2, 0, 1), ValueError, r"num_microbatches must be >= 1, got 0"),
+    ],
+)
+def test_process_actions_validation(args, error, match):
+    with pytest.raises(error, match=match):
+        process_actions(*args)
+
+
+def test_dependencies_across_stages_and_of_split_backwards():
+    assert dependencies(3, Action(F, 2, 3), 6) == [(2, Action(F, 2, 2))]
+    assert dependencies(3, Action(I, 2, 3), 6) == [(3, Action(F, 2, 3)), (4, Action(I, 2, 4))]
+    assert dependencies(5, Action(I, 2, 5), 6) == [(5, Action(F, 2, 5))]
+    assert dependencies(3, Action(W, 2, 3), 6) == [(3, Action(I, 2, 3))]
+    assert dependencies(0, Action(B, 1, 0), 2) == [(0, Action(F, 1, 0)), (1, Action(B, 1, 1))]
+    with pytest.raises(ValueError, match=r"F2@3 runs on stage 3, not on stage=2\. HINT: pass stage=action\.stage"):
+        dependencies(2, Action(F, 2, 3), 6)

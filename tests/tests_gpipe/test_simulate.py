@@ -107,3 +107,98 @@ def test_a_parked_first_send_leaves_when_its_stage_finishes_the_next_forward() -
     for schedule in ("gpipe", "1f1b"):  # every schedule still completes
         step = simulate_step(schedule, [1.0] * 3, [2.0] * 3, 4, transfer=0.1, first_send_parked=True)
         assert step.makespan > simulate_step(schedule, [1.0] * 3, [2.0] * 3, 4, transfer=0.1).makespan
+
+
+def split(schedule: str, K: int, M: int, f: float, i: float, w: float, v: int = 1):
+    """The schedule on equal processes: per process f, i and w seconds, shared evenly by its stages."""
+    per = {"interleaved": v, "zbv": 2}.get(schedule, 1)
+    n = K * per
+    return simulate_step(schedule, [f / per] * n, [(i + w) / per] * n, M, weight=[w / per] * n, virtual_stages=v)
+
+
+# K, M with M a multiple of K, where the formulas are stated (Narayanan et al., 2021; Qi et al., 2024).
+FORMULA_GRID = [(K, M) for K in (1, 2, 3, 4, 8) for M in (K, 2 * K, 4 * K)]
+
+
+@pytest.mark.parametrize(("K", "M"), FORMULA_GRID)
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_divides_the_bubble_by_v(K: int, M: int, v: int) -> None:
+    # Megatron-LM: bubble time (K-1)·(f+b)/v against M·(f+b) of work, (K-1)/(v·M) of the ideal step, which is
+    # (K-1)/(v·M + K-1) of the step itself.
+    step = split("interleaved", K, M, 1.0, 2.0, 0.0, v)
+    assert step.makespan == pytest.approx(M * 3.0 + (K - 1) * 3.0 / v)
+    assert step.bubble == pytest.approx((K - 1) / (v * M + K - 1))
+    assert step.busy == pytest.approx([M * 3.0] * K)
+
+
+@pytest.mark.parametrize(("K", "M"), FORMULA_GRID)
+def test_zero_bubble_h1_has_a_third_of_1f1bs_bubble(K: int, M: int) -> None:
+    # Qi et al.: with F = I = W the bubble of ZB-H1 is (K-1)·(F + I - W) = (K-1)·F, 1F1B's is (K-1)·(F + I + W).
+    zb = split("zero_bubble", K, M, 1.0, 1.0, 1.0)
+    one_f_one_b = simulate_step("1f1b", [1.0] * K, [2.0] * K, M)
+    assert zb.makespan - 3 * M == pytest.approx((K - 1) * 1.0)
+    assert one_f_one_b.makespan - 3 * M == pytest.approx((K - 1) * 3.0)
+    assert zb.bubble == pytest.approx((K - 1) / (3 * M + K - 1))
+
+
+@pytest.mark.parametrize(("K", "M"), [(K, M) for K in (1, 2, 3, 4, 8) for M in (2 * K, 3 * K, 4 * K)])
+def test_zbv_leaves_only_the_first_forwards_trip(K: int, M: int) -> None:
+    # ZB-V with F = I = W (per process 1 each, 1/2 per stage) and M >= 2K: no bubble in the steady state; what is
+    # left is process r waiting for the first micro-batch to come down, (K-1) stage forwards in all:
+    # (K-1)/2 of 3M seconds, (K-1)/(6M + K-1) of the step.
+    step = split("zbv", K, M, 1.0, 1.0, 1.0)
+    assert step.makespan == pytest.approx(3 * M + (K - 1) / 2)
+    assert step.bubble == pytest.approx((K - 1) / (6 * M + K - 1))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zero_bubble", "zbv"])
+@pytest.mark.parametrize(("K", "M"), [(1, 1), (2, 1), (2, 3), (3, 2), (4, 4), (4, 6), (5, 7)])
+def test_the_new_schedules_never_beat_the_work_and_never_deadlock(schedule: str, K: int, M: int) -> None:
+    # Unequal F, I, W and transfers: the step still ends, and never before a process's own work is done.
+    if schedule == "interleaved" and M % max(1, M // K):
+        pytest.skip("chunks that interleaved rounds cannot split")
+    per = {"interleaved": 2, "zbv": 2}.get(schedule, 1)
+    n = K * per
+    forward = [1.0 + 0.1 * s for s in range(n)]
+    step = simulate_step(schedule, forward, [2.0] * n, M, weight=[0.7] * n, transfer=0.05, virtual_stages=per)
+    assert step.num_stages == K
+    assert all(busy <= step.makespan + 1e-9 for busy in step.busy)
+    assert sum(step.busy) == pytest.approx(M * (sum(forward) + 2.0 * n))
+
+
+def test_a_split_backward_pays_recomputation_in_its_input_gradient() -> None:
+    # One stage, f=1, I=2, W=1, recompute 1 for both micro-batches: the forward is rebuilt once, before I.
+    step = simulate_step("zero_bubble", [1.0], [3.0], 2, weight=[1.0], checkpoint_stop=2)
+    assert [(str(s.action), s.end - s.start) for s in step.spans[0]] == [
+        ("F0@0", 1.0),
+        ("I0@0", 3.0),
+        ("W0@0", 1.0),
+        ("F1@0", 1.0),
+        ("I1@0", 3.0),
+        ("W1@0", 1.0),
+    ]
+
+
+def test_stages_on_one_process_pass_values_for_free_and_step_together() -> None:
+    # ZB-V, K=1: both stages on one process; a transfer time changes nothing, and the two updates add up.
+    alone = simulate_step("zbv", [1.0, 1.0], [2.0, 2.0], 2)
+    linked = simulate_step("zbv", [1.0, 1.0], [2.0, 2.0], 2, transfer=5.0, update=[0.5, 0.25])
+    assert alone.makespan == 12.0
+    assert linked.makespan == 12.75
+    assert linked.updates == (0.75,)
+
+
+def test_split_times_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"weight holds \[3\.0\], more than backward \[2\.0\]"):
+        simulate_step("zero_bubble", [1.0], [2.0], 2, weight=[3.0])
+    with pytest.raises(ValueError, match=r"forward has 3 entries, but schedule='zbv' places 2 stages on each process"):
+        simulate_step("zbv", [1.0] * 3, [2.0] * 3, 2)
+
+
+@pytest.mark.parametrize(("K", "M"), [(2, 4), (4, 8), (4, 2)])
+def test_in_flight_of_the_new_schedules(K: int, M: int) -> None:
+    # A split backward keeps its micro-batch until W: ZB-H1 holds min(K, M) on every process (1F1B's first stage).
+    assert [in_flight("zero_bubble", r, K, M) for r in range(K)] == [min(K, M)] * K
+    # Interleaved: (v-1) rounds more on each process, plus 1F1B's warm-up, in stage units.
+    if M % K == 0:
+        assert [in_flight("interleaved", r, K, M, 2) for r in range(K)] == [K + 2 * (K - 1 - r) + 1 for r in range(K)]
