@@ -5,7 +5,7 @@
 For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm ResNet) and each configuration (K in
 {1, 2}, M in {1, 4}, checkpoint modes, both schedules), one job of two processes (one thread each, gloo on loopback):
 
-1. rank 0 profiles the model with :func:`~lightning_gpipe.plan.profile.profile_layers` (the planner's own profile) and
+1. rank 0 profiles the model with :func:`~lightning_gpipe.build.profile.profile_layers` (the planner's own profile) and
    predicts every configuration with :func:`~lightning_gpipe.plan.evaluate`, which also chooses the balance;
 2. each configuration is built with that balance and trained with :class:`~lightning_gpipe.Pipeline` and Adam: one
    warm-up step, then one step whose peak is counted in exact tensor bytes (a ``TorchDispatchMode``, independent of
@@ -198,8 +198,8 @@ def _predict(
     choose."""
     import torch.distributed as dist
 
+    from lightning_gpipe.build.profile import profile_layers
     from lightning_gpipe.plan import evaluate
-    from lightning_gpipe.plan.profile import profile_layers
 
     predictions: list[Any] = [None]
     if rank == 0:
@@ -233,9 +233,9 @@ def _job(
     import torch.distributed as dist
 
     from lightning_gpipe.build.balance import split
+    from lightning_gpipe.build.profile import LiveTensorBytes
     from lightning_gpipe.engine.pipeline import Pipeline
     from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
-    from lightning_gpipe.plan.profile import LiveTensorBytes
 
     device = torch.device(device_name)
     scale, configs = SCALES[device.type], _configs(device.type)

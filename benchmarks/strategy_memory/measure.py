@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.build.cost import memory_cost
-from lightning_gpipe.plan.profile import LiveTensorBytes
+from lightning_gpipe.build.profile import LiveTensorBytes
 
 __all__ = ["hidden_activation_bytes", "measure", "measure_runs", "predicted_growth_bytes"]
 

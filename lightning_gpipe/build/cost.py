@@ -11,15 +11,14 @@ Each source returns one non-negative float per layer of an ``nn.Sequential``, fo
 
 The sources that run the layers (flops, time, memory) feed each layer the previous layer's output, as
 ``nn.Sequential`` does, and leave the module as they found it: buffers (BatchNorm running statistics) and the torch
-random number generators are restored, parameter ``.grad`` is never touched. Layers run in whatever mode (train or
-eval) they are in; call ``.train()`` first to profile training.
+random number generators are restored, parameter ``.grad`` is never touched. Time and memory are measured by the
+profiler the planner uses (:mod:`lightning_gpipe.build.profile`). Layers run in whatever mode (train or eval) they are
+in; call ``.train()`` first to profile training.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,7 +26,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_gpipe.build.measure import leaf_input, preserved_state
+from lightning_gpipe.build.profile import (
+    layer_inputs,
+    preserved_state,
+    saved_bytes,
+    state_bytes,
+    state_keys,
+    timed_passes,
+)
+from lightning_gpipe.engine.tree import flatten, map_tensors
 
 __all__ = [
     "COST_SOURCES",
@@ -144,7 +151,7 @@ def flops_cost(layers: Iterable[nn.Module], sample: Any) -> list[float]:
     costs: list[float] = []
     with preserved_state(layers, sample), torch.no_grad():
         # A copy, so that an in-place first layer (ReLU(inplace=True)) cannot change the caller's tensor.
-        x = _map_tensors(sample, lambda t: t.clone())
+        x = map_tensors(lambda t: t.clone(), sample)
         for layer in layers:
             counter = FlopCounterMode(display=False)
             with counter:
@@ -165,6 +172,8 @@ def time_cost(layers: Iterable[nn.Module], sample: Any, *, repeats: int = 5, war
 
     The backward pass is ``torch.autograd.grad`` with respect to the layer's input and parameters, with ones as the
     output gradient, so parameter ``.grad`` is left untouched. CUDA work is synchronised before the clock is read.
+    The passes are :func:`~lightning_gpipe.build.profile.timed_passes`, the planner's; unlike the planner, the cost
+    keeps the floor every timed pass pays (a stage pays it once per micro-batch), which is the same for every layer.
 
     Raises:
         ValueError: a layer or the sample is on the meta device (there is nothing to time), or ``repeats < 1`` or
@@ -177,30 +186,9 @@ def time_cost(layers: Iterable[nn.Module], sample: Any, *, repeats: int = 5, war
         raise ValueError(f"warmup={warmup!r} must be an int >= 0 (the number of untimed runs per layer)")
     _refuse_meta(layers, sample)
 
-    runs: list[list[float]] = [[] for _ in layers]
-    with preserved_state(layers, sample), torch.enable_grad():
-        inputs = _layer_inputs(layers, sample)
-        for run in range(warmup + repeats):
-            for index, layer in enumerate(layers):
-                seconds = _forward_backward_seconds(layer, inputs[index])
-                if run >= warmup:
-                    runs[index].append(seconds)
-    return [statistics.median(seconds) for seconds in runs]
-
-
-def _forward_backward_seconds(layer: nn.Module, value: Any) -> float:
-    leaves, x = leaf_input(value)
-    params = [param for param in layer.parameters() if param.requires_grad]
-    devices = _cuda_devices(layer, value)
-    _synchronize(devices)
-    start = time.perf_counter()
-    output = layer(x)
-    outputs = [t for t in _tensors(output) if t.requires_grad]
-    wrt = leaves + params
-    if outputs and wrt:
-        torch.autograd.grad(outputs, wrt, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True)
-    _synchronize(devices | {t.device for t in _tensors(output) if t.is_cuda})
-    return time.perf_counter() - start
+    # Every layer's input gets a gradient here, the first's too: the sample stands for any micro-batch.
+    passes = timed_passes(layers, sample, _device(layers, sample), repeats=repeats, warmup=warmup, input_grad=True)
+    return passes.medians()
 
 
 def memory_cost(layers: Iterable[nn.Module], sample: Any, *, optimizer_slots: float = 2.0) -> list[float]:
@@ -232,89 +220,26 @@ def memory_cost(layers: Iterable[nn.Module], sample: Any, *, optimizer_slots: fl
             " tensors per parameter: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD"
         )
     # Any layer may save a parameter or buffer (its own or a tied one); none of them is a per-micro-batch activation.
-    state_storages = {_storage_key(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    state = state_keys(layers)
     seen: set[int] = set()
     costs: list[float] = []
     with preserved_state(layers, sample):
-        inputs = _layer_inputs(layers, sample)
-        for index, layer in enumerate(layers):
-            activation = _saved_activation_bytes(layer, inputs[index], state_storages)
-            state = 0.0
-            for param in layer.parameters():
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                nbytes = param.numel() * param.element_size()
-                state += nbytes
-                if param.requires_grad:
-                    state += nbytes * (1.0 + slots)
-            for buffer in layer.buffers():
-                if id(buffer) not in seen:
-                    seen.add(id(buffer))
-                    state += buffer.numel() * buffer.element_size()
-            costs.append(activation + state)
+        for layer, (real, x) in zip(layers, layer_inputs(layers, sample, _device(layers, sample)), strict=True):
+            params, trainable, buffers = state_bytes(layer, seen)
+            activation = saved_bytes(real, x, state | state_keys([real]), input_grad=True)
+            costs.append(activation + params + trainable * (1.0 + slots) + buffers)
     return costs
 
 
-def _saved_activation_bytes(layer: nn.Module, value: Any, state_storages: set[tuple[object, ...]]) -> float:
-    sizes: dict[tuple[object, ...], int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        key = _storage_key(t)
-        if key not in state_storages:
-            # A view keeps its whole storage alive, so the storage's size is what the layer holds on to.
-            sizes[key] = t.untyped_storage().nbytes()
-        return t
-
-    _, x = leaf_input(value)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
-    return float(sum(sizes.values()))
-
-
-def _storage_key(t: Tensor) -> tuple[object, ...]:
-    """Identify the memory behind ``t``, so views of one tensor count once."""
-    storage = t.untyped_storage()
-    if t.is_meta:
-        # Meta storages have no address; _cdata is the identity of the storage object, alive as long as ``t``.
-        return ("meta", storage._cdata)
-    return (t.device, storage.data_ptr())
-
-
-def _layer_inputs(layers: list[nn.Module], sample: Any) -> list[Any]:
-    """Run ``sample`` through ``layers`` once and return each layer's input, detached."""
-    inputs: list[Any] = []
-    with torch.no_grad():
-        x = _map_tensors(sample, lambda t: t.detach())
-        for layer in layers:
-            inputs.append(x)
-            # Clone: an in-place layer would otherwise overwrite the input just recorded.
-            x = _map_tensors(layer(_map_tensors(x, lambda t: t.clone())), lambda t: t.detach())
-    return inputs
-
-
-def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    if isinstance(value, Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_tensors(item, fn) for item in value)
-    if isinstance(value, dict):
-        return {key: _map_tensors(item, fn) for key, item in value.items()}
-    return value
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
+def _device(layers: list[nn.Module], sample: Any) -> torch.device:
+    """Where the layers run: the sample's device (the layers' when it holds no tensor)."""
+    tensors = [t for t in flatten(sample)[0] if isinstance(t, Tensor)]
+    tensors += [t for layer in layers for t in (*layer.parameters(), *layer.buffers())]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _refuse_meta(layers: list[nn.Module], sample: Any) -> None:
-    if any(t.is_meta for t in _tensors(sample)):
+    if any(isinstance(t, Tensor) and t.is_meta for t in flatten(sample)[0]):
         raise ValueError(
             "time_cost runs the layers, but the sample is on the meta device; give a real tensor on the device the"
             " layers run on, or use the analytic 'flops' or 'params' cost, which work on meta"
@@ -326,13 +251,3 @@ def _refuse_meta(layers: list[nn.Module], sample: Any) -> None:
                 " materialize the model first (model.to_empty(device=...) and initialise it), or use the analytic"
                 " 'flops' or 'params' cost, which work on meta"
             )
-
-
-def _cuda_devices(layer: nn.Module, value: Any) -> set[torch.device]:
-    tensors = (*layer.parameters(), *layer.buffers(), *_tensors(value))
-    return {t.device for t in tensors if t.is_cuda}
-
-
-def _synchronize(devices: set[torch.device]) -> None:
-    for device in devices:
-        torch.cuda.synchronize(device)

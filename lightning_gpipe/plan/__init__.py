@@ -1,6 +1,6 @@
 """The planner: K, M, balance, re-materialization and schedule for a model, a device count and a memory budget.
 
-:func:`plan` profiles the model's layers (:func:`~lightning_gpipe.plan.profile.profile_layers`), then, for every
+:func:`plan` profiles the model's layers (:func:`~lightning_gpipe.build.profile.profile_layers`), then, for every
 pipeline size K that divides the device count, every M, both balances (by time and by memory), every checkpoint mode
 and schedule, predicts each stage's peak memory (:func:`~lightning_gpipe.plan.memory.stage_memory`) and the step time
 (:func:`~lightning_gpipe.plan.simulate.simulate_step`), and keeps the fastest configuration that fits. The
@@ -21,11 +21,11 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpipe.build.balance import balance_by_cost, cell_bounds
+from lightning_gpipe.build.profile import LayerProfile, ModelProfile, OptimizerFactory, profile_layers
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
 from lightning_gpipe.engine.schedule import SCHEDULES, validate_schedule
 from lightning_gpipe.plan.auto import AutoPlan
 from lightning_gpipe.plan.memory import StageMemory, stage_memory
-from lightning_gpipe.plan.profile import LayerProfile, ModelProfile, OptimizerFactory, profile_layers
 from lightning_gpipe.plan.simulate import simulate_step
 
 __all__ = [
@@ -50,34 +50,22 @@ __all__ = [
 
 GiB = 2**30
 DEFAULT_BANDWIDTH = {"cuda": 20e9, "cpu": 1.3e9, "meta": 20e9}
-"""Bytes per second across a stage boundary when none is given: NVLink/PCIe-class on CUDA; on CPU, gloo on loopback
-through the engine, as ``python -m benchmarks.plan_calibration.link`` measures it (the median of its rounds, 1.3 GB/s
-on this project's 2-core CPU machines; the minimum was 3.4-5.8 GB/s)."""
+"""Bytes per second across a stage boundary: NVLink/PCIe-class on CUDA; on CPU gloo on loopback through the engine,
+the median measured by ``benchmarks.plan_calibration.link`` (see docs/benchmarks/plan.md)."""
 DEFAULT_LATENCY = {"cuda": 20e-6, "cpu": 700e-6, "meta": 20e-6}
-"""Seconds of fixed cost per message across a stage boundary when none is given: the transport's calls, the
-control message and the wake-up of a stage that waited for it. On CPU measured by ``python -m
-benchmarks.plan_calibration.link`` between stages that sleep as they would wait for a peer (the median of its rounds,
-0.7 ms on this project's 2-core virtual machines, whose waiting cores wake late; 0.3-0.45 ms between busy ones)."""
+"""Seconds of fixed cost per boundary message (transport calls, control message, a waiting stage's wake-up); on CPU
+the median measured by ``benchmarks.plan_calibration.link`` (see docs/benchmarks/plan.md)."""
 DEFAULT_MICROBATCH_OVERHEAD = {"cuda": 3.2e-4, "cpu": 4.5e-4, "meta": 0.0}
-"""Seconds the engine adds to each stage per micro-batch (forward and backward together) beyond its layers' own
-times: Python, the step's bookkeeping, the calls that post messages, and the one module call and ``autograd`` call
-per pass that the profile takes off every layer (a stage pays them once, not once per layer). Layers are profiled
-alone, so a prediction without it underestimates configurations of many micro-batches. Measured by ``python -m
-benchmarks.plan_calibration.overhead [--device cuda]``: 450 µs on this project's 2-core CPU machines, 315 µs on an
-H200 (where the host also launches the micro-batch's kernels, and the profile's per-layer times leave out the waits
-for the device that the engine does not pay per layer). ``meta`` profiles describe no device and get none."""
+"""Seconds the engine adds to each stage per micro-batch beyond its layers' profiled times (Python, bookkeeping, the
+one module and ``autograd`` call per pass the profile takes off every layer), measured against the same profile by
+``benchmarks.plan_calibration.overhead [--device cuda]`` (see docs/benchmarks/plan.md); none for ``meta``."""
 DEFAULT_REMATERIALIZATION_OVERHEAD = {"cuda": 5.0e-4, "cpu": 5.8e-4, "meta": 0.0}
-"""Seconds a re-materialized micro-batch adds on top (the checkpoint wrapper, the random state it saves and
-restores, the replayed forward's Python), measured alike (580 µs on the CPU, 504 µs on an H200). Only a profile
-without measured re-materialization uses it: a measured one carries the wrapper's cost per call itself."""
+"""Seconds a re-materialized micro-batch adds (the checkpoint wrapper, its random state, the replay's Python),
+measured by ``benchmarks.plan_calibration.overhead``; used only by profiles without measured re-materialization."""
 DEFAULT_BOUNDARY_OVERHEAD = {"cuda": 1.1e-3, "cpu": 1.1e-3, "meta": 0.0}
-"""Seconds a stage spends per micro-batch at each of its stage boundaries beyond the message's time on the link:
-describing, posting, sending and receiving one micro-batch's activations and their gradients (Python and the
-transport's calls, which hold the stage's own thread). A middle stage pays it twice. ``DEFAULT_MICROBATCH_OVERHEAD``
-is measured on one stage, which has no boundary, so it leaves this out. Measured on the CPU by ``python -m
-benchmarks.plan_calibration.link`` as the stage thread's CPU time per further micro-batch (1.0-1.2 ms on this
-project's 2-core CPU machines: two gloo messages each way, each with torch.distributed's Python and a work object);
-the host-side code is the same on CUDA, where it stands in until measured there with ``--device cuda``."""
+"""Seconds a stage's own thread spends per micro-batch and stage boundary beyond the link (describing, posting,
+sending and receiving), which the one-stage overhead leaves out; measured on the CPU by
+``benchmarks.plan_calibration.link`` and used for CUDA until measured there (see docs/benchmarks/plan.md)."""
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
 _UNITS.update({"g": GiB, "gb": GiB, "gib": GiB, "t": 2**40, "tb": 2**40, "tib": 2**40})
 

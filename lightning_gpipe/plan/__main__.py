@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from lightning_gpipe.build.sequence import find_sequence
+from lightning_gpipe.engine.tree import map_tensors
 from lightning_gpipe.plan import InfeasiblePlanError, plan
 
 __all__ = ["build_model", "main"]
@@ -93,7 +93,7 @@ def _sample_of(model: nn.Module, args: argparse.Namespace, device: str) -> Any:
             f"{args.model!r} has no example_input_array to profile its layers on; pass --sample-shape (one input of "
             "the first layer, any number of rows, e.g. 2,3,224,224) and --sample-dtype long for token ids"
         )
-    return tree_map(lambda value: _placed(value, device) if isinstance(value, Tensor) else value, example)
+    return map_tensors(lambda value: _placed(value, device), example)
 
 
 def _placed(tensor: Tensor, device: str) -> Tensor:

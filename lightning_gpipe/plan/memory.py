@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_gpipe.build.profile import LayerProfile, ModelProfile
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop
 from lightning_gpipe.engine.schedule import Phase, stage_actions
-from lightning_gpipe.plan.profile import LayerProfile, ModelProfile
 
 __all__ = ["StageBytes", "StageMemory", "stage_bytes", "stage_memory"]
 
@@ -60,7 +60,7 @@ class StageBytes:
 def stage_bytes(profile: ModelProfile, cell: range, *, last: bool) -> StageBytes:
     """Per-sample bytes of one micro-batch on the stage that holds layers ``cell``, each tensor counted once.
 
-    With per-leaf profiles (:func:`~lightning_gpipe.plan.profile.profile_layers` records which input and output
+    With per-leaf profiles (:func:`~lightning_gpipe.build.profile.profile_layers` records which input and output
     leaves each layer saves, and which outputs are inputs passed on unchanged), every tensor that crosses a layer
     boundary is followed through the stage by an identity: a tensor saved by several layers (an AmoebaNet cell's
     input, which the cell two layers on uses again), saved and also sent on, or received and passed on to the

@@ -17,6 +17,8 @@ from helpers.jobs import run_job
 from helpers.runif import RunIf
 from torch import nn
 
+from lightning_gpipe.build import profile as profile_module
+from lightning_gpipe.build.profile import LiveTensorBytes
 from lightning_gpipe.plan import (
     DEFAULT_BOUNDARY_OVERHEAD,
     DEFAULT_MICROBATCH_OVERHEAD,
@@ -30,9 +32,7 @@ from lightning_gpipe.plan import (
     profile_layers,
     stage_memory,
 )
-from lightning_gpipe.plan import profile as profile_module
 from lightning_gpipe.plan.memory import stage_bytes
-from lightning_gpipe.plan.profile import LiveTensorBytes
 
 MiB = 2**20
 
@@ -287,27 +287,24 @@ def _sixteen_one_element_layers_seconds(monkeypatch: pytest.MonkeyPatch, clock: 
 
 def test_a_layer_is_not_charged_the_cost_of_being_timed_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     # The profile times each layer with its own module call and autograd.grad call, which a stage pays once per
-    # micro-batch for all its layers. Counted per layer on the CPU (about 190 µs a pass), 16 one-element layers read
-    # 16 such calls and the 7-layer ResNet's step at M = 4 was predicted 10-17% slow.
+    # micro-batch for all its layers; counted per layer, 16 one-element layers would read 16 such calls.
     assert _sixteen_one_element_layers_seconds(monkeypatch, _Clock(tick=1e-4)) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_the_cost_of_being_timed_alone_is_taken_off_as_the_machine_drifts(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Timed once before all the layers, the floor came from a faster moment than most layers under load (another
-    # test on the other core): on the real clock, 16 one-element layers summed to up to 9 floors, where they cost
-    # none, and the test above (then timed for real) failed in CI. The floor is now timed at the start of every
-    # round: on this clock the 16 layers read 0.76 floors (the drift within a round), against 8.9 with the floor
-    # timed once and 25.5 without taking it off.
+    # Regression: a floor timed once, before all the layers, comes from another moment than the layers on a machine
+    # whose speed drifts. Timed at the start of every round, on this clock the 16 layers read 0.76 floors (the drift
+    # within a round), against 8.9 with the floor timed once and 25.5 without taking it off.
     tick = 1e-4
     floors = _sixteen_one_element_layers_seconds(monkeypatch, _Clock(tick, drift=1 / 600)) / (2 * tick)
     assert floors < 2
 
 
 def test_a_layer_is_timed_re_materialized_after_another_layer_as_in_a_stage(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A layer's second pass in a row runs warm. Timed right after its own plain pass, the wrapped pass was that second
-    # pass, and the ResNet's re-materialization read 0.93 of a plain pass against 1.01 in the engine. Here a pass
-    # costs 1 ms forward and 2 ms backward, re-materialized 0.5 and 1.5 ms more, and 0.3 ms less backward when it
-    # follows a pass of the same layer: timed as in a stage, each layer reads exactly its costs (before: 1.7 ms).
+    # Regression: a layer's second pass in a row runs warm, so a wrapped pass timed right after its own plain pass read
+    # re-materialization short. Here a pass costs 1 ms forward and 2 ms backward, re-materialized 0.5 and 1.5 ms
+    # more, and 0.3 ms less backward when it follows a pass of the same layer: timed as in a stage, each layer reads
+    # exactly its costs (timed right after its plain pass: 1.7 ms).
     layers = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
     previous: list[nn.Module | None] = [None]
 
@@ -315,7 +312,7 @@ def test_a_layer_is_timed_re_materialized_after_another_layer_as_in_a_stage(monk
         return layer, rematerialized
 
     def pass_seconds(
-        run: tuple[nn.Module, bool], layer: nn.Module, value: Any, device: torch.device, first: bool = False
+        run: tuple[nn.Module, bool], layer: nn.Module, value: Any, device: torch.device, input_grad: bool = True
     ) -> tuple[float, float]:
         module, wrapped = run
         warm = previous[0] is module
@@ -333,9 +330,8 @@ def test_a_layer_is_timed_re_materialized_after_another_layer_as_in_a_stage(monk
 
 
 def test_the_layers_optimizer_steps_are_timed_round_robin(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Timed one layer after another, a slow moment of a shared machine inflated every sample of the layers timed during
-    # it (AmoebaNet-D's per-layer Adam steps summed to 22-50 ms over 8 profiles); round-robin, it costs each layer one
-    # sample, which the median drops.
+    # Regression: timed one layer after another, a slow moment of a shared machine inflated every sample of the layers
+    # timed during it; round-robin, it costs each layer one sample, which the median drops.
     real = profile_module._step_seconds
     stepped: list[tuple[torch.Size, ...]] = []
 
@@ -668,7 +664,7 @@ def test_evaluate_adds_the_engines_cost_per_micro_batch() -> None:
 
 def test_evaluate_charges_each_stage_its_boundaries_per_micro_batch() -> None:
     # A stage's own thread sends and receives every micro-batch at each of its boundaries, which a layer profiled
-    # alone, and the engine measured on one stage, never do: two-stage steps on the CPU were predicted 10-30% short.
+    # alone, and the engine's per-micro-batch overhead (measured on one stage) never do.
     options: dict[str, Any] = {"pipe_size": 3, "chunks": 8, "batch_size": 32, "checkpoint": "never"}
     options.update(balance=[3, 2, 3], latency=0.0, overhead=0.0)
     bare = evaluate(synthetic(), boundary_overhead=0.0, **options)

@@ -1,20 +1,21 @@
-"""Per-layer profiles for planning: pass times on the target device and the bytes each layer holds in training.
+"""The profiler: what each layer of a sequence costs in training, timed on a device and counted in bytes.
 
-:func:`profile_layers` runs each layer of an ``nn.Sequential`` once per micro-batch size the planner considers and
-records, per layer:
+It serves both the balance by measurement (:func:`~lightning_gpipe.build.cost.time_cost` and
+:func:`~lightning_gpipe.build.cost.memory_cost`) and the planner (:func:`profile_layers`). Every layer runs alone, on
+the previous layer's output, as a stage would run it:
 
-- forward and backward seconds at each size (medians of round-robin repeats, as
-  :func:`~lightning_gpipe.build.cost.time_cost` does), or, with ``flops_per_second``, the analytic time of its FLOPs
-  (backward = twice forward), which works on the meta device and for models far larger than the machine;
-- when measured: what re-materializing the layer adds at each size (the engine's own checkpoint wrapper, run on the
-  layer: its hooks on every saved tensor cost as much as the replayed forward on models of many small operators),
-  and the seconds of one optimizer step over its parameters;
-- parameter, trainable and buffer bytes (gradients and optimizer state follow from the trainable bytes);
-- per sample: the activations autograd saves, the output, and the transient peak of the backward pass above them.
+- :func:`timed_passes` times forward and backward passes of every layer, round-robin, each round with the floor that
+  any timed pass costs (a one-element layer's pass), so that a consumer can take it off;
+- :func:`saved_bytes` counts the activations autograd saves for a layer's backward, exactly, from tensor storages;
+- :func:`profile_layers` records, per layer, pass times at each micro-batch size the planner weighs (or, with
+  ``flops_per_second``, the analytic time of its FLOPs), what re-materializing it adds (under the engine's own
+  checkpoint wrapper), the seconds of one optimizer step over its parameters, its parameter, trainable and buffer
+  bytes, and per sample its saved activations, output and the transient peak of its backward.
 
-Bytes are counted exactly from tensor storages (a ``TorchDispatchMode`` sees every operator), so they do not depend
-on the allocator or its cache. A model built on the meta device is profiled one layer at a time: each layer is copied
-to ``device``, filled with small random values, measured and dropped, so only one layer must fit.
+Bytes are counted from tensor storages (a ``TorchDispatchMode`` sees every operator), so they do not depend on the
+allocator or its cache. A model built on the meta device is profiled one layer at a time: each layer is copied to
+``device``, filled with small random values, measured and dropped, so only one layer must fit. Every measurement
+restores what it moves (:func:`preserved_state`) and never touches a parameter's ``.grad``.
 """
 
 from __future__ import annotations
@@ -24,21 +25,34 @@ import math
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_gpipe.build.measure import leaf_input, preserved_state
 from lightning_gpipe.engine.rematerialization import checkpointed
 from lightning_gpipe.engine.tree import flatten, map_tensors
 
-__all__ = ["LayerProfile", "LiveTensorBytes", "ModelProfile", "profile_layers"]
+__all__ = [
+    "LayerProfile",
+    "LiveTensorBytes",
+    "ModelProfile",
+    "OptimizerFactory",
+    "Passes",
+    "layer_inputs",
+    "leaf_input",
+    "preserved_state",
+    "profile_layers",
+    "saved_bytes",
+    "state_bytes",
+    "state_keys",
+    "timed_passes",
+]
 
 LossFn = Callable[[Any], Tensor]
 OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
@@ -173,7 +187,7 @@ def _at_size(table: dict[int, tuple[float, ...]], samples: int) -> list[float]:
 class LiveTensorBytes(TorchDispatchMode):
     """Bytes of the tensor storages created while active and still alive, and their peak (``live``, ``peak``).
 
-    Exact and allocator-independent: the planner profiles with it, and the memory benchmarks measure with it.
+    Exact and allocator-independent: the profiler counts with it, and the memory benchmarks measure with it.
 
     A storage is new when an operator returns it and no input shares it (views and in-place operators return their
     input's storage). A ``weakref.finalize`` on the storage takes its bytes off when it dies.
@@ -194,10 +208,8 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         output = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
-        for tensor in tree_leaves(output):
-            if not isinstance(tensor, Tensor):
-                continue
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        for tensor in _tensors(output):
             storage = tensor.untyped_storage()
             key, size = storage.data_ptr(), storage.nbytes()
             if size == 0 or key in inputs or key in self._sizes:
@@ -207,6 +219,56 @@ class LiveTensorBytes(TorchDispatchMode):
             weakref.finalize(storage, self._free, key)
         self.peak = max(self.peak, self.live)
         return output
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    return [leaf for leaf in flatten(value)[0] if isinstance(leaf, Tensor)]
+
+
+def leaf_input(value: Any) -> tuple[list[Tensor], Any]:
+    """Fresh leaves (floating tensors that require grad) and a copy of ``value`` computed from them.
+
+    A layer is run on the copy, as on a stage boundary's input, which gradients flow back to: an in-place first
+    operation (``ReLU(inplace=True)``) is an error on a leaf that requires grad, and must not corrupt the recorded input
+    for the next run either. Integer tensors (token ids, masks) are copied and get no gradient.
+    """
+    leaves: list[Tensor] = []
+
+    def prepare(t: Tensor) -> Tensor:
+        if t.is_floating_point() or t.is_complex():
+            leaf = t.detach().requires_grad_()
+            leaves.append(leaf)
+            return leaf.clone()
+        return t.clone()
+
+    return leaves, map_tensors(prepare, value)
+
+
+@contextmanager
+def preserved_state(layers: Iterable[nn.Module], sample: Any = None) -> Iterator[None]:
+    """Restore every buffer of ``layers`` and the torch random number generators when the block ends.
+
+    Profiling runs training-mode forwards, which move BatchNorm running statistics and draw dropout masks; a
+    measurement must not change the model it measures, nor the random stream the training run will see. Buffers are
+    restored in place and re-registered, so a layer that replaced one (``self.buf = new``) gets the original back.
+    The CUDA generators forked are those of the devices that ``layers`` and ``sample`` live on.
+    """
+    layers = list(layers)
+    snapshot: list[tuple[nn.Module, str, Tensor, Tensor]] = []
+    for layer in layers:
+        for module in layer.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                snapshot.append((module, name, buffer, buffer.detach().clone()))
+    tensors = [t for layer in layers for t in (*layer.parameters(), *layer.buffers())] + _tensors(sample)
+    cuda_indices = sorted({t.get_device() for t in tensors if t.is_cuda})
+    with torch.random.fork_rng(devices=cuda_indices, device_type="cuda"):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for module, name, buffer, saved in snapshot:
+                    buffer.copy_(saved)
+                    setattr(module, name, buffer)
 
 
 def _resized(sample: Any, samples: int) -> Any:
@@ -221,13 +283,6 @@ def _resized(sample: Any, samples: int) -> Any:
     return map_tensors(resize, sample)
 
 
-def _rows(sample: Any) -> int:
-    sizes = {t.shape[0] for t in tree_leaves(sample) if isinstance(t, Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(f"the sample's tensors must share one batch size along dim 0, got sizes {sorted(sizes)}")
-    return sizes.pop()
-
-
 def _key(t: Tensor) -> int:
     """The identity of ``t``'s memory: views of one storage share it. Meta storages have no address; ``_cdata``
     identifies the storage itself (a new Python object wraps it at every call)."""
@@ -237,9 +292,8 @@ def _key(t: Tensor) -> int:
 
 def _storage_bytes(value: Any) -> int:
     seen: dict[int, int] = {}
-    for t in tree_leaves(value):
-        if isinstance(t, Tensor):
-            seen[_key(t)] = t.untyped_storage().nbytes()
+    for t in _tensors(value):
+        seen[_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -254,10 +308,10 @@ def _on(layer: nn.Module, device: torch.device) -> bool:
 
 
 def _materialized(layer: nn.Module, device: torch.device) -> nn.Module:
-    """``layer`` itself when it holds data on ``device``; a copy there when it holds data elsewhere; else (meta) a copy
-    on ``device`` filled with small random values."""
+    """``layer`` itself when it holds data on ``device`` (or ``device`` is meta: nothing runs there but counting); a
+    copy there when it holds data elsewhere; else (meta) a copy on ``device`` filled with small random values."""
     tensors = [*layer.parameters(), *layer.buffers()]
-    if _on(layer, device):
+    if device.type == "meta" or _on(layer, device):
         return layer
     if not any(t.is_meta for t in tensors):
         return copy.deepcopy(layer).to(device)
@@ -271,30 +325,48 @@ def _materialized(layer: nn.Module, device: torch.device) -> nn.Module:
     return real
 
 
+def layer_inputs(layers: Sequence[nn.Module], sample: Any, device: torch.device) -> Iterator[tuple[nn.Module, Any]]:
+    """Each layer on ``device`` (itself, or a copy there) with its input: ``sample`` for the first, then the previous
+    layer's output, detached, as ``nn.Sequential`` chains them. The next input is computed when the caller asks for
+    the next layer, after it has measured this one, so only one copy exists at a time."""
+    x = map_tensors(lambda t: t.detach(), sample)
+    for layer in layers:
+        real = _materialized(layer, device)
+        yield real, x
+        x = _output(real, x)
+        del real
+
+
+def _output(layer: nn.Module, x: Any) -> Any:
+    """``layer``'s output on ``x``, detached; run on a copy, which an in-place layer may overwrite."""
+    with torch.no_grad():
+        return map_tensors(lambda t: t.detach(), layer(map_tensors(lambda t: t.clone(), x)))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _input(value: Any, first: bool) -> tuple[list[Tensor], Any]:
-    """The layer's input as training sees it: the model's input (first layer) needs no gradient, a boundary does."""
-    if first:
-        return [], map_tensors(lambda t: t.clone(), value)
-    return leaf_input(value)
+def _input(value: Any, grad: bool) -> tuple[list[Tensor], Any]:
+    """The layer's input as training sees it: a boundary's gets a gradient, the model's input (the batch) none."""
+    if grad:
+        return leaf_input(value)
+    return [], map_tensors(lambda t: t.clone(), value)
 
 
 def _pass_seconds(
-    run: Callable[[Any], Any], layer: nn.Module, value: Any, device: torch.device, first: bool = False
+    run: Callable[[Any], Any], layer: nn.Module, value: Any, device: torch.device, input_grad: bool = True
 ) -> tuple[float, float]:
     """Seconds of one forward and one backward of ``run`` (``layer``, perhaps followed by the loss) on ``value``."""
-    leaves, x = _input(value, first)
+    leaves, x = _input(value, input_grad)
     params = [p for p in layer.parameters() if p.requires_grad]
     _sync(device)
     start = time.perf_counter()
     output = run(x)
     _sync(device)
     middle = time.perf_counter()
-    outputs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+    outputs = [t for t in _tensors(output) if t.requires_grad]
     wrt = leaves + params
     if outputs and wrt:
         torch.autograd.grad(outputs, wrt, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True)
@@ -302,7 +374,9 @@ def _pass_seconds(
     return middle - start, time.perf_counter() - middle
 
 
-def _state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
+def state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
+    """Bytes of ``layer``'s parameters, of those that are trainable, and of its buffers, each tensor counted once over
+    the calls that share ``seen`` (a tied tensor in the first layer that holds it)."""
     params = trainable = buffers = 0
     for param in layer.parameters():
         if id(param) in seen:
@@ -316,6 +390,37 @@ def _state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
             seen.add(id(buffer))
             buffers += buffer.numel() * buffer.element_size()
     return params, trainable, buffers
+
+
+def state_keys(layers: Iterable[nn.Module]) -> set[int]:
+    """The storages of the parameters and buffers of ``layers``: what a layer saves of them is no activation."""
+    return {_key(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+
+
+def _saved_forward(run: Callable[[Any], Any], x: Any, state: set[int], saved: dict[int, int]) -> Any:
+    """``run(x)`` with grad enabled, recording into ``saved`` the storage bytes of each tensor autograd saves for the
+    backward pass, those of ``state`` (parameters, buffers) left out."""
+
+    def pack(t: Tensor) -> Tensor:
+        key = _key(t)
+        if key not in state:
+            # A view keeps its whole storage alive, so the storage's size is what the layer holds on to.
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return run(x)
+
+
+def saved_bytes(layer: nn.Module, value: Any, state: set[int], *, input_grad: bool = True) -> float:
+    """Bytes of the activations autograd saves for one backward pass of ``layer`` on ``value``, each storage counted
+    once and the storages in ``state`` (:func:`state_keys`) left out. Deterministic, and works on the meta device.
+
+    ``input_grad``: the input gets a gradient, as a stage boundary's does; the model's input (the batch) gets none, and
+    a layer with nothing to train then saves nothing."""
+    saved: dict[int, int] = {}
+    _saved_forward(layer, _input(value, input_grad)[1], state, saved)
+    return float(sum(saved.values()))
 
 
 @dataclass(frozen=True)
@@ -358,37 +463,30 @@ def _leaf_bytes(x: Any, output: Any, saved: dict[int, int]) -> dict[str, tuple[A
     }
 
 
-def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], first: bool = False) -> _Bytes:
-    """Bytes of one forward plus backward of ``run`` on ``value`` (not per sample): saved, output, transient, the
-    parts of the saved bytes that are the input's and the output's own storages, and the same per leaf."""
+def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], input_grad: bool = True) -> _Bytes:
+    """Bytes of one forward plus backward of ``run`` on ``value`` (not per sample): saved (as :func:`saved_bytes`
+    counts them), output, transient, the parts of the saved bytes that are the input's and the output's own storages,
+    and the same per leaf."""
     saved: dict[int, int] = {}
 
-    def pack(t: Tensor) -> Tensor:
-        key = _key(t)
-        if key not in state:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
     def shared(tensors: Any) -> float:
-        keys = {_key(t) for t in tree_leaves(tensors) if isinstance(t, Tensor)}
+        keys = {_key(t) for t in _tensors(tensors)}
         return float(sum(size for key, size in saved.items() if key in keys))
 
-    leaves, x = _input(value, first)
-    meta = any(t.is_meta for t in leaves) or any(isinstance(t, Tensor) and t.is_meta for t in tree_leaves(x))
-    if meta:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = run(x)
+    leaves, x = _input(value, input_grad)
+    if any(t.is_meta for t in leaves) or any(t.is_meta for t in _tensors(x)):
+        output = _saved_forward(run, x, state, saved)
         out_bytes = _storage_bytes(output)
         # No storage to watch on meta: the backward holds the output's gradient and the input's.
         transient = float(2 * max(out_bytes, _storage_bytes(x)))
         leaves_of = _leaf_bytes(x, output, saved)
         return _Bytes(float(sum(saved.values())), float(out_bytes), transient, shared(x), shared(output), **leaves_of)
     counter = LiveTensorBytes()
-    with torch.enable_grad(), counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = run(x)
+    with counter:
+        output = _saved_forward(run, x, state, saved)
         after_forward = counter.live
         counter.reset_peak()
-        outputs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        outputs = [t for t in _tensors(output) if t.requires_grad]
         if outputs:
             torch.autograd.grad(outputs, outputs + leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
     transient = float(max(0, counter.peak - after_forward))
@@ -396,6 +494,140 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], fi
     return _Bytes(
         total, float(_storage_bytes(output)), transient, shared(x), shared(output), **_leaf_bytes(x, output, saved)
     )
+
+
+def _runner(layer: nn.Module, loss_fn: LossFn | None, rematerialized: bool, first: bool) -> Callable[[Any], Any]:
+    """The layer's forward as a stage runs it: under the engine's checkpoint wrapper if ``rematerialized`` (copying a
+    received input, as the engine does), then the loss if it is the last layer (outside the wrapper)."""
+
+    def run(x: Any) -> Any:
+        output = checkpointed(layer, x, copy_input=not first) if rematerialized else layer(x)
+        return loss_fn(output) if loss_fn is not None else output
+
+    return run
+
+
+def _forward_flops(run: Callable[[Any], Any], value: Any) -> float:
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        run(map_tensors(lambda t: t.clone(), value))
+    return float(counter.get_total_flops())
+
+
+class _Floor:
+    """What a timed pass costs whatever the layer, from passes of a one-element ``Linear``.
+
+    - The floor: each layer is timed with its own module call and its own ``autograd.grad`` call (and, on a GPU, two
+      waits for the device and autograd's hand-off to its device thread), which a stage pays once per micro-batch for
+      all its layers, not once per layer. The planner takes it off every layer; the engine's per-micro-batch overhead
+      (``DEFAULT_MICROBATCH_OVERHEAD``) is measured against the same profile and pays it once.
+    - The checkpoint wrapper's own cost per call (saving and restoring the random state, its hooks' set-up): a
+      re-materialized pass less a plain one.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tiny = nn.Linear(1, 1).to(device)
+        self.value = torch.ones(1, 1, device=device)
+
+    def timed_pass(self, rematerialized: bool = False) -> tuple[float, float]:
+        """One pass, plain unless ``rematerialized``: ``(forward, backward)`` seconds."""
+        return _pass_seconds(_runner(self.tiny, None, rematerialized, first=False), self.tiny, self.value, self.device)
+
+    def warm(self) -> tuple[float, float]:
+        """The floor now: the median of three passes after one untimed (the first pass after a large layer runs with
+        its call machinery out of cache, and would time the layers short)."""
+        self.timed_pass()
+        passes = [self.timed_pass() for _ in range(3)]
+        return statistics.median(f for f, _ in passes), statistics.median(b for _, b in passes)
+
+    def wrapper_call(self, runs: int) -> float:
+        """The wrapper's cost per call: the median of at least 15 wrapped passes, each less the plain one before it."""
+        extra = []
+        for _ in range(max(runs, 15)):
+            plain = self.timed_pass()
+            extra.append(sum(self.timed_pass(rematerialized=True)) - sum(plain))
+        return max(0.0, statistics.median(extra))
+
+
+Pass = tuple[float, float]  # (forward, backward) seconds
+
+
+@dataclass(frozen=True)
+class Passes:
+    """The timed passes of every layer, warm-up dropped: ``plain[i]`` holds layer ``i``'s ``(forward, backward)``
+    seconds per round, ``wrapped[i]`` the same under the engine's checkpoint wrapper (empty unless asked), and
+    ``floors[i]`` the floor (a one-element layer's pass) timed at the start of each of those rounds."""
+
+    plain: list[list[Pass]]
+    wrapped: list[list[Pass]]
+    floors: list[list[Pass]]
+
+    def medians(self) -> list[float]:
+        """Per layer, the median seconds of a forward plus a backward pass, floor included."""
+        return [statistics.median(f + b for f, b in runs) for runs in self.plain]
+
+
+def timed_passes(
+    layers: Sequence[nn.Module],
+    sample: Any,
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    loss_fn: LossFn | None = None,
+    rematerialized: bool = False,
+    input_grad: bool = False,
+    floor: _Floor | None = None,
+) -> Passes:
+    """Time ``warmup + repeats`` forward and backward passes of every layer on ``device``, each on its input from
+    ``sample``, and keep the last ``repeats``.
+
+    Layers on the device are timed round-robin, so that a burst of load on a shared machine spreads over all layers
+    instead of inflating one: every layer plain, then every layer under the checkpoint wrapper if
+    ``rematerialized``, so that each pass follows another layer's, as in a stage (a layer's second pass in a row runs
+    warm). Other layers (on the meta device, or on the CPU for a GPU) are copied there and timed one after the other,
+    so that only one copy exists at a time. Each round starts with the floor. ``loss_fn`` runs after the last layer,
+    outside the wrapper; the first layer's input gets a gradient only with ``input_grad``, as the model's batch gets
+    none. The backward is ``torch.autograd.grad``, so no parameter's ``.grad`` changes; buffers and the random number
+    generators are restored (:func:`preserved_state`).
+    """
+    round_robin = all(_on(layer, device) for layer in layers)
+    last = len(layers) - 1
+    variants = (False, True) if rematerialized else (False,)
+    # runs[variant][layer]: (forward, backward) seconds of every timed run; floors[layer]: the floor timed just
+    # before the round (round-robin) or the layer's runs (one after the other) it belongs to
+    runs: list[list[list[Pass]]] = [[[] for _ in layers] for _ in variants]
+    floors: list[list[Pass]] = [[] for _ in layers]
+
+    def time_pass(layer: nn.Module, index: int, value: Any, wrapped: bool) -> None:
+        run = _runner(layer, loss_fn if index == last else None, wrapped, first=index == 0)
+        with torch.enable_grad():
+            grad = input_grad or index > 0
+            runs[wrapped][index].append(_pass_seconds(run, layer, value, device, input_grad=grad))
+
+    with preserved_state(layers, sample):
+        floor = floor if floor is not None else _Floor(device)  # inside: its Linear draws from the generator
+        inputs: list[Any] = []
+        for index, (real, x) in enumerate(layer_inputs(layers, sample, device)):
+            inputs.append(x)
+            if not round_robin:
+                # Each pass but the first follows one of the same layer: both variants run warm alike.
+                now = floor.warm()
+                for _ in range(warmup + repeats):
+                    floors[index].append(now)
+                    for wrapped in variants:
+                        time_pass(real, index, x, wrapped)
+        if round_robin:
+            for _ in range(warmup + repeats):
+                now = floor.warm()
+                for layer_floors in floors:
+                    layer_floors.append(now)
+                for wrapped in variants:
+                    for index, layer in enumerate(layers):
+                        time_pass(layer, index, inputs[index], wrapped)
+    kept = [[layer_runs[warmup:] for layer_runs in variant_runs] for variant_runs in runs]
+    return Passes(kept[0], kept[1] if rematerialized else [[] for _ in layers], [f[warmup:] for f in floors])
 
 
 def profile_layers(
@@ -439,10 +671,9 @@ def profile_layers(
         raise ValueError(f"microbatch_sizes={list(microbatch_sizes)!r} must name at least one size >= 1")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
-    tensors = [t for t in tree_leaves(sample) if isinstance(t, Tensor)]
+    tensors = _tensors(sample)
     target = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
-    meta = target.type == "meta"
-    if meta and flops_per_second is None:
+    if target.type == "meta" and flops_per_second is None:
         raise ValueError(
             "the sample is on the meta device, where nothing can be timed; pass flops_per_second= (the device's "
             "sustained FLOP rate) to time layers from their FLOPs, or give a real sample and device"
@@ -450,21 +681,18 @@ def profile_layers(
     sample = map_tensors(lambda t: t.to(target), sample)
     rows = sizes[0]
     with preserved_state(layers, sample):
-        # Each layer's input at the smallest size, computed layer by layer (meta layers materialized one at a time).
+        # Bytes at the smallest size, layer by layer (meta layers materialized one at a time).
         base = _resized(sample, rows)
         seen: set[int] = set()
         results: list[LayerProfile] = []
-        x = base
-        for index, layer in enumerate(layers):
-            real = layer if meta else _materialized(layer, target)
-            params, trainable, buffers = _state_bytes(layer, seen)
-            state_keys = {_key(t) for t in (*real.parameters(), *real.buffers())}
-            counted = _activation_bytes(real, x, state_keys, first=index == 0)
+        last: tuple[nn.Module, Any] | None = None
+        for index, (layer, (real, x)) in enumerate(zip(layers, layer_inputs(layers, base, target), strict=True)):
+            params, trainable, buffers = state_bytes(layer, seen)
+            counted = _activation_bytes(real, x, state_keys([real]), input_grad=index > 0)
             flops = _forward_flops(real, x)
-            name = type(layer).__name__
             results.append(
                 LayerProfile(
-                    name,
+                    type(layer).__name__,
                     params,
                     trainable,
                     buffers,
@@ -480,13 +708,12 @@ def profile_layers(
                     counted.passthrough,
                 )
             )
-            with torch.no_grad():
-                x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
+            last = (real, x)
         # The loss runs after the last stage's cell, outside its re-materialization: its activations stay per
         # micro-batch whatever the checkpoint mode, so they are kept apart from the last layer's.
         loss_bytes = (0.0, 0.0)  # per sample: saved, transient
-        if loss_fn is not None:
-            counted = _activation_bytes(loss_fn, x, set())
+        if loss_fn is not None and last is not None:
+            counted = _activation_bytes(loss_fn, _output(*last), set())
             loss_bytes = (counted.saved / rows, counted.transient / rows)
         if flops_per_second is not None:
             times = _flop_times(results, sizes, flops_per_second)
@@ -505,24 +732,6 @@ def profile_layers(
         updates=updates,
         update_call=update_call,
     )
-
-
-def _runner(layer: nn.Module, loss_fn: LossFn | None, rematerialized: bool, first: bool) -> Callable[[Any], Any]:
-    """The layer's forward as a stage runs it: under the engine's checkpoint wrapper if ``rematerialized`` (copying a
-    received input, as the engine does), then the loss if it is the last layer (outside the wrapper)."""
-
-    def run(x: Any) -> Any:
-        output = checkpointed(layer, x, copy_input=not first) if rematerialized else layer(x)
-        return loss_fn(output) if loss_fn is not None else output
-
-    return run
-
-
-def _forward_flops(run: Callable[[Any], Any], value: Any) -> float:
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        run(map_tensors(lambda t: t.clone(), value))
-    return float(counter.get_total_flops())
 
 
 def _flop_times(
@@ -554,62 +763,36 @@ def _measured_times(
     warmup: int,
     rematerialized: bool,
 ) -> _Measured:
-    # Layers on the device are timed round-robin, so that a burst of load on a shared machine spreads over all layers
-    # instead of inflating one; meta layers (and real ones elsewhere, e.g. on the CPU for a GPU) one after the other,
-    # so that only one copy exists on the device at a time. Each layer is timed plain and, if asked, re-materialized.
-    round_robin = all(_on(layer, device) for layer in layers)
-    last = len(layers) - 1
-    variants = (False, True) if rematerialized else (False,)
+    """The planner's pass times at each size: each pass less its round's floor, and what the wrapper adds."""
     floor = _Floor(device)
     call = floor.wrapper_call(repeats + warmup) if rematerialized else 0.0
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
     recompute: dict[int, tuple[float, ...]] = {}
     recompute_forward: dict[int, tuple[float, ...]] = {}
     for n in sizes:
-        # runs[variant][layer]: (forward, backward) seconds of every timed run; floors[layer]: the floor timed just
-        # before the round (round-robin) or the layer's runs (one after the other) it belongs to
-        runs: list[list[list[tuple[float, float]]]] = [[[] for _ in layers] for _ in variants]
-        floors: list[list[tuple[float, float]]] = [[] for _ in layers]
-        x = _resized(sample, n)
-        inputs: list[Any] = []
-        for index, layer in enumerate(layers):
-            inputs.append(x)
-            with torch.no_grad():
-                real = _materialized(layer, device)
-                x = map_tensors(lambda t: t.detach(), real(map_tensors(lambda t: t.clone(), x)))
-            if not round_robin:
-                # Each pass but the first follows one of the same layer: both variants run warm alike.
-                now = floor.warm()
-                for _ in range(warmup + repeats):
-                    floors[index].append(now)
-                    for variant, wrapped in enumerate(variants):
-                        _time_pass(real, index, inputs[index], wrapped, runs[variant], loss_fn, last, device)
-            del real
-        if round_robin:
-            # Every layer plain, then every layer wrapped: each pass follows another layer's, as in a stage. Timed
-            # right after its own plain pass, a wrapped pass found the layer warm: the ResNet's re-materialization
-            # read 0.93 of a plain pass that way, 1.01 this way, and 1.01 in a one-stage step of the engine.
-            for _ in range(warmup + repeats):
-                now = floor.warm()
-                for layer_floors in floors:
-                    layer_floors.append(now)
-                for variant, wrapped in enumerate(variants):
-                    for index, layer in enumerate(layers):
-                        _time_pass(layer, index, inputs[index], wrapped, runs[variant], loss_fn, last, device)
-        keep = [[layer_runs[warmup:] for layer_runs in variant_runs] for variant_runs in runs]
-        floor_runs = [layer_floors[warmup:] for layer_floors in floors]
+        passes = timed_passes(
+            layers,
+            _resized(sample, n),
+            device,
+            repeats=repeats,
+            warmup=warmup,
+            loss_fn=loss_fn,
+            rematerialized=rematerialized,
+            floor=floor,
+        )
         # Each pass less the floor timed at the start of its round: the median of these paired differences cancels the
-        # machine's drift over the profile, which a floor timed once, before all the layers, kept (under load, 16
-        # one-element layers, which cost nothing beyond the floor, summed to up to 9 floors that way).
-        plain = list(zip(keep[0], floor_runs, strict=True))
+        # machine's drift over the profile, which a floor timed once, before all the layers, would keep.
+        plain = list(zip(passes.plain, passes.floors, strict=True))
         times[n] = (
-            tuple(_less_floor(passes, passes_floors, 0) for passes, passes_floors in plain),
-            tuple(_less_floor(passes, passes_floors, 1) for passes, passes_floors in plain),
+            tuple(_less_floor(runs, floors, 0) for runs, floors in plain),
+            tuple(_less_floor(runs, floors, 1) for runs, floors in plain),
         )
         if rematerialized:
             # Each wrapped pass ran in the same round as its plain one: the median of the paired differences cancels
             # the machine's drift between rounds, which a difference of two medians keeps.
-            pairs = [list(zip(once, again, strict=True)) for once, again in zip(keep[0], keep[1], strict=True)]
+            pairs = [
+                list(zip(once, again, strict=True)) for once, again in zip(passes.plain, passes.wrapped, strict=True)
+            ]
             recompute[n] = tuple(
                 max(0.0, statistics.median(sum(a) - sum(p) for p, a in layer_pairs) - call) for layer_pairs in pairs
             )
@@ -621,64 +804,9 @@ def _measured_times(
     return _Measured(times, recompute, call, recompute_forward)
 
 
-def _time_pass(
-    layer: nn.Module,
-    index: int,
-    value: Any,
-    rematerialized: bool,
-    runs: list[list[tuple[float, float]]],
-    loss_fn: LossFn | None,
-    last: int,
-    device: torch.device,
-) -> None:
-    """One timed pass of ``layer``, plain or re-materialized, appended to ``runs[index]``."""
-    run = _runner(layer, loss_fn if index == last else None, rematerialized, first=index == 0)
-    with torch.enable_grad():
-        runs[index].append(_pass_seconds(run, layer, value, device, first=index == 0))
-
-
-def _less_floor(passes: list[tuple[float, float]], floors: list[tuple[float, float]], part: int) -> float:
+def _less_floor(passes: list[Pass], floors: list[Pass], part: int) -> float:
     """The median of the passes' ``part`` (0: forward, 1: backward), each less the floor it was timed with."""
     return max(0.0, statistics.median(p[part] - f[part] for p, f in zip(passes, floors, strict=True)))
-
-
-class _Floor:
-    """What a timed pass costs whatever the layer, from passes of a one-element ``Linear``.
-
-    - The floor: each layer is timed with its own module call and its own ``autograd.grad`` call (and, on a GPU, two
-      waits for the device and autograd's hand-off to its device thread), which a stage pays once per micro-batch for
-      all its layers, not once per layer. It is taken off every layer; the engine's per-micro-batch overhead
-      (``DEFAULT_MICROBATCH_OVERHEAD``) is measured against the same profile and pays it once. Counted per layer it
-      overestimated a small ResNet's step by 43% on an H100, and by 10-17% at M = 4 on the CPU (about 190 µs per
-      layer and micro-batch on this project's CPU machines).
-    - The checkpoint wrapper's own cost per call (saving and restoring the random state, its hooks' set-up): a
-      re-materialized pass less a plain one.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.tiny = nn.Linear(1, 1).to(device)
-        self.value = torch.ones(1, 1, device=device)
-
-    def timed_pass(self, rematerialized: bool = False) -> tuple[float, float]:
-        """One pass, plain unless ``rematerialized``: ``(forward, backward)`` seconds."""
-        return _pass_seconds(_runner(self.tiny, None, rematerialized, first=False), self.tiny, self.value, self.device)
-
-    def warm(self) -> tuple[float, float]:
-        """The floor now: the median of three passes after one untimed. Right after a large layer the first pass
-        reads 40-50 µs forward and 80-100 µs backward above the rest on the CPU (its call machinery is out of cache);
-        taken off every layer, such a pass would time the layers short."""
-        self.timed_pass()
-        passes = [self.timed_pass() for _ in range(3)]
-        return statistics.median(f for f, _ in passes), statistics.median(b for _, b in passes)
-
-    def wrapper_call(self, runs: int) -> float:
-        """The wrapper's cost per call: the median of at least 15 wrapped passes, each less the plain one before it."""
-        extra = []
-        for _ in range(max(runs, 15)):
-            plain = self.timed_pass()
-            extra.append(sum(self.timed_pass(rematerialized=True)) - sum(plain))
-        return max(0.0, statistics.median(extra))
 
 
 def _step_seconds(
@@ -714,8 +842,7 @@ def _update_times(
 
     The layers are timed round-robin, one step each per round, as the passes are: a slow moment of a shared machine
     then costs each layer one of its ``repeats`` samples, which the median drops, instead of every sample of the
-    layers timed during it (AmoebaNet-D's per-layer steps, timed one layer after another, summed to 22-50 ms over 8
-    profiles). Each sample builds its own zero-filled copies, so that only one layer's exist at a time.
+    layers timed during it. Each sample builds its own zero-filled copies, so that only one layer's exist at a time.
     """
     if optimizer is None:
         return (), 0.0

@@ -1,0 +1,88 @@
+"""The one profiler behind balance="time"/"memory" and the planner, and the one walker of nested values."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import lightning_gpipe
+from lightning_gpipe.build import cost, profile
+from lightning_gpipe.build.profile import layer_inputs, saved_bytes, state_keys, timed_passes
+
+PACKAGE = Path(lightning_gpipe.__file__).parent
+
+
+def _sources() -> dict[str, str]:
+    return {str(path.relative_to(PACKAGE)): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_balance_by_measurement_and_the_planner_share_one_profiler() -> None:
+    # Issue 30: cost.py, measure.py and plan/profile.py each ran and timed layers, in copies that could drift apart.
+    # balance="time" and the planner's pass times now come from the same timing loop, balance="memory" and the
+    # planner's activation bytes from the same count of what autograd saves.
+    assert cost.timed_passes is profile.timed_passes
+    assert "timed_passes" in cost.time_cost.__code__.co_names
+    assert "timed_passes" in profile._measured_times.__code__.co_names
+    assert cost.saved_bytes is profile.saved_bytes
+    assert "saved_bytes" in cost.memory_cost.__code__.co_names
+    assert "_saved_forward" in profile.saved_bytes.__code__.co_names
+    assert "_saved_forward" in profile._activation_bytes.__code__.co_names
+    planner = importlib.import_module("lightning_gpipe.plan")  # the package; lightning_gpipe.plan is its function
+    assert planner.profile_layers is profile.profile_layers
+    assert "profile_layers" in planner.plan.__code__.co_names
+    # Nothing else in the library reads the clock around a layer or hooks the tensors autograd saves (the engine's
+    # timeline stamps spans of the running pipeline; it times no layer).
+    for needle in ("perf_counter(", "saved_tensors_hooks(", "autograd.grad("):
+        users = [name for name, text in _sources().items() if needle in text and not name.startswith("engine/")]
+        assert users == ["build/profile.py"], (needle, users)
+
+
+def test_one_walker_of_nested_values() -> None:
+    # Issue 30: torch.utils._pytree (private) and hand-written recursions over tuples, lists and dicts walked batches
+    # beside engine/tree.py, each with its own idea of which containers count.
+    private = [name for name, text in _sources().items() if "_pytree" in text]
+    assert private == []
+    recursive = re.compile(r"def (_\w+)\(value[^)]*\)[^:]*:\n(?:[^\n]*\n){0,6}?[^\n]*\b\1\(item", re.MULTILINE)
+    copies = [
+        name for name, text in _sources().items() if recursive.search(text) and name.startswith(("build/", "plan/"))
+    ]
+    assert copies == []
+
+
+def test_timed_passes_keep_the_floor_of_each_round_and_leave_the_model_alone() -> None:
+    layers = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    state = {name: tensor.clone() for name, tensor in layers.state_dict().items()}
+    passes = timed_passes(list(layers), torch.randn(6, 4), torch.device("cpu"), repeats=3, warmup=1)
+    assert [len(runs) for runs in passes.plain] == [3] * 4
+    assert [len(floors) for floors in passes.floors] == [3] * 4
+    assert passes.wrapped == [[], [], [], []]
+    assert all(f >= 0 and b >= 0 for runs in passes.plain for f, b in runs)
+    assert len(passes.medians()) == 4
+    for name, tensor in layers.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    assert all(param.grad is None for param in layers.parameters())
+
+
+def test_the_models_input_gets_no_gradient_a_boundarys_does() -> None:
+    # A parameter-free first layer saves nothing in training (the batch needs no gradient); on a boundary's input,
+    # which gradients flow back to, tanh keeps its output.
+    layer, sample = nn.Tanh(), torch.randn(3, 5)
+    assert saved_bytes(layer, sample, set(), input_grad=False) == 0.0
+    assert saved_bytes(layer, sample, set(), input_grad=True) == 3 * 5 * 4
+
+
+def test_layer_inputs_chain_the_layers_as_sequential_does() -> None:
+    layers = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    sample = torch.randn(2, 3)
+    inputs = [x for _, x in layer_inputs(list(layers), sample, torch.device("cpu"))]
+    assert torch.equal(inputs[0], sample)
+    assert torch.equal(inputs[1], layers[0](sample).detach())
+    assert torch.equal(inputs[2], torch.relu(layers[0](sample)).detach())
+    assert state_keys([layers[0]]) == {
+        layers[0].weight.untyped_storage().data_ptr(),
+        layers[0].bias.untyped_storage().data_ptr(),
+    }
