@@ -2,8 +2,8 @@
 
 A boundary value is a nest of tensors (tuples, lists, dicts, namedtuples, dataclasses; ``None`` leaves allowed), for
 example an encoder output together with its attention mask. Its layout (structure, shapes, dtypes, which tensors need
-gradients) is not hard-coded: the sender describes it in a header. Messages cost ~150 µs each on gloo, so the header
-goes once per step, not per micro-batch:
+gradients) is not hard-coded: the sender describes it in a header. Every gloo message costs a round trip, so the
+header goes once per step, not per micro-batch:
 
 - the first activation message of a step carries a header with the layout of that micro-batch's value and the sizes
   of all the step's micro-batches;
@@ -25,8 +25,8 @@ The header also carries the sender's batch fingerprint (:mod:`lightning_gpipe.en
 gives one: the receiver compares it with its own, so stages that read different batches are caught at the first step.
 
 Once the header is in, the receiver posts the receives of the whole step at once: gloo parks a send until its
-receive is posted, and a receive posted only when needed costs a rendezvous per message (~100 µs against ~20 µs for a
-4 KiB message posted ahead, measured on these machines). A described step can post only one micro-batch ahead:
+receive is posted, and a receive posted only when needed costs a rendezvous per message, several times a receive
+posted ahead (measured in docs/benchmarks/engine.md). A described step can post only one micro-batch ahead:
 its layout message, behind the current micro-batch's tensors. Gradient receives can be posted ahead too
 (:meth:`GradientLink.post`), in the order the peer sends them, once the outputs they are the gradients of exist.
 

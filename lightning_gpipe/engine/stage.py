@@ -112,7 +112,7 @@ class Stage:
         self._outbox = ActivationLink(transport, self.index + 1) if not self.is_last else None
         self._grad_inbox = GradientLink(transport, self.index + 1) if not self.is_last else None
         self._grad_outbox = GradientLink(transport, self.index - 1) if not self.is_first else None
-        # Walking the modules costs ~0.1 ms a step; only cells with deferred BatchNorm have statistics to commit.
+        # Found once, not by walking the modules every step: only cells with deferred BatchNorm commit statistics.
         self._commits_statistics = any(isinstance(m, DeferredBatchNorm) for m in cell.modules())
         self._num_microbatches = 0
         self._inputs: dict[int, list[torch.Tensor]] = {}
