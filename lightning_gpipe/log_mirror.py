@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import inspect
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from numbers import Number
@@ -33,7 +33,9 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
-__all__ = ["LogRecorder", "LoggedValue", "sync_metrics_over"]
+from lightning_gpipe.compat import load_metric_state, metric_step_value, recording_log, set_metric_step_value
+
+__all__ = ["LogRecorder", "LoggedValue", "mirror_logs", "sync_metrics_over"]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
@@ -50,6 +52,7 @@ class LoggedValue:
     positions: list[int] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     metric: Metric | None = field(default=None, repr=False)
+    batch_sizes: list[Any] = field(default_factory=list)  # each micro-batch's `batch_size=`, where given
 
     def combine(self, weights: torch.Tensor) -> torch.Tensor:
         """The weighted mean of the values, micro-batch ``i`` weighing ``weights[i]``; stays on the device."""
@@ -66,7 +69,7 @@ class LoggedValue:
 
 def _as_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, Metric):
-        cached = value._forward_cache  # the step value from the user's `metric(preds, target)` call
+        cached = metric_step_value(value)  # the step value from the user's `metric(preds, target)` call
         value = cached if cached is not None else value.compute()
     if isinstance(value, torch.Tensor):
         # float64 where the device has it: a sum of many micro-batches' values keeps its precision.
@@ -124,16 +127,19 @@ class LogRecorder:
             entry.values.append(tensor)
             entry.options = options
             entry.metric = value if isinstance(value, Metric) else None
+            if options.get("batch_size") is not None:
+                # In Lightning's epoch mean the step's value weighs as the whole batch: its micro-batches' sizes summed.
+                entry.batch_sizes.append(options["batch_size"])
+                entry.options = {**options, "batch_size": sum(entry.batch_sizes)}
 
         def remember_inputs(metric: Metric, args: tuple, kwargs: dict) -> None:
             self._inputs.setdefault(id(metric), []).append((args, kwargs))
 
         hooks = [metric.register_forward_pre_hook(remember_inputs, with_kwargs=True) for metric in self._metrics]
-        self.module.log = record  # type: ignore[method-assign]
         try:
-            yield
+            with recording_log(self.module, record):
+                yield
         finally:
-            del self.module.log  # the class's own method again
             for hook in hooks:
                 hook.remove()
 
@@ -168,7 +174,7 @@ class LogRecorder:
                 metric = entry.metric
                 state = {key: _to_cpu(value) for key, value in metric.metric_state.items()}
                 records.append(
-                    (name, _MetricState(paths[id(metric)], state, metric._update_count, host[name]), entry.options)
+                    (name, _MetricState(paths[id(metric)], state, metric.update_count, host[name]), entry.options)
                 )
             else:
                 records.append((name, host[name], entry.options))
@@ -179,7 +185,7 @@ class LogRecorder:
         for name, entry in self.values.items():
             value = self._combined[name]
             if entry.metric is not None:
-                entry.metric._forward_cache = value.to(torch.float32)  # type: ignore[assignment]  # Lightning logs it
+                set_metric_step_value(entry.metric, value.to(torch.float32))  # what Lightning logs
                 self.module.log(name, entry.metric, **entry.options)
             else:
                 self.module.log(name, value.to(self.module.device, torch.float32), **entry.options)
@@ -192,6 +198,37 @@ class LogRecorder:
                 module.log(name, value.load_into(module), **options)
             else:
                 module.log(name, value.to(device=module.device, dtype=torch.float32), **options)
+
+
+def mirror_logs(
+    recorder: LogRecorder,
+    last: bool,
+    share: Callable[[Any], Any] | None,
+    scalars: Mapping[str, torch.Tensor] | None = None,
+    other: Any = None,
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Log the last stage's step logs on every stage, and share ``scalars``, ``other`` and ``trainer.should_stop``.
+
+    ``last`` says whether this is the last stage; ``share(payload)`` sends the last stage's payload to the pipeline's
+    other stages and returns it everywhere (``None`` for a pipeline of one stage). The last stage alone runs the
+    user's code after the sequence's call, so a decision it takes there (``self.trainer.should_stop = True`` in
+    ``training_step``) reaches the other stages here, or they would wait for a batch that never comes. Returns
+    ``(scalars, other)`` as the last stage gave them.
+    """
+    trainer = recorder.module.trainer
+    if last:
+        # Share first: a `sync_dist=True` log runs world collectives, which the other stages join only once they
+        # have the records to replay (logging first deadlocks, on gloo as on NCCL).
+        if share is not None:
+            records, host = recorder.portable(scalars)
+            share((records, host, trainer.should_stop, other))
+        recorder.replay_own()
+        return dict(scalars or {}), other
+    assert share is not None
+    records, host, should_stop, other = share(None)
+    LogRecorder.replay(recorder.module, records)
+    trainer.should_stop = trainer.should_stop or should_stop
+    return host, other
 
 
 def sync_metrics_over(module: torch.nn.Module, group: Any) -> None:
@@ -236,12 +273,9 @@ class _MetricState:
     def load_into(self, module: LightningModule) -> Metric:
         metric = module.get_submodule(self.path)
         assert isinstance(metric, Metric)
-        for key, value in self.state.items():
-            setattr(metric, key, _to_device(value, module.device))
-        # torchmetrics' bookkeeping of updates and its cached step value: compute() reads both.
-        metric._update_count = self.update_count
-        metric._forward_cache = _to_device(self.forward_cache, module.device).to(torch.float32)
-        metric._computed = None
+        state = {key: _to_device(value, module.device) for key, value in self.state.items()}
+        step_value = _to_device(self.forward_cache, module.device).to(torch.float32)
+        load_metric_state(metric, state, self.update_count, step_value)
         return metric
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss_fn, relative_error
 
+from lightning_gpipe.engine.driver import StepDriver
+from lightning_gpipe.engine.microbatch import Microbatch
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.schedule import SCHEDULES, Phase
 from lightning_gpipe.engine.step import HeldGradients
@@ -146,3 +148,49 @@ def test_the_strategys_split_of_a_step_gives_the_whole_batch_gradients(stages: i
     for name, expected in reference.items():
         error = relative_error(grads[name], expected)
         assert error <= TOLERANCE, f"{name}: relative error {error:.2e}"
+
+
+def weighing_driver(schedule: str, declare: object = None) -> StepDriver:
+    """A driver of one stage over a batch of 8 in 2 micro-batches; row values 1 and 9 tell them apart."""
+    pipeline = one_stage(schedule, chunks=2)
+    rows = torch.tensor([1.0] * 4 + [9.0] * 4).unsqueeze(1).expand(8, 4)
+    return StepDriver(pipeline.begin(rows), hook="training_step", returns_weights=True, declare=declare)
+
+
+def loss_of(driver: StepDriver, mb: Microbatch, **extra: object) -> dict[str, object]:
+    """Micro-batch ``i``'s loss is ``i + 1`` (with the cell's gradient path), plus ``extra`` keys."""
+    return {"loss": driver.call(mb.value).sum() * 0 + mb.index + 1, **extra}
+
+
+def test_a_loss_weight_under_1f1b_is_refused_with_the_fix_and_weighs_after_the_forwards_under_gpipe() -> None:
+    # 1F1B runs micro-batch 0's backward before the last forward, when the normalizers of later micro-batches
+    # (what `loss_weight` reports) are not known yet; fill-drain weighs every loss after the last forward.
+    driver = weighing_driver("1f1b")
+    outputs = driver.forward_phase(lambda mb: loss_of(driver, mb))
+    assert driver.weigh(outputs).item() == pytest.approx(1 * 0.5 + 2 * 0.5)  # weighted by the shares of samples
+    driver.backward_phase()
+    driver = weighing_driver("1f1b")
+    refusal = r"training_step returned 'loss_weight' under schedule='1f1b'.*Use schedule='gpipe'"
+    with pytest.raises(ValueError, match=refusal):
+        driver.forward_phase(lambda mb: loss_of(driver, mb, loss_weight=3))
+    driver = weighing_driver("gpipe")
+    outputs = driver.forward_phase(lambda mb: loss_of(driver, mb, loss_weight=1 + 2 * mb.index))
+    assert driver.weigh(outputs).item() == pytest.approx(1 * 0.25 + 2 * 0.75)
+    driver.backward_phase()
+
+
+def test_a_declared_loss_weight_weighs_an_early_loss_and_a_returned_one_beside_it_is_refused() -> None:
+    # Issue 29: a weight declared from the batch (the module's `batch_loss_weight`) is known before the schedule runs,
+    # so 1F1B weighs micro-batch 0's loss by it before the last forward; a returned 'loss_weight' too says it twice.
+    def declare(batch: torch.Tensor) -> torch.Tensor:
+        return batch[0, 0]  # 1 and 9: weights 0.1 and 0.9
+
+    driver = weighing_driver("1f1b", declare)
+    outputs = driver.forward_phase(lambda mb: loss_of(driver, mb))
+    assert driver.declared is not None
+    assert driver.declared.tolist() == pytest.approx([0.1, 0.9])
+    assert driver.weigh(outputs).item() == pytest.approx(1 * 0.1 + 2 * 0.9)
+    driver.backward_phase()
+    driver = weighing_driver("gpipe", declare)
+    with pytest.raises(ValueError, match=r"returned 'loss_weight' and .* declares batch_loss_weight\(batch\) too"):
+        driver.forward_phase(lambda mb: loss_of(driver, mb, loss_weight=3))

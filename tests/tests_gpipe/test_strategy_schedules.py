@@ -98,34 +98,3 @@ def test_1f1b_trains_like_gpipe_for_every_stages_and_chunks(tmp_path: Path, stag
     runs = [{"pipe_size": stages, "devices": stages, "chunks": m, "steps": 3, **flow} for m, flow in flows.items()]
     runs.append({"pipe_size": stages, "devices": stages, "chunks": 4, "steps": 5, "resume": ckpt})
     check_pairs(tmp_path, stages, runs, timeout=1400)
-
-
-def test_a_loss_weight_under_1f1b_is_refused_with_the_fix() -> None:
-    # 1F1B runs micro-batch 0's backward before the last forward, when the normalizers of later micro-batches
-    # (what `loss_weight` reports) are not known yet; fill-drain weighs every loss after the last forward.
-    from lightning_gpipe import GPipeStrategy
-    from lightning_gpipe.engine.microbatch import Microbatch
-
-    mb = Microbatch(0, None, 4, 0.25)
-    loss = torch.tensor(2.0)
-    strategy = GPipeStrategy(schedule="1f1b")
-    assert strategy._step_loss(mb, {"loss": loss}, early=True).item() == 0.5  # weighted by its share of samples
-    refusal = r"training_step returned 'loss_weight' under schedule='1f1b'.*Use schedule='gpipe'"
-    with pytest.raises(ValueError, match=refusal):
-        strategy._step_loss(mb, {"loss": loss, "loss_weight": 3}, early=True)
-    assert strategy._step_loss(mb, {"loss": loss, "loss_weight": 3}, early=False) is loss  # weighed after the step
-
-
-def test_a_declared_loss_weight_weighs_an_early_loss_and_a_returned_one_beside_it_is_refused() -> None:
-    # Issue 29: a weight declared from the batch (the module's `batch_loss_weight`) is known before the schedule runs,
-    # so 1F1B weighs micro-batch 0's loss by it before the last forward; a returned 'loss_weight' too says it twice.
-    from lightning_gpipe import GPipeStrategy
-    from lightning_gpipe.engine.microbatch import Microbatch
-
-    mb = Microbatch(1, None, 4, 0.5)
-    loss = torch.tensor(2.0)
-    strategy = GPipeStrategy(schedule="1f1b")
-    strategy._declared = torch.tensor([0.1, 0.9], dtype=torch.float64)  # what _forward_phase sets from the batch
-    assert strategy._step_loss(mb, {"loss": loss}, early=True).item() == pytest.approx(1.8)
-    with pytest.raises(ValueError, match=r"returned 'loss_weight' and .* declares batch_loss_weight\(batch\) too"):
-        strategy._step_loss(mb, {"loss": loss, "loss_weight": 3}, early=False)

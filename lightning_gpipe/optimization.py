@@ -1,0 +1,140 @@
+"""A stage's optimizer step under Lightning: its optimizers, and its gradients' one path to the step.
+
+Lightning's automatic optimization runs, per optimizer step: the closure (``training_step``, ``zero_grad``,
+``backward``), the precision plugin's unscaling, its clipping, then the optimizer's step. A pipeline stage holds a
+slice of the model, so three things change on that path, each in one place here: the backward passes start from the
+loss scaled as Lightning scales the closure's (:meth:`StageGradients.scale_loss`); after the closure, tied weights'
+gradients are summed over their stages and every gradient is averaged over the stage's data-parallel replicas
+(:meth:`StageGradients.after_closure`); the plugin's loss scaler agrees on found infs over the world and its clipping
+uses the norm over every stage (:meth:`StageGradients.install`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
+
+from lightning_gpipe.build.sequence import Partition
+from lightning_gpipe.build.tied import TiedCopies
+from lightning_gpipe.compat import replace_clipping
+from lightning_gpipe.engine.errors import collective_errors
+from lightning_gpipe.engine.gradients import WorldGradScaler, average_gradients, clip_grad_norm
+from lightning_gpipe.engine.layout import ProcessLayout
+
+__all__ = ["StageGradients", "setup_stage_optimizers"]
+
+
+class StageGradients:
+    """The gradients of one stage on their way from the backward passes to the optimizer's step.
+
+    Args:
+        layout: which stage of which replica this process runs.
+        pipeline_group: the stages of this pipeline (the clipping norm is summed over it).
+        replica_group: this stage's data-parallel replicas (gradients are averaged over it).
+        ties: the copies of tensors shared by several stages, if any.
+    """
+
+    def __init__(
+        self,
+        layout: ProcessLayout,
+        pipeline_group: dist.ProcessGroup | None,
+        replica_group: dist.ProcessGroup | None,
+        ties: TiedCopies | None,
+    ) -> None:
+        self.layout = layout
+        self.pipeline_group = pipeline_group
+        self.replica_group = replica_group
+        self.ties = ties
+
+    def install(self, plugin: Precision, device: torch.device, fitting: bool) -> None:
+        """Make ``plugin``'s loss scaler skip the same steps on every rank, and its clipping use the global norm.
+
+        Each stage sees only its own gradients: a plain GradScaler would skip the step on the stage that found an inf
+        while the others step, and their scales would drift apart (:class:`WorldGradScaler` agrees first).
+        """
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and not isinstance(scaler, WorldGradScaler):
+            plugin.scaler = WorldGradScaler.like(scaler, device.type)  # type: ignore[attr-defined]
+        if fitting:
+            replace_clipping(plugin, self._clip)
+
+    def _clip(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        group = self.pipeline_group if self.layout.pipe_size > 1 else None
+        clip_grad_norm(parameters, clip_val, group, self.ties.duplicates() if self.ties is not None else ())
+
+    @staticmethod
+    def scale_loss(plugin: Precision, trainer: Trainer) -> Callable[[Tensor], Tensor]:
+        """What a weighted loss becomes before its backward pass: divided and scaled as Lightning's closure loss is."""
+        scaler = getattr(plugin, "scaler", None)
+        accumulate = trainer.accumulate_grad_batches
+
+        def scale(loss: Tensor) -> Tensor:
+            loss = loss / accumulate
+            return scaler.scale(loss) if scaler is not None else loss
+
+        return scale
+
+    def after_closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure``, then the tied weights' gradients summed and every gradient averaged over the replicas."""
+        stage = self.layout.stage
+
+        def closure_then_average() -> Any:
+            result = closure()
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            if self.ties is not None:
+                with collective_errors(stage, "summing the gradients of tied weights over the stages that share them"):
+                    self.ties.sum_gradients()
+            replicas = self.layout.replica_ranks()
+            with collective_errors(stage, f"averaging gradients with the replicas of this stage {replicas}"):
+                average_gradients(parameters, self.replica_group, self.layout.num_replicas)  # type: ignore[arg-type]
+            return result
+
+        return closure_then_average
+
+
+def setup_stage_optimizers(
+    setup: Callable[[Trainer], None], trainer: Trainer, module: LightningModule, partition: Partition, stage: int
+) -> None:
+    """Run Lightning's ``setup_optimizers`` on this stage, its errors explained for a pipeline.
+
+    ``configure_optimizers`` runs on every stage with that stage's layers only. A stage whose layers are all frozen (a
+    frozen backbone split over several stages) gives an optimizer built from trainable parameters nothing, and
+    torch's error would not say which stage or why.
+    """
+    try:
+        setup(trainer)
+    except RuntimeError as error:
+        if "multiple optimizers" not in str(error):
+            raise
+        raise ValueError(
+            f"{error} But GPipeStrategy supports automatic optimization only: use one optimizer with parameter "
+            "groups instead, one group per set of layers (e.g. torch.optim.AdamW([{'params': "
+            f"self.{partition.path}[:-1].parameters()}}, {{'params': self.{partition.path}[-1]"
+            ".parameters(), 'lr': 1e-3}])); a group may be empty on a stage that holds none of its layers."
+        ) from error
+    except ValueError as error:
+        if "empty parameter list" not in str(error):
+            raise
+        if any(p.requires_grad for p in module.parameters()):
+            raise ValueError(
+                f"an optimizer of `configure_optimizers` got no parameters on stage {stage} ({error}): "
+                f"each stage builds its optimizers from its own layers of {partition.path!r}, and this one's "
+                "layers are all elsewhere. Use one optimizer over all parameters with parameter groups (e.g. "
+                f"[{{'params': self.{partition.path}[-1].parameters(), 'lr': 1e-3}}, ...]): a group may be "
+                "empty on a stage."
+            ) from error
+        layers = partition.bounds[stage]
+        sizes = [len(bound) for bound in partition.bounds]
+        raise ValueError(
+            f"stage {stage} (layers {layers[0]}-{layers[-1]} of {partition.path!r}) has no "
+            f"trainable parameters, so `configure_optimizers` gave its optimizer none ({error}). Give every stage "
+            f"a trainable layer with `balance=[...]` (layers per stage; now {sizes}), use fewer stages, or build "
+            "the optimizer from all parameters (frozen ones are then simply not updated)."
+        ) from error
