@@ -14,18 +14,22 @@ the first: each layer needs its workspace on top of what the layers before it st
 (:func:`~lightning_gpipe.engine.schedule.stage_actions`) in order gives the peak, which is how fill-drain (all M
 micro-batches in flight) and 1F1B (at most ``K - j`` on stage ``j``) differ. The optimizer step adds, at its own
 moment when activations are gone, temporaries of about one copy of the trainable parameters (``foreach`` kernels).
+
+:func:`process_memory` walks a process that holds several stages (``"interleaved"``, ``"zbv"``) through its actions
+over all of them (:func:`~lightning_gpipe.engine.schedule.process_actions`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_gpipe.build.profile import LayerProfile, ModelProfile
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop
-from lightning_gpipe.engine.schedule import Phase, stage_actions
+from lightning_gpipe.engine.schedule import Action, Phase, process_actions, stages_of
 
-__all__ = ["StageBytes", "StageMemory", "stage_bytes", "stage_memory"]
+__all__ = ["StageBytes", "StageMemory", "process_memory", "stage_bytes", "stage_memory"]
 
 
 @dataclass(frozen=True)
@@ -162,48 +166,139 @@ def stage_memory(
         microbatch_size: samples per micro-batch (the largest one, when they differ by one).
         batch_size: samples of the mini-batch this pipeline is handed.
         checkpoint: the re-materialization mode.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"zero_bubble"``, the schedules with one stage per process (see
+            :func:`process_memory` for the others).
         optimizer_slots: parameter-sized optimizer tensors per trainable parameter (2 for Adam, 1 for SGD with
             momentum, 0 for plain SGD).
     """
-    layers = [profile.layers[i] for i in cell]
+    if schedule in ("interleaved", "zbv"):
+        raise ValueError(
+            f"stage_memory predicts one stage per process; schedule={schedule!r} places several on each. "
+            "HINT: use process_memory with every stage's cell."
+        )
+    actions = process_actions(schedule, stage, num_stages, num_microbatches)
+    return _walk(
+        profile, {stage: cell}, actions, num_stages, num_microbatches, microbatch_size, batch_size, checkpoint,
+        optimizer_slots,
+    )  # fmt: skip
+
+
+def process_memory(
+    profile: ModelProfile,
+    cells: Sequence[range],
+    *,
+    rank: int,
+    num_processes: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    batch_size: int,
+    checkpoint: CheckpointMode,
+    schedule: str = "gpipe",
+    virtual_stages: int = 1,
+    optimizer_slots: float = 2.0,
+) -> StageMemory:
+    """Predict the memory of process ``rank``, which holds the stages :func:`~lightning_gpipe.engine.schedule.stages_of`
+    gives, stage ``s`` with the layers ``cells[s]``.
+
+    The process's state is its stages' state together, and its actions over all of them are walked in order: an
+    interleaved process keeps ``(v - 1)`` rounds of micro-batches more than 1F1B on its first stage, of ``1/v`` of its
+    layers each. Under ``"zero_bubble"`` and ``"zbv"`` a micro-batch keeps what its forward kept until its weight
+    gradient W (the input gradient I frees what W does not read, about as much as it adds: the gradients of the
+    layers' outputs); a re-materialized micro-batch, rebuilt for I, stays rebuilt until W, which does not recompute.
+
+    Args:
+        cells: the layers of every stage of the pipeline, ``num_processes · stages per process`` ranges in order.
+        rank, num_processes: r and K.
+        virtual_stages: v, for ``"interleaved"``.
+        Others: as :func:`stage_memory`.
+    """
+    held = stages_of(schedule, rank, num_processes, virtual_stages)
+    if len(cells) != num_processes * len(held):
+        raise ValueError(
+            f"cells has {len(cells)} ranges; schedule={schedule!r} with {num_processes} processes has "
+            f"{num_processes * len(held)} stages. HINT: give one range of layers per stage."
+        )
+    actions = process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages)
+    return _walk(
+        profile, {s: cells[s] for s in held}, actions, len(cells), num_microbatches, microbatch_size, batch_size,
+        checkpoint, optimizer_slots,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What one stage of a process needs for the walk: its per-sample bytes and its micro-batch-sized extremes."""
+
+    each: StageBytes
+    last: bool
+    received: float
+    widest: float
+    workspace: float
+    loss: float
+
+
+def _walk(
+    profile: ModelProfile,
+    cells: dict[int, range],
+    actions: list[Action],
+    num_stages: int,
+    num_microbatches: int,
+    microbatch_size: int,
+    batch_size: int,
+    checkpoint: CheckpointMode,
+    optimizer_slots: float,
+) -> StageMemory:
+    """The peak of one process holding stages ``cells`` (stage -> layers) walked through its ``actions``."""
     n = microbatch_size
+    layers = [profile.layers[i] for cell in cells.values() for i in cell]
     trainable = sum(layer.trainable_bytes for layer in layers)
     state = sum(layer.param_bytes + layer.buffer_bytes for layer in layers) + trainable * (1.0 + optimizer_slots)
     stop = checkpoint_stop(checkpoint, num_microbatches)
-    last = stage == num_stages - 1
-    each = stage_bytes(profile, cell, last=last)
-    received = n * each.received
-    widest = n * max(layer.output_bytes for layer in layers)
-    workspace = n * max(layer.transient_bytes for layer in layers)
-    loss = n * profile.loss_saved_bytes if last else 0.0
-    if last:
-        workspace = max(workspace, n * profile.loss_transient_bytes)
+    stages: dict[int, _Held] = {}
+    for s, cell in cells.items():
+        last = s == num_stages - 1
+        cell_layers = [profile.layers[i] for i in cell]
+        workspace = n * max(layer.transient_bytes for layer in cell_layers)
+        each = stage_bytes(profile, cell, last=last)
+        stages[s] = _Held(
+            each=each,
+            last=last,
+            received=n * each.received,
+            widest=n * max(layer.output_bytes for layer in cell_layers),
+            workspace=max(workspace, n * profile.loss_transient_bytes) if last else workspace,
+            # The last stage hands its output to the loss, which keeps what it needs; other stages keep the output
+            # they sent until its gradient comes back.
+            loss=n * profile.loss_saved_bytes if last else 0.0,
+        )
 
-    # The last stage hands its output to the loss, which keeps what it needs (``loss``); other stages keep the output
-    # they sent until its gradient comes back.
-    def kept(i: int) -> float:
-        return loss + n * (each.kept_rematerialized if i < stop else each.kept)
+    def kept(held: _Held, i: int) -> float:
+        return held.loss + n * (held.each.kept_rematerialized if i < stop else held.each.kept)
 
     live = peak = 0.0
-    for action in stage_actions(schedule, stage, num_stages, num_microbatches):
-        i = action.microbatch
+    for action in actions:
+        assert action.stage is not None, "process_actions names each action's stage"
+        i, held = action.microbatch, stages[action.stage]
+        each = held.each
+        rebuilt = n * each.rebuilt if i < stop else 0.0
         if action.phase is Phase.FORWARD:
             # A re-materialized forward still builds each layer's output from the one before.
-            peak = max(peak, live + loss + (received + 2 * widest if i < stop else n * each.forward_end))
-            live += kept(i)
+            peak = max(peak, live + held.loss + (held.received + 2 * held.widest if i < stop else n * each.forward_end))
+            live += kept(held, i)
+        elif action.phase is Phase.WEIGHT:
+            # The weight gradients read what I left; then the micro-batch is gone.
+            peak = max(peak, live + held.workspace)
+            live -= kept(held, i) + rebuilt
         elif each.backward is None:
-            rebuilt = n * each.rebuilt if i < stop else 0.0
-            gradient = 0.0 if last else n * each.output
-            peak = max(peak, live + rebuilt + gradient + workspace)
-            live -= kept(i)
+            gradient = 0.0 if held.last else n * each.output
+            peak = max(peak, live + rebuilt + gradient + held.workspace)
+            live += rebuilt if action.phase is Phase.INPUT else -kept(held, i)
         else:
             # The loss's backward runs first, with all of this micro-batch held; then the layers', last to first
             # (a re-materialized micro-batch is rebuilt when its cell's backward begins).
-            others = live - kept(i)
-            loss_backward = kept(i) + n * profile.loss_transient_bytes if last else 0.0
+            others = live - kept(held, i)
+            loss_backward = kept(held, i) + n * profile.loss_transient_bytes if held.last else 0.0
             peak = max(peak, others + loss_backward, others + n * each.backward)
-            live -= kept(i)
+            live += rebuilt if action.phase is Phase.INPUT else -kept(held, i)
     assert math.isclose(live, 0.0, abs_tol=1e-6 * max(peak, 1.0)), "every micro-batch's backward frees what it kept"
     optimizer = float(trainable) if optimizer_slots > 0 else 0.0
     return StageMemory(float(state), batch_size * profile.input_bytes, peak, optimizer)
