@@ -1,9 +1,11 @@
-"""The one entry point of the tests' rank scripts, and the two ways a test starts them.
+"""The one entry point of the tests' rank scripts, and the ways a test starts them.
 
 A rank script is a module with ``main(*args: str)`` (``helpers.lightning_job``, ``helpers.zoo_job``, ...). Each of its
-processes runs ``python -m helpers.jobs MODULE ARG...``, which imports ``MODULE`` and calls its ``main`` with the
-arguments. A test starts them with :func:`run_job` (one process per rank, torchrun's environment) or :func:`launch`
-(one process whose Trainer starts the ranks): :mod:`benchmarks.launch`'s, with its deadlines and clean-up.
+processes runs ``python -m helpers.jobs MODULE ARG... [-- MODULE ARG...]...``, which imports each ``MODULE`` in turn
+and calls its ``main`` with its arguments: several scripts can share one launch, and so the seconds each rank spends
+importing torch and Lightning. A test starts them with :func:`run_job` or :func:`run_scripts` (one process per rank,
+torchrun's environment) or :func:`launch` (one process whose Trainer starts the ranks): :mod:`benchmarks.launch`'s,
+with its deadlines and clean-up.
 """
 
 from __future__ import annotations
@@ -16,14 +18,24 @@ from pathlib import Path
 
 from benchmarks import launch as launcher
 
-__all__ = ["launch", "main", "run_job"]
+__all__ = ["launch", "main", "run_job", "run_scripts"]
+
+SEPARATOR = "--"
 
 
 def run_job(
     module: str, args: Sequence[str], world_size: int, *, timeout: float, cwd: str | Path | None = None
 ) -> list[subprocess.CompletedProcess[str]]:
     """Rank script ``module`` with ``args`` on ``world_size`` ranks (:func:`benchmarks.launch.run_job`)."""
-    return launcher.run_job("helpers.jobs", [module, *args], world_size, timeout=timeout, cwd=cwd)
+    return run_scripts([[module, *args]], world_size, timeout=timeout, cwd=cwd)
+
+
+def run_scripts(
+    scripts: Sequence[Sequence[str]], world_size: int, *, timeout: float, cwd: str | Path | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """Each ``[MODULE, ARG...]`` of ``scripts``, one after the other, in the same ``world_size`` rank processes."""
+    argv = [item for script in scripts for item in (SEPARATOR, *script)][1:]
+    return launcher.run_job("helpers.jobs", argv, world_size, timeout=timeout, cwd=cwd)
 
 
 def launch(
@@ -34,9 +46,16 @@ def launch(
 
 
 def main(argv: Sequence[str]) -> None:
-    """``MODULE ARG...``: call ``MODULE.main(*ARG)``."""
-    module, *args = argv
-    importlib.import_module(module).main(*args)
+    """``MODULE ARG... [-- MODULE ARG...]...``: call each ``MODULE.main(*ARG)`` in turn."""
+    script: list[str] = []
+    for item in [*argv, SEPARATOR]:
+        if item != SEPARATOR:
+            script.append(item)
+            continue
+        module, *args = script
+        print(f"helpers.jobs: {module} {' '.join(args)}", flush=True)
+        importlib.import_module(module).main(*args)
+        script = []
 
 
 if __name__ == "__main__":

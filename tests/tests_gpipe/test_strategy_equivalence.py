@@ -1,7 +1,8 @@
 """GPipeStrategy trains exactly like plain Lightning, with real processes over gloo.
 
 Each job runs several fits in one set of processes (one per rank, launched like torchrun); rank 0 saves the whole
-model after each fit, and the test compares it with the same fit under ``strategy="auto"`` (or ``"ddp"``).
+model after each fit, and the test compares it with the same fit under ``strategy="auto"`` (or ``"ddp"``). The tests
+share one job per world size (:data:`FITS`), launched when the first of them asks for it.
 """
 
 from __future__ import annotations
@@ -43,34 +44,74 @@ def assert_same_parameters(actual: dict[str, torch.Tensor], expected: dict[str, 
 
 
 CHUNKS = [1, 4, 5, 8]
+_ACCUMULATE = {"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 3, "accumulate": 2}
+# With Lightning's default logger, TensorBoardLogger: it must work from the lock (issue 29 C6). The only run of its
+# job with a logger, so its events are in lightning_logs/version_0.
+_CLIP = {"pipe_size": 2, "devices": 2, "chunks": 5, "steps": 4, "clip": 0.05, "logger": True, "log_every_n_steps": 1}
+_BN = {"pipe_size": 2, "devices": 2, "chunks": 5, "steps": 1, "batch_norm": True, "deferred_batch_norm": True}
+_REPLICAS = {"steps": 3, "chunks": 4, "distributed_sampler": True, "shuffle": True}
+FITS: dict[int, dict[str, dict[str, Any]]] = {  # world size -> name -> run: one job per world size
+    1: {f"stages1-m{m}": {"pipe_size": 1, "devices": 1, "chunks": m, "steps": 4} for m in CHUNKS},
+    2: {
+        **{f"stages2-m{m}": {"pipe_size": 2, "devices": 2, "chunks": m, "steps": 4} for m in CHUNKS},
+        "accumulate": _ACCUMULATE,
+        "clip": _CLIP,
+        # Deferred BatchNorm, on the first stage and then on the second (layer 3 is the BatchNorm).
+        "bn-first": {**_BN, "balance": [4, 2]},
+        "bn-second": {**_BN, "balance": [3, 3]},
+        "ddp": {**_REPLICAS, "strategy": "ddp", "devices": 2},
+    },
+    4: {
+        **{f"stages4-m{m}": {"pipe_size": 4, "devices": 4, "chunks": m, "steps": 4} for m in CHUNKS},
+        "gpipe-replicas": {**_REPLICAS, "pipe_size": 2, "devices": 4},
+    },
+}
+
+
+class SharedFits:
+    """The job of each world size in :data:`FITS`, launched on first use; ``fits(world_size)[name]``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._done: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+
+    def __call__(self, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+        if world_size not in self._done:
+            runs = FITS[world_size]
+            results = run_fits(self.folder(world_size), world_size, list(runs.values()), timeout=600)
+            self._done[world_size] = dict(zip(runs, results, strict=True))
+        return self._done[world_size]
+
+    def folder(self, world_size: int) -> Path:
+        return self.root / f"world{world_size}"
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory) -> SharedFits:
+    return SharedFits(tmp_path_factory.mktemp("equivalence"))
 
 
 @RunIf(multiprocess=True)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("stages", [1, 2, 4])
-def test_stages_and_chunks_train_like_plain_lightning(tmp_path: Path, stages: int) -> None:
+def test_stages_and_chunks_train_like_plain_lightning(fits: SharedFits, tmp_path: Path, stages: int) -> None:
     runs = [{"pipe_size": stages, "devices": stages, "chunks": m, "steps": 4} for m in CHUNKS]
-    results = run_fits(tmp_path, stages, runs)
+    results = [fits(stages)[f"stages{stages}-m{m}"] for m in CHUNKS]
     reference = plain(tmp_path, steps=4)
     for run, result in zip(runs, results, strict=True):
         assert_same_parameters(result, reference), run
 
 
 @RunIf(multiprocess=True)
-def test_accumulation_clipping_and_deferred_batch_norm(tmp_path: Path) -> None:
-    runs = [
-        {"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 3, "accumulate": 2},
-        # With Lightning's default logger, TensorBoardLogger: it must work from the lock (issue 29 C6).
-        {"pipe_size": 2, "devices": 2, "chunks": 5, "steps": 4, "clip": 0.05, "logger": True, "log_every_n_steps": 1},
-    ]
-    # Deferred BatchNorm, on the first stage and then on the second (layer 3 is the BatchNorm): after one step the
-    # running statistics equal plain BatchNorm's on the whole batch. The weights differ by design, since GPipe
-    # normalizes each micro-batch with its own statistics.
-    bn_run = {"pipe_size": 2, "devices": 2, "chunks": 5, "steps": 1, "batch_norm": True, "deferred_batch_norm": True}
-    runs += [{**bn_run, "balance": [4, 2]}, {**bn_run, "balance": [3, 3]}]
-    results = run_fits(tmp_path, 2, runs)
+@pytest.mark.timeout(600)
+def test_accumulation_clipping_and_deferred_batch_norm(fits: SharedFits, tmp_path: Path) -> None:
+    # Deferred BatchNorm: after one step the running statistics equal plain BatchNorm's on the whole batch. The
+    # weights differ by design, since GPipe normalizes each micro-batch with its own statistics.
+    shared = fits(2)
+    results = [shared[name] for name in ("accumulate", "clip", "bn-first", "bn-second")]
     assert_same_parameters(results[0], plain(tmp_path, steps=3, accumulate=2))
     assert_same_parameters(results[1], plain(tmp_path, steps=4, clip=0.05))
-    (events,) = (tmp_path / "lightning_logs" / "version_0").glob("events.out.tfevents.*")
+    (events,) = (fits.folder(2) / "lightning_logs" / "version_0").glob("events.out.tfevents.*")
     logged = EventAccumulator(str(events)).Reload()
     assert [event.step for event in logged.Scalars("train_loss")] == [0, 1, 2, 3]
     reference = plain(tmp_path, steps=1, batch_norm=True)
@@ -81,10 +122,10 @@ def test_accumulation_clipping_and_deferred_batch_norm(tmp_path: Path) -> None:
 
 
 @RunIf(multiprocess=True)
-def test_two_stages_times_two_replicas_equals_ddp(tmp_path: Path) -> None:
-    run = {"steps": 3, "chunks": 4, "distributed_sampler": True, "shuffle": True}
-    pipelined = run_fits(tmp_path / "gpipe", 4, [{**run, "pipe_size": 2, "devices": 4}])[0]
-    ddp = run_fits(tmp_path / "ddp", 2, [{**run, "strategy": "ddp", "devices": 2}])[0]
+@pytest.mark.timeout(600)
+def test_two_stages_times_two_replicas_equals_ddp(fits: SharedFits) -> None:
+    pipelined = fits(4)["gpipe-replicas"]
+    ddp = fits(2)["ddp"]
     assert_same_parameters(pipelined, ddp)
 
 

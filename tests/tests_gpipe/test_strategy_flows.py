@@ -11,17 +11,53 @@ import lightning as L
 import pytest
 import torch
 from helpers.flows_job import Classifier
-from helpers.jobs import run_job
+from helpers.jobs import run_job, run_scripts
 from helpers.lightning_job import SequentialModule
 from helpers.runif import RunIf
 from test_strategy_equivalence import assert_same_parameters, plain, run_fits
 
+JOB_TIMEOUT = 900  # the shared job: five scripts, one after the other, in the same two ranks
 
-@RunIf(multiprocess=True)
-def test_fit_validate_test_predict_with_callbacks_loggers_and_metrics(tmp_path: Path) -> None:
-    results = run_job("helpers.flows_job", [str(tmp_path)], 2, timeout=400)
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 2-rank launch for every flow below that should succeed: each script writes into its own folder."""
+    root = tmp_path_factory.mktemp("flows")
+    for folder in ("k2", "flows", "amp", "boundary", "trimmed"):
+        (root / folder).mkdir()
+    k2 = [
+        {"pipe_size": 2, "devices": 2, "chunks": 4, "epochs": 1, "steps": -1, "save": str(root / "two-stages.ckpt")},
+        {"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 3, "meta": True},
+    ]
+    (root / "k2" / "config.json").write_text(json.dumps({"runs": k2}))
+    scripts = [
+        ["helpers.lightning_job", str(root / "k2" / "config.json")],
+        ["helpers.flows_job", str(root / "flows")],
+        ["helpers.amp_job", str(root / "amp")],
+        ["helpers.boundary_job", str(root / "boundary")],
+        ["helpers.user_model_job", str(root / "trimmed"), "trimmed_token_mean"],
+    ]
+    results = run_scripts(scripts, 2, timeout=JOB_TIMEOUT)
     for rank, result in enumerate(results):
         assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_rank(two_ranks: Path) -> list[dict[str, torch.Tensor]]:
+    """The 1-rank fits: resuming the two stages' checkpoint, and the meta-device model as one stage."""
+    checkpoint = str(two_ranks / "two-stages.ckpt")
+    runs = [
+        {"pipe_size": 1, "devices": 1, "chunks": 4, "epochs": 2, "steps": -1, "resume": checkpoint},
+        {"pipe_size": 1, "devices": 1, "chunks": 4, "steps": 3, "meta": True},
+    ]
+    return run_fits(two_ranks / "k1", 1, runs)
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_fit_validate_test_predict_with_callbacks_loggers_and_metrics(two_ranks: Path) -> None:
+    tmp_path = two_ranks / "flows"
     seen = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
     # Every rank sees the same logged values (mirrored from the last stage), so collectives agree.
     assert seen[0]["fit"] == seen[1]["fit"]
@@ -46,15 +82,15 @@ def test_fit_validate_test_predict_with_callbacks_loggers_and_metrics(tmp_path: 
 
 
 @RunIf(multiprocess=True)
-def test_checkpoint_from_two_stages_resumes_on_one_and_loads_into_the_plain_module(tmp_path: Path) -> None:
-    checkpoint = tmp_path / "two-stages.ckpt"
-    run_fits(tmp_path / "k2", 2, [{"pipe_size": 2, "devices": 2, "chunks": 4, "epochs": 1, "steps": -1,
-                                  "save": str(checkpoint)}])  # fmt: skip
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_checkpoint_from_two_stages_resumes_on_one_and_loads_into_the_plain_module(
+    two_ranks: Path, one_rank: list[dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    checkpoint = two_ranks / "two-stages.ckpt"  # the shared job's first fit; one_rank's first fit resumes it
     saved = torch.load(checkpoint, weights_only=True)
     SequentialModule().load_state_dict(saved["state_dict"], strict=True)  # the whole model, original names
     assert all(isinstance(name, str) for name in saved["optimizer_states"][0]["state"])  # keyed by name
-    resumed = run_fits(tmp_path / "k1", 1, [{"pipe_size": 1, "devices": 1, "chunks": 4, "epochs": 2, "steps": -1,
-                                            "resume": str(checkpoint)}])[0]  # fmt: skip
+    resumed = one_rank[0]
     uninterrupted = plain(tmp_path / "plain", epochs=2, steps=-1)
     assert_same_parameters(resumed, uninterrupted)
 
@@ -120,14 +156,17 @@ def test_bad_configuration_fails_when_the_trainer_is_built() -> None:
 
 
 @RunIf(multiprocess=True)
-def test_meta_device_model_allocates_one_stage_per_rank_and_trains_like_one_stage(tmp_path: Path) -> None:
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_meta_device_model_allocates_one_stage_per_rank_and_trains_like_one_stage(
+    two_ranks: Path, one_rank: list[dict[str, torch.Tensor]]
+) -> None:
     # Built in configure_model: each rank allocates only its stage, and every layer is initialized from its own
-    # seed, so one and two stages start (and end) with the same parameters.
-    two = run_fits(tmp_path / "k2", 2, [{"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 3, "meta": True}])[0]
-    one = run_fits(tmp_path / "k1", 1, [{"pipe_size": 1, "devices": 1, "chunks": 4, "steps": 3, "meta": True}])[0]
+    # seed, so one and two stages start (and end) with the same parameters. Both are the second fit of their job.
+    two = torch.load(two_ranks / "k2" / "result-1.pt", weights_only=True)
+    one = one_rank[1]
     assert_same_parameters(two, one)
     total = sum(value.numel() for value in one.values())
-    local = [int((tmp_path / "k2" / f"local-parameters-0-rank{rank}.txt").read_text()) for rank in range(2)]
+    local = [int((two_ranks / "k2" / f"local-parameters-1-rank{rank}.txt").read_text()) for rank in range(2)]
     assert sum(local) == total
     assert max(local) <= 0.6 * total  # balanced by parameter count: about 1/K of the model each
 
@@ -155,12 +194,11 @@ def test_a_stage_without_trainable_parameters_is_named_with_the_fix(tmp_path: Pa
 
 
 @RunIf(multiprocess=True)
-def test_loss_scaling_skips_an_overflowing_step_on_every_stage(tmp_path: Path) -> None:
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_loss_scaling_skips_an_overflowing_step_on_every_stage(two_ranks: Path) -> None:
     from helpers.amp_job import INF_STEP
 
-    results = run_job("helpers.amp_job", [str(tmp_path)], 2, timeout=300)
-    for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    tmp_path = two_ranks / "amp"
     traces = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
     scales = [[entry["scale"] for entry in trace] for trace in traces]
     assert scales[0] == scales[1]  # one loss scale for the whole pipeline
@@ -171,14 +209,13 @@ def test_loss_scaling_skips_an_overflowing_step_on_every_stage(tmp_path: Path) -
 
 
 @RunIf(multiprocess=True)
-def test_after_fit_the_whole_model_has_every_buffer_and_evaluates(tmp_path: Path) -> None:
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_after_fit_the_whole_model_has_every_buffer_and_evaluates(two_ranks: Path) -> None:
     # Non-persistent buffers of the other stage's layers were uninitialized memory after fit (NaN rotary tables,
     # BERT's position_ids out of range); UserDict batches were refused by the splitter.
     from helpers.boundary_job import Module, samples
 
-    results = run_job("helpers.boundary_job", [str(tmp_path)], 2, timeout=300)
-    for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    tmp_path = two_ranks / "boundary"
     after = torch.load(tmp_path / "after.pt", weights_only=True)
     plain = Module()
     plain.load_state_dict(after["state"], strict=True)  # the trained weights into a model built as usual
@@ -231,17 +268,15 @@ def test_a_users_own_module_behaves_as_under_plain_lightning(tmp_path: Path) -> 
     assert isinstance(seen[1]["save_on_rank_zero"], float)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(JOB_TIMEOUT)
 @RunIf(multiprocess=True)
-def test_a_token_mean_over_sequences_trimmed_per_microbatch_trains_as_plain_lightning(tmp_path: Path) -> None:
+def test_a_token_mean_over_sequences_trimmed_per_microbatch_trains_as_plain_lightning(two_ranks: Path) -> None:
     """Issue 15 item 2: each micro-batch cut after its own longest sequence crosses the boundary with its own length
     (refused before: "may differ only in the micro-batch dimension"), and `loss_weight` makes the micro-batches'
     token means the whole batch's."""
     from helpers import user_model_job as job
 
-    results = run_job("helpers.user_model_job", [str(tmp_path), "trimmed_token_mean"], 2, timeout=500)
-    for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    tmp_path = two_ranks / "trimmed"
     seen = json.loads((tmp_path / "rank-0.json").read_text())
     assert "error" not in seen["trimmed_token_mean"], seen["trimmed_token_mean"]
     trained = torch.load(tmp_path / "trimmed-token-mean.pt", weights_only=True)
