@@ -10,9 +10,10 @@ Three ways to start ranks:
 - **Lightning's own launch**: :func:`launch` runs ``python -m module`` once; its Trainer starts the other ranks.
 
 :func:`run_command` and :func:`run_module` run one command (a CLI, a benchmark) the same way. The policy: every launch
-has a deadline; a rank that fails or dies ends the others promptly (a script rank's peers get ``grace`` seconds to
-report it themselves), with its output's tail or traceback in the error; and nothing outlives the launch: each
-process runs in its own session, whose whole process group is killed at the end.
+has a deadline; a rank that fails or dies ends the others promptly (a function rank's traceback is raised, a script
+rank's output returned; a script rank's peers get ``grace`` seconds to report the failure themselves); and nothing
+outlives the launch: the ranks are killed by their handles, and a script's or command's whole process group (its own
+session) at the end.
 
 Nothing a job starts listens beyond the loopback interface. torch's TCPStore server binds every interface whatever
 ``MASTER_ADDR`` says, so the launching process hosts the store itself on a socket bound to 127.0.0.1 (TCPStore's
@@ -160,7 +161,7 @@ def _rank_main(
 
     ``tag`` identifies the job, so that a late message from a job already given up on is not taken for a newer one's.
     """
-    import torch  # here: the process that starts the ranks never needs torch for them
+    import torch  # here: a process that launches only single-rank jobs never imports torch
     import torch.distributed as dist
 
     try:
