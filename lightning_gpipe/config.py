@@ -21,7 +21,7 @@ class StrategyConfig(BuildConfig):
     """The strategy's settings: a build's (:class:`~lightning_gpipe.build.config.BuildConfig`), and how to run it.
 
     The attributes mean what the strategy's arguments of the same names mean; ``None`` for ``pipe_size`` and
-    ``chunks`` defers to the world size (see the strategy).
+    ``chunks`` defers to the world size (see :meth:`~lightning_gpipe.build.config.BuildConfig.resolve`).
     """
 
     process_group_backend: str | None = None

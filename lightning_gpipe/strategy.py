@@ -13,11 +13,9 @@ Data-parallel gradients are averaged once per optimizer step, inside the optimiz
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -46,7 +44,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
-from lightning_gpipe.build.config import Balance
+from lightning_gpipe.build.config import Balance, ResolvedPipeline
 from lightning_gpipe.build.sequence import Partition, find_sequence
 from lightning_gpipe.build.state_dict import (
     ModelNames,
@@ -180,9 +178,10 @@ class GPipeStrategy(ParallelStrategy):
         self._auto_plan = auto_plan(
             plan, pipe_size=pipe_size, chunks=chunks, balance=balance, checkpoint=checkpoint, schedule=schedule
         )
+        self._planned: dict[str, Any] = {}  # the settings the plan chose, in place of the config's
+        self._settings: ResolvedPipeline | None = None  # the config resolved against the world, by set_world_ranks
         self._process_group_backend = self.config.process_group_backend  # resolved from the device in setup_environment
         self._num_nodes = 1
-        self._layout: ProcessLayout | None = None
         self._pipeline_group: dist.ProcessGroup | None = None
         self._replica_group: dist.ProcessGroup | None = None
         self._object_group: dist.ProcessGroup | None = None
@@ -235,21 +234,31 @@ class GPipeStrategy(ParallelStrategy):
         return True
 
     @property
+    def settings(self) -> ResolvedPipeline:
+        """The configuration resolved against this run (K, M, this process's place, the plan's choice): what the rest
+        reads. Resolved when Lightning sets the ranks, and under ``plan="auto"`` again once the plan is made."""
+        if self._settings is None:
+            self._settings = self.config.resolve(self.world_size, self.global_rank, self._planned)
+        return self._settings
+
+    @property
     def layout(self) -> ProcessLayout:
         """Which stage of which pipeline replica this process runs."""
-        if self._layout is None:
-            self._layout = ProcessLayout(self.world_size, self.pipe_size, self.global_rank)
-        return self._layout
+        return self.settings.layout
 
     @property
     def pipe_size(self) -> int:
-        """K, the number of stages per pipeline."""
-        return self.config.pipe_size if self.config.pipe_size is not None else self.world_size
+        """K, the number of stages per pipeline (before the Trainer sets the world: the one given)."""
+        if self._settings is None:
+            return self.config.pipe_size or self.world_size
+        return self._settings.pipe_size
 
     @property
     def chunks(self) -> int:
-        """M, the number of micro-batches per mini-batch."""
-        return self.config.chunks if self.config.chunks is not None else 4 * self.pipe_size
+        """M, the number of micro-batches per mini-batch (before the Trainer sets the world: the one given)."""
+        if self._settings is None:
+            return self.config.chunks or 4 * self.pipe_size
+        return self._settings.chunks
 
     @property
     @override
@@ -279,27 +288,15 @@ class GPipeStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self.config.start_method)
 
     def set_world_ranks(self) -> None:
-        """Tell the cluster environment this process's global rank and the world size."""
+        """Tell the cluster environment this process's global rank and the world size; resolve the settings for them."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        self._layout = None
+        self._settings = None
         if self._auto_plan is not None:
-            return  # K is known once the plan is made, in setup (_follow_plan checks the layout then)
-        layout = self.layout  # validates world_size against pipe_size before anything starts
-        if self.chunks < layout.pipe_size:
-            warnings.warn(
-                f"chunks={self.chunks} is smaller than pipe_size={layout.pipe_size}: at most {self.chunks} of "
-                f"{layout.pipe_size} stages can work at once. Use chunks >= {4 * layout.pipe_size} for a small bubble.",
-                stacklevel=2,
-            )
-        if isinstance(self.config.balance, list) and len(self.config.balance) != layout.pipe_size:
-            raise ValueError(
-                f"balance={self.config.balance} has {len(self.config.balance)} stages but the pipelines have "
-                f"{layout.pipe_size} (world_size={self.world_size}, pipe_size={self.config.pipe_size}); give one "
-                "number of layers per stage"
-            )
+            return  # K is known once the plan is made, in setup (_follow_plan resolves the settings then)
+        self._settings = self.config.resolve(self.world_size, self.global_rank, self._planned)  # checks the world
 
     @override
     def setup_environment(self) -> None:
@@ -378,13 +375,13 @@ class GPipeStrategy(ParallelStrategy):
             self._use_global_norm_clipping()
 
     def _follow_plan(self, module: LightningModule) -> None:
-        """``plan="auto"``: plan on global rank 0, take its settings on every rank, then make the groups they need."""
+        """``plan="auto"``: plan on global rank 0, resolve its choice on every rank, then make the groups it needs."""
         request = self._auto_plan
         assert request is not None
         _, sequence = find_sequence(module, self.config.module_name)
         # Every rank reads the same loader's batch_size, so every rank can hold the first batch to it.
         batch = planned_batch(request, lambda: _run_loader(module.trainer))
-        settings = agreed_settings(
+        chosen = agreed_settings(
             lambda: plan_for_module(
                 request,
                 sequence,
@@ -397,8 +394,7 @@ class GPipeStrategy(ParallelStrategy):
             broadcast=self.broadcast,
             report=rank_zero_info,
         )
-        self.config = dataclasses.replace(self.config, **settings)
-        self._auto_plan = None
+        self._planned, self._auto_plan = chosen, None
         self._planned_batch = batch if module.trainer.state.fn == TrainerFn.FITTING else None
         self.set_world_ranks()
         self._new_groups()
@@ -406,14 +402,12 @@ class GPipeStrategy(ParallelStrategy):
     def _partition_model(self, module: LightningModule) -> None:
         if self._partition is not None:  # a second fit/validate on the same module
             return
-        layout = self.layout
+        settings = self.settings
         links = None if self._links_on_world else self._links
-        transport = ProcessGroupTransport(layout.pipeline_ranks(), self.root_device, self.config.timeout, links=links)
-        config = dataclasses.replace(self.config, pipe_size=self.pipe_size, chunks=self.chunks)
+        transport = ProcessGroupTransport(self.layout.pipeline_ranks(), self.root_device, settings.timeout, links=links)
         self._assembled = assembled = assemble_stage(
             module,
-            config,
-            layout,
+            settings,
             self.root_device,
             transport,
             sample=module.example_input_array,
@@ -670,7 +664,7 @@ class GPipeStrategy(ParallelStrategy):
                 )
             if early:
                 raise ValueError(
-                    f"training_step returned 'loss_weight' under schedule={self.config.schedule!r}, which runs the "
+                    f"training_step returned 'loss_weight' under schedule={self.settings.schedule!r}, which runs the "
                     "backward of micro-batch 0 before the forward of the last one, before the weights of all "
                     "micro-batches are known. Use schedule='gpipe', or declare the weight from the batch before the "
                     "schedule runs: a method batch_loss_weight(batch) on the LightningModule, without 'loss_weight'."

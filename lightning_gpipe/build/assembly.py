@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.build.balance import balance_by_cost, in_place_starts, validate_balance
-from lightning_gpipe.build.config import BuildConfig
+from lightning_gpipe.build.balance import balance_by_cost, checked_total, in_place_starts
+from lightning_gpipe.build.config import ResolvedPipeline
 from lightning_gpipe.build.cost import layer_costs
 from lightning_gpipe.build.sequence import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.build.state_dict import ModelNames
@@ -92,8 +92,7 @@ class AssembledStage:
 
 def assemble_stage(
     module: nn.Module,
-    config: BuildConfig,
-    layout: ProcessLayout,
+    settings: ResolvedPipeline,
     device: torch.device,
     transport: Transport,
     *,
@@ -101,24 +100,24 @@ def assemble_stage(
     replica_group: dist.ProcessGroup | None = None,
     timeline: Timeline | None = None,
 ) -> AssembledStage:
-    """Cut ``module`` down to stage ``layout.stage`` and build that stage's pipeline over ``transport``.
+    """Cut ``module`` down to this process's stage (``settings.layout``) and build its pipeline over ``transport``.
 
     Every rank of the job calls it at the same point: resolving a measured balance, the replicas' weights and the
     tied copies are collectives (each only where the job has more than one process that takes part).
 
     Args:
-        module: the user's module, holding the ``nn.Sequential`` to pipeline (``config.module_name``, else the only
-            one); it is changed in place (see :mod:`lightning_gpipe.build.sequence`).
-        config: the settings, with ``pipe_size`` and ``chunks`` resolved (as ``layout.pipe_size`` and a number).
-        layout: this rank's place in the job.
+        module: the user's module, holding the ``nn.Sequential`` to pipeline (``settings.module_name``, else the
+            only one); it is changed in place (see :mod:`lightning_gpipe.build.sequence`).
+        settings: the settings resolved for this process
+            (:meth:`BuildConfig.resolve <lightning_gpipe.build.config.BuildConfig.resolve>`): K, M, this rank's place.
         device: where this stage's layers are allocated and run.
         transport: the links to this pipeline's other stages.
         sample: one input of the sequence, for a balance measured on it (``"flops"``, ``"time"``, ``"memory"``).
         replica_group: the ranks running this stage in every replica: they start from replica 0's weights.
         timeline: records the pipeline's actions when given.
     """
-    assert config.pipe_size == layout.pipe_size, "the config's pipe_size is resolved to the layout's"
-    path, sequence = find_sequence(module, config.module_name)
+    layout = settings.layout
+    path, sequence = find_sequence(module, settings.module_name)
     if len(sequence) < layout.pipe_size:
         raise ValueError(
             f"cannot split the {len(sequence)} layers of {path!r} into {layout.pipe_size} stages: every stage "
@@ -126,12 +125,12 @@ def assemble_stage(
         )
     names = ModelNames.of(module)
     whole = parameter_counts(module.parameters())  # before the split: each tied tensor once
-    balance = resolve_balance(config, sequence, sample, layout, device)
+    balance = resolve_balance(settings, sequence, sample, device)
     partition = partition_module(module, path, sequence, balance, layout.stage)
     own = [(i, sequence[i]) for i in partition.bounds[layout.stage]]
     materialize(own, device, seed=torch.initial_seed() % 2**62)
     retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
-    if config.deferred_batch_norm:
+    if settings.deferred_batch_norm:
         DeferredBatchNorm.convert(partition.stand_in)
     cell = partition.stand_in.cell()
     _broadcast_replica_weights(module, layout, device, replica_group)
@@ -142,25 +141,25 @@ def assemble_stage(
             layout.stage,
             [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)],
             layout.replica,
-            config.timeout,
+            settings.timeout,
         )
         ties.broadcast(device)
-    pipeline = Pipeline(cell, transport, config, timeline=timeline)
+    pipeline = Pipeline(cell, transport, settings.pipeline, timeline=timeline)
     return AssembledStage(partition, pipeline, ties, names, whole)
 
 
 def resolve_balance(
-    config: BuildConfig, sequence: nn.Sequential, sample: Any, layout: ProcessLayout, device: torch.device
+    settings: ResolvedPipeline, sequence: nn.Sequential, sample: Any, device: torch.device
 ) -> list[int]:
-    """Layers per stage: ``config.balance`` if it is a list, else found from the layers' costs.
+    """Layers per stage: ``settings.balance`` if it is a list (checked against the sequence), else found from costs.
 
     A measured balance is decided on global rank 0 and broadcast over the world, since measured costs differ between
     processes; without a process group (one process building every stage), each call measures for itself. The
     default is ``"flops"`` when there is a ``sample`` and the layers are not on the meta device, else ``"params"``.
     """
-    if isinstance(config.balance, list):
-        return validate_balance(config.balance, len(sequence))
-    how = config.balance
+    if isinstance(settings.balance, list):
+        return checked_total(settings.balance, len(sequence))  # its entries were checked where it was given
+    how = settings.balance
     if how is None:
         how = "flops" if sample is not None and not _is_meta(sequence) else "params"
     if how in ("flops", "time", "memory") and sample is None:
@@ -170,9 +169,9 @@ def resolve_balance(
         )
     distributed = dist.is_available() and dist.is_initialized()
     balance: list[int] | None = None
-    if not distributed or layout.rank == 0:
+    if not distributed or settings.layout.rank == 0:
         costs = measured_costs(sequence, how, sample, device)
-        balance = balance_by_cost(costs, layout.pipe_size, avoid_cuts=in_place_starts(sequence))
+        balance = balance_by_cost(costs, settings.pipe_size, avoid_cuts=in_place_starts(sequence))
     if distributed:
         box = [balance]
         dist.broadcast_object_list(box, src=0)

@@ -2,7 +2,8 @@
 
 GPipe splits the L layers of a network into K cells, one per pipeline stage. The pipeline runs at the pace of its
 slowest stage, so :func:`balance_by_cost` picks the cut points that minimise the most expensive cell; an explicit
-``balance`` (layers per stage) is checked by :func:`validate_balance`, and :func:`split` turns either into cells.
+``balance`` (layers per stage) is checked where it is given (:func:`checked_entries`) and against the sequence once
+(:func:`checked_total`; :func:`validate_balance` does both), and :func:`split` turns either into cells.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from torch import nn
 
 from lightning_gpipe.build.tied import find_ties
 
-__all__ = ["balance_by_cost", "cell_bounds", "in_place_starts", "split", "validate_balance"]
+__all__ = [
+    "balance_by_cost",
+    "cell_bounds",
+    "checked_entries",
+    "checked_total",
+    "in_place_starts",
+    "split",
+    "validate_balance",
+]
 
 
 def balance_by_cost(costs: Sequence[float], num_stages: int, *, avoid_cuts: Collection[int] = ()) -> list[int]:
@@ -208,7 +217,14 @@ def validate_balance(balance: Sequence[int], num_layers: int) -> list[int]:
         ValueError: an entry is not positive, there are more stages than layers, or the entries do not add up to
             ``num_layers``. The message suggests an even balance that would work.
     """
-    entries = _checked_entries(balance)
+    return checked_total(checked_entries(balance), num_layers)
+
+
+def checked_total(entries: list[int], num_layers: int) -> list[int]:
+    """Return ``entries``, a balance :func:`checked_entries` accepted, after checking it fits ``num_layers`` layers.
+
+    The check against the sequence, once its length is known; the messages are :func:`validate_balance`'s.
+    """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"the module must have at least one layer to partition, got num_layers={num_layers!r}")
     if len(entries) > num_layers:
@@ -226,8 +242,11 @@ def validate_balance(balance: Sequence[int], num_layers: int) -> list[int]:
     return entries
 
 
-def _checked_entries(balance: Sequence[int]) -> list[int]:
-    """Check that ``balance`` is a non-empty sequence of positive ints."""
+def checked_entries(balance: Sequence[int]) -> list[int]:
+    """Return ``balance`` as a list after checking that it is a non-empty sequence of positive ints.
+
+    The check of a balance where it is given, before the sequence it will cut is known (see :func:`checked_total`).
+    """
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise TypeError(
             f"balance must be a list of ints (layers per stage), got {balance!r} ({type(balance).__name__})"
@@ -264,7 +283,7 @@ def cell_bounds(balance: Sequence[int]) -> list[range]:
     """
     bounds: list[range] = []
     start = 0
-    for layers in _checked_entries(balance):
+    for layers in checked_entries(balance):
         bounds.append(range(start, start + layers))
         start += layers
     return bounds

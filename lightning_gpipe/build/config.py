@@ -1,30 +1,38 @@
-"""BuildConfig: the engine's settings plus how to cut the user's module into stages, validated once."""
+"""BuildConfig: the engine's settings plus how to cut the user's module into stages, validated once, resolved once.
+
+:class:`BuildConfig` holds the values as the user gives them and checks each in ``__post_init__``;
+:meth:`BuildConfig.resolve` turns them and the run's context (world size, rank, a planner's choice) into a
+:class:`ResolvedPipeline`, which assembly, the engine and the strategy read without checking it again.
+"""
 
 from __future__ import annotations
 
 import datetime
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from lightning_gpipe.build.balance import validate_balance
-from lightning_gpipe.build.cost import CostFn
+from lightning_gpipe.build.balance import checked_entries
+from lightning_gpipe.build.cost import COST_SOURCES, CostFn
 from lightning_gpipe.engine.config import PipelineConfig, validate_flag
+from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.transport import DEFAULT_TIMEOUT
 
-__all__ = ["BALANCE_NAMES", "Balance", "BuildConfig"]
+__all__ = ["Balance", "BuildConfig", "ResolvedPipeline"]
 
 Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
-"""Layers per stage (a list of K ints), or how to find them: a cost name, a callable ``cost(layer)``, or ``None``."""
-BALANCE_NAMES: tuple[str, ...] = ("params", "flops", "time", "memory")
-"""The ways to find a balance by measuring the layers (see :mod:`lightning_gpipe.build.cost`)."""
+"""Layers per stage (a list of K ints), or how to find them: a cost name of
+:data:`~lightning_gpipe.build.cost.COST_SOURCES`, a callable ``cost(layer)``, or ``None``."""
 
 
 @dataclass(frozen=True)
 class BuildConfig(PipelineConfig):
     """The settings of :func:`~lightning_gpipe.build.assembly.assemble_stage`: a pipeline's, and how to build it.
 
-    ``pipe_size=None`` defers to the world size (see the strategy); ``timeout`` is how long a stage waits for a
-    peer, in the pipeline and in the collectives of the build.
+    ``pipe_size=None`` and ``chunks=None`` defer to the world size (see :meth:`resolve`); ``timeout`` is how long a
+    stage waits for a peer, in the pipeline and in the collectives of the build.
     """
 
     pipe_size: int | None = None
@@ -45,15 +53,92 @@ class BuildConfig(PipelineConfig):
         validate_flag("deferred_batch_norm", self.deferred_batch_norm)
         _check_timeout(self.timeout)
 
+    def resolve(self, world_size: int, rank: int, chosen: Mapping[str, Any] | None = None) -> ResolvedPipeline:
+        """These settings for process ``rank`` of a job of ``world_size``: K and M as numbers, this process's place.
+
+        ``pipe_size=None`` becomes the world size and ``chunks=None`` ``4 * pipe_size``. ``chosen`` holds settings made
+        for the user, which take the place of these: under ``plan="auto"`` the planner's ``pipe_size``, ``chunks``,
+        ``balance``, ``checkpoint`` and ``schedule`` (the strategy refuses a plan beside them).
+
+        Raises:
+            ValueError: the world cannot be cut into pipelines of ``pipe_size`` stages, or a list balance has
+                another number of stages than the pipelines.
+        """
+        chosen = dict(chosen or {})
+        K = chosen.get("pipe_size", self.pipe_size) or world_size
+        layout = ProcessLayout(world_size, K, rank)  # refuses a world that K does not divide
+        balance = chosen.get("balance", self.balance)
+        if isinstance(balance, list) and len(balance) != K:
+            raise ValueError(
+                f"balance={balance} has {len(balance)} stages but the pipelines have {K} (world_size={world_size}, "
+                f"pipe_size={self.pipe_size}); give one number of layers per stage"
+            )
+        M = chosen.get("chunks", self.chunks) or 4 * K
+        if M < K:
+            warnings.warn(
+                f"chunks={M} is smaller than pipe_size={K}: at most {M} of {K} stages can work at once. Use "
+                f"chunks >= {4 * K} for a small bubble.",
+                stacklevel=3,
+            )
+        engine = PipelineConfig(
+            chunks=M,
+            checkpoint=chosen.get("checkpoint", self.checkpoint),
+            schedule=chosen.get("schedule", self.schedule),
+            detect_anomalies=self.detect_anomalies,
+        )
+        return ResolvedPipeline(layout, engine, balance, self.module_name, self.deferred_batch_norm, self.timeout)
+
+
+@dataclass(frozen=True)
+class ResolvedPipeline:
+    """A :class:`BuildConfig` resolved against the run by :meth:`BuildConfig.resolve`: what everything after reads.
+
+    The user's values were checked where they were given and the run's context once, by ``resolve``; nothing that
+    reads these checks them again.
+
+    Attributes:
+        layout: this process's place: K (``layout.pipe_size``), its stage and its replica.
+        pipeline: what :class:`~lightning_gpipe.engine.pipeline.Pipeline` and its stage run by; ``chunks`` is M.
+        balance: layers per stage (K ints), or how assembly finds them from the sequence (``resolve_balance``).
+        module_name, deferred_batch_norm, timeout: as given (see :class:`BuildConfig`).
+    """
+
+    layout: ProcessLayout
+    pipeline: PipelineConfig
+    balance: Balance
+    module_name: str | None
+    deferred_batch_norm: bool
+    timeout: datetime.timedelta
+
+    @property
+    def pipe_size(self) -> int:
+        """K, the number of stages per pipeline."""
+        return self.layout.pipe_size
+
+    @property
+    def chunks(self) -> int:
+        """M, the number of micro-batches per mini-batch."""
+        return cast(int, self.pipeline.chunks)  # set by resolve
+
+    @property
+    def checkpoint(self) -> CheckpointMode:
+        """The re-materialization mode."""
+        return self.pipeline.checkpoint
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule."""
+        return self.pipeline.schedule
+
 
 def _check_balance(balance: Any, pipe_size: int | None) -> Balance:
     if balance is None or callable(balance):
         return balance
     if isinstance(balance, str):
-        if balance not in BALANCE_NAMES:
+        if balance not in COST_SOURCES:
             raise ValueError(
                 f"balance={balance!r} is not a way to balance stages; use a list of layers per stage, one of "
-                f"{', '.join(map(repr, BALANCE_NAMES))}, or a callable cost(layer) -> float"
+                f"{', '.join(map(repr, COST_SOURCES))}, or a callable cost(layer) -> float"
             )
         return balance  # type: ignore[return-value]
     if isinstance(balance, (list, tuple)):
@@ -63,8 +148,7 @@ def _check_balance(balance: Any, pipe_size: int | None) -> Balance:
                 f"balance={entries} has {len(entries)} stages but pipe_size={pipe_size}; give one number of "
                 "layers per stage"
             )
-        validate_balance(entries, sum(e for e in entries if isinstance(e, int)))  # entries' own checks
-        return entries
+        return checked_entries(entries)  # the sequence's length is checked once it is known: assembly
     raise TypeError(
         f"balance={balance!r} must be a list of ints (layers per stage), a cost name or a callable, "
         f"not {type(balance).__name__}"

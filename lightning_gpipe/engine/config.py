@@ -19,7 +19,8 @@ class PipelineConfig:
     Each bad value raises a ``ValueError`` or ``TypeError`` that names it, the rule and the fix; the layers that
     receive a valid configuration need not check it again. The settings of the layers above (how the module is cut,
     how the strategy starts its processes) extend this class: :class:`~lightning_gpipe.build.config.BuildConfig`,
-    :class:`~lightning_gpipe.config.StrategyConfig`. ``chunks=None`` defers to the strategy, which resolves it.
+    :class:`~lightning_gpipe.config.StrategyConfig`. ``chunks=None`` defers to the world size, as
+    :meth:`~lightning_gpipe.build.config.BuildConfig.resolve` resolves it; a ``Pipeline`` needs it set.
     """
 
     chunks: int | None = None

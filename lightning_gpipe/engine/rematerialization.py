@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ __all__ = ["CHECKPOINT_MODES", "CheckpointMode", "checkpointed", "checkpoint_sto
 
 CheckpointMode = Literal["always", "except_last", "never"]
 """Which micro-batches re-materialize: every one, all but the last (whose backward follows at once), or none."""
-CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
 """The values of [`CheckpointMode`][lightning_gpipe.engine.rematerialization.CheckpointMode]: checks, messages."""
 
 _state = threading.local()

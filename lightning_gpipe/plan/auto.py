@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader
 
+from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.engine.rematerialization import validate_mode
 from lightning_gpipe.engine.schedule import validate_schedule
 
@@ -46,7 +47,7 @@ DEVICE_MEMORY_SHARE = 0.9
 allocator's rounding and the communication buffers take the rest."""
 
 _PLANNED = ("pipe_size", "chunks", "balance", "checkpoint", "schedule")
-_DEFAULTS: dict[str, Any] = {"checkpoint": "except_last", "schedule": "gpipe"}
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(BuildConfig) if f.name in _PLANNED}
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,7 @@ def auto_plan(value: object, **explicit: Any) -> AutoPlan | None:
         raise TypeError(
             f"plan={value!r} must be 'auto' or a lightning_gpipe.plan.AutoPlan(...), not {type(value).__name__}"
         )
-    given = {
-        name: explicit[name]
-        for name in _PLANNED
-        if name in explicit and explicit[name] is not None and explicit[name] != _DEFAULTS.get(name)
-    }
+    given = {name: explicit[name] for name in _PLANNED if name in explicit and explicit[name] != _DEFAULTS[name]}
     if given:
         settings = ", ".join(f"{name}={setting!r}" for name, setting in given.items())
         restrict = {"pipe_size": "pipe_sizes", "chunks": "chunks", "checkpoint": "checkpoints", "schedule": "schedules"}

@@ -146,7 +146,7 @@ def main(config_path: str) -> None:
         if "settings_of" in run:  # the settings an earlier fit's plan chose, given explicitly
             run = {key: value for key, value in run.items() if key != "settings_of"} | chosen[run["settings_of"]]
         module = fit(run, root)
-        settings = getattr(module.trainer.strategy, "config", None)  # a PipelineConfig under GPipeStrategy
+        settings = getattr(module.trainer.strategy, "settings", None)  # what GPipeStrategy resolved, plan included
         names = ("pipe_size", "chunks", "balance", "checkpoint", "schedule")
         chosen.append({name: getattr(settings, name) for name in names} if settings is not None else {})
         (root / f"local-parameters-{index}-rank{module.global_rank}.txt").write_text(str(module.local_parameters))

@@ -15,7 +15,6 @@ from torch import nn
 
 from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.build.config import BuildConfig
-from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.transport import ThreadTransport
 
 CPU = torch.device("cpu")
@@ -37,7 +36,7 @@ def assemble(model: nn.Module, config: BuildConfig, sample: Any = None) -> list[
     transports = ThreadTransport.create(K, timeout=datetime.timedelta(seconds=60))
     # Stage j runs on rank K - 1 - j: the layout puts the last stage on the pipeline's lowest rank.
     return [
-        assemble_stage(copy.deepcopy(model), config, ProcessLayout(K, K, K - 1 - j), CPU, transports[j], sample=sample)
+        assemble_stage(copy.deepcopy(model), config.resolve(K, K - 1 - j), CPU, transports[j], sample=sample)
         for j in range(K)
     ]
 
@@ -107,11 +106,19 @@ def test_too_few_layers_for_the_stages_are_refused_with_the_fix() -> None:
     config = BuildConfig(pipe_size=4, chunks=4)
     transport = ThreadTransport.create(4)[0]
     with pytest.raises(ValueError, match=r"cannot split the 3 layers of 'layers' into 4 stages: every stage needs at"):
-        assemble_stage(Net(build("mlp")[:3]), config, ProcessLayout(4, 4, 3), CPU, transport)
+        assemble_stage(Net(build("mlp")[:3]), config.resolve(4, 3), CPU, transport)
 
 
 def test_a_measured_balance_needs_a_sample_input() -> None:
     config = BuildConfig(pipe_size=2, chunks=4, balance="flops")
     transport = ThreadTransport.create(2)[0]
     with pytest.raises(ValueError, match=r"balance='flops' measures the layers on a sample input: set"):
-        assemble_stage(Net(), config, ProcessLayout(2, 2, 1), CPU, transport)
+        assemble_stage(Net(), config.resolve(2, 1), CPU, transport)
+
+
+def test_assembly_takes_the_resolved_settings_and_hands_their_engine_part_down() -> None:
+    settings = BuildConfig(pipe_size=2, chunks=2, balance=[3, 5]).resolve(world_size=2, rank=1)  # stage 0
+    assembled = assemble_stage(Net(), settings, CPU, ThreadTransport.create(2)[0])
+    assert assembled.layers == [0, 1, 2]
+    assert assembled.pipeline.config is settings.pipeline  # not rebuilt, nor checked again
+    assert assembled.stage.config is settings.pipeline

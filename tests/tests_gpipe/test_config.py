@@ -1,18 +1,23 @@
-"""The configurations check every setting once, without a Trainer; the strategy and the engine take them as they are."""
+"""The configurations check every setting once, without a Trainer, and resolve once against the run; the strategy
+and the engine take them as they are."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import typing
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
+from lightning_gpipe.build.config import Balance, BuildConfig, ResolvedPipeline
+from lightning_gpipe.build.cost import COST_SOURCES
 from lightning_gpipe.config import StrategyConfig
 from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.transport import ThreadTransport
 
@@ -104,3 +109,61 @@ def test_run_in_threads_refuses_a_bad_setting_in_the_callers_thread(setting: dic
     settings = {"chunks": 2, **setting}
     with pytest.raises(ValueError, match=message):
         run_in_threads([_cell(), _cell()], (torch.randn(4, 2),), lambda output, mb: output.sum(), **settings)
+
+
+# ------------------------------------------------------------------------------------- resolved once, against the run
+
+
+def test_resolve_turns_the_settings_and_the_world_into_what_everything_reads() -> None:
+    config = StrategyConfig(balance=[2, 2], checkpoint="never", module_name="layers")
+    settings = config.resolve(world_size=4, rank=1, chosen={"pipe_size": 2})
+    assert isinstance(settings, ResolvedPipeline)
+    assert (settings.pipe_size, settings.chunks, settings.checkpoint, settings.schedule) == (2, 8, "never", "gpipe")
+    assert (settings.layout.stage, settings.layout.replica) == (0, 0)  # rank 1: stage 0 of the first pipeline
+    assert (settings.balance, settings.module_name) == ([2, 2], "layers")
+    assert settings.pipeline == PipelineConfig(chunks=8, checkpoint="never")  # what the engine runs by
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.balance = [3, 1]  # type: ignore[misc]
+    # The plan's choice takes the config's place in the settings; the config stays as the user gave it.
+    planned = BuildConfig().resolve(2, 0, chosen={"pipe_size": 1, "chunks": 3, "schedule": "1f1b"})
+    assert (planned.pipe_size, planned.layout.num_replicas, planned.chunks, planned.schedule) == (1, 2, 3, "1f1b")
+
+
+@pytest.mark.parametrize(
+    ("config", "chosen", "message"),
+    [
+        (BuildConfig(pipe_size=3), None, r"world_size=4 \(devices x num_nodes\) is not divisible by pipe_size=3"),
+        (BuildConfig(balance=[1, 1]), None, r"balance=\[1, 1\] has 2 stages but the pipelines have 4 \(world_size=4"),
+        (BuildConfig(), {"pipe_size": 2, "balance": [1]}, r"balance=\[1\] has 1 stages but the pipelines have 2"),
+    ],
+)
+def test_resolve_refuses_a_world_the_settings_do_not_fit(
+    config: BuildConfig, chosen: dict | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        config.resolve(4, 0, chosen)
+
+
+def test_resolve_warns_when_fewer_micro_batches_than_stages() -> None:
+    with pytest.warns(UserWarning, match=r"chunks=1 is smaller than pipe_size=2: at most 1 of 2 stages can work"):
+        BuildConfig(chunks=1).resolve(2, 0)
+
+
+def test_the_strategy_resolves_its_settings_and_keeps_the_configuration_as_given() -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    strategy = GPipeStrategy(pipe_size=1, chunks=3, schedule="1f1b")
+    config = strategy.config
+    strategy.set_world_ranks()
+    assert strategy.config is config  # not replaced by resolved values
+    assert strategy.layout is strategy.settings.layout
+    assert (strategy.pipe_size, strategy.chunks, strategy.settings.schedule) == (1, 3, "1f1b")
+
+
+def test_one_list_of_names_per_setting() -> None:
+    # The Literal types spell the names for type checkers; the tuples the checks and messages use are the same names.
+    balance_names = next(arg for arg in typing.get_args(Balance) if typing.get_origin(arg) is typing.Literal)
+    assert typing.get_args(balance_names) == COST_SOURCES
+    assert typing.get_args(CheckpointMode) == CHECKPOINT_MODES
+    with pytest.raises(ValueError, match=r"one of 'params', 'flops', 'time', 'memory', or a callable"):
+        BuildConfig(balance="bytes")  # type: ignore[arg-type]
