@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader
 
 from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.engine.rematerialization import validate_mode
 from lightning_gpipe.engine.schedule import validate_schedule
+from lightning_gpipe.engine.tree import flatten
 
 if TYPE_CHECKING:
     from lightning_gpipe.plan import Plan
@@ -148,7 +148,7 @@ def loader_batch_size(loader: Any) -> int | None:
     """
     loaders = getattr(loader, "flattened", None)  # Lightning's CombinedLoader
     if loaders is None:
-        loaders = [leaf for leaf in tree_leaves(loader) if leaf is not None]
+        loaders = [leaf for leaf in flatten(loader)[0] if leaf is not None]
     if len(loaders) != 1 or not isinstance(loaders[0], DataLoader):
         return None
     size = loaders[0].batch_size
