@@ -76,13 +76,11 @@ def test_the_models_input_gets_no_gradient_a_boundarys_does() -> None:
 
 
 def test_layer_inputs_chain_the_layers_as_sequential_does() -> None:
-    layers = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    first = nn.Linear(3, 4)
+    layers = [first, nn.ReLU(inplace=True), nn.Linear(4, 2)]
     sample = torch.randn(2, 3)
-    inputs = [x for _, x in layer_inputs(list(layers), sample, torch.device("cpu"))]
+    inputs = [x for _, x in layer_inputs(layers, sample, torch.device("cpu"))]
     assert torch.equal(inputs[0], sample)
-    assert torch.equal(inputs[1], layers[0](sample).detach())
-    assert torch.equal(inputs[2], torch.relu(layers[0](sample)).detach())
-    assert state_keys([layers[0]]) == {
-        layers[0].weight.untyped_storage().data_ptr(),
-        layers[0].bias.untyped_storage().data_ptr(),
-    }
+    assert torch.equal(inputs[1], first(sample).detach())
+    assert torch.equal(inputs[2], torch.relu(first(sample)).detach())  # the in-place ReLU ran on a copy
+    assert state_keys([first]) == {first.weight.untyped_storage().data_ptr(), first.bias.untyped_storage().data_ptr()}
