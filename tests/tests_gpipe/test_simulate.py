@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_gpipe.engine.schedule import bubble_fraction
-from lightning_gpipe.plan.simulate import in_flight, simulate_step
+from lightning_gpipe.plan.simulate import SimulatedStep, in_flight, simulate_step
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -109,7 +109,7 @@ def test_a_parked_first_send_leaves_when_its_stage_finishes_the_next_forward() -
         assert step.makespan > simulate_step(schedule, [1.0] * 3, [2.0] * 3, 4, transfer=0.1).makespan
 
 
-def split(schedule: str, K: int, M: int, f: float, i: float, w: float, v: int = 1):
+def split(schedule: str, K: int, M: int, f: float, i: float, w: float, v: int = 1) -> SimulatedStep:
     """The schedule on equal processes: per process f, i and w seconds, shared evenly by its stages."""
     per = {"interleaved": v, "zbv": 2}.get(schedule, 1)
     n = K * per
