@@ -33,8 +33,8 @@ demo: env  ## pretrain AmoebaNet-D with K=2 stages on 2 CPU processes, then fine
 pytest: env
 	$(RUN) pytest $(PYTEST_ARGS)
 
-test-fast: env  ## the in-process tests (under 2 minutes): no process started, no notebook, no long check
-	OMP_NUM_THREADS=1 $(RUN) pytest $(XDIST) -m "not multiprocess and not slow" $(PYTEST_ARGS)
+test-fast: env  ## the in-process tests (under 2 minutes): no process started, no notebook, no long training or check
+	OMP_NUM_THREADS=1 $(RUN) pytest $(XDIST) -m "not multiprocess and not heavy and not slow" $(PYTEST_ARGS)
 
 test: lint types docs  ## lint, types, docs build and examples, and the rest of the test suite
 	# One thread per process, as every spawned rank has: the same float reduction order in and out of the pipeline.

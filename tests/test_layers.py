@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from helpers.runif import RunIf
+
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("lightning_gpipe", "zoo", "benchmarks")
 LAYERS = ("engine", "build", "planner", "lightning")  # bottom to top
@@ -207,6 +209,7 @@ print("engine alone: ok")
 """
 
 
+@RunIf(multiprocess=True)  # a fresh interpreter
 def test_the_engine_trains_where_lightning_cannot_be_imported() -> None:
     # A fresh interpreter where lightning, lightning_utilities and torchmetrics raise ImportError.
     result = subprocess.run(

@@ -68,6 +68,7 @@ def bleu(model: Transformer, datamodule: TranslationDataModule) -> float:
     return evaluate_translation(model, datamodule, beam_size=1, limit=EVAL_SENTENCES)[PAIR]
 
 
+@pytest.mark.heavy  # a real training run: in make test, not in make test-fast
 @pytest.mark.timeout(240)
 def test_a_short_fit_on_the_embedded_corpus_reaches_the_stated_bleu() -> None:
     model, datamodule = tiny_setup(seed=0)
