@@ -34,8 +34,11 @@ from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
 from lightning_gpipe.compat import load_metric_state, metric_step_value, recording_log, set_metric_step_value
+from lightning_gpipe.engine.collectives import broadcast_object, portable, to_device
+from lightning_gpipe.engine.errors import collective_errors
+from lightning_gpipe.engine.layout import ProcessLayout
 
-__all__ = ["LogRecorder", "LoggedValue", "mirror_logs", "sync_metrics_over"]
+__all__ = ["LogRecorder", "LoggedValue", "mirror_logs", "sharing_from_last_stage", "sync_metrics_over"]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
@@ -229,6 +232,25 @@ def mirror_logs(
     LogRecorder.replay(recorder.module, records)
     trainer.should_stop = trainer.should_stop or should_stop
     return host, other
+
+
+def sharing_from_last_stage(layout: ProcessLayout, group: Any, device: torch.device) -> Callable[[Any], Any] | None:
+    """The ``share`` of :func:`mirror_logs` for this rank: a broadcast over its pipeline's ``group`` from its last
+    stage, received onto ``device``; ``None`` for a pipeline of one stage."""
+    if layout.pipe_size == 1:
+        return None
+    source = layout.last_stage_rank
+
+    def share(payload: Any) -> Any:
+        # Sent on the CPU (pickled CUDA tensors would be restored on the sender's GPU), received onto this rank's.
+        sent = portable(payload) if layout.rank == source else None
+        with collective_errors(
+            layout.stage, f"receiving the step's loss and logs from the last stage (global rank {source})"
+        ):
+            received = broadcast_object(sent, source, group)
+        return payload if layout.rank == source else to_device(received, device)
+
+    return share
 
 
 def sync_metrics_over(module: torch.nn.Module, group: Any) -> None:

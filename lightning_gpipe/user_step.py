@@ -12,13 +12,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpipe.build.sequence import PipelinedSequential
 from lightning_gpipe.engine.driver import StepDriver, StepFn
 from lightning_gpipe.engine.microbatch import Microbatch
 from lightning_gpipe.log_mirror import LogRecorder
+from lightning_gpipe.plan.auto import check_planned_batch
 
-__all__ = ["routed", "user_step"]
+__all__ = ["BatchChecks", "routed", "user_step"]
 
 
 class _StageDone(BaseException):
@@ -64,3 +66,32 @@ def user_step(
                 return None
 
     return step
+
+
+class BatchChecks:
+    """A step's batch checked: enough samples for the stages, the planned size, and (a warning, once) for ``chunks``."""
+
+    def __init__(self) -> None:
+        self.planned: int | None = None  # plan="auto"'s batch per pipeline, until the first training batch
+        self._sized: set[str] | None = set()  # the step hooks whose first batch was checked against chunks
+
+    def check(self, hook: str, samples: int, training: bool, chunks: int, pipe_size: int) -> None:
+        """Refuse a batch that cannot fill the stages, or that the plan did not plan; warn once about a small one."""
+        if hook == "training_step" and self.planned is not None:
+            check_planned_batch(self.planned, samples)
+            self.planned = None
+        if self._sized is not None and hook not in self._sized:  # warned once at most: a later batch may be the last
+            self._sized.add(hook)
+            if samples < chunks:
+                self._sized = None
+                rank_zero_warn(
+                    f"chunks={chunks}, but the first {hook.removesuffix('_step')} batch holds {samples} samples "
+                    f"and a micro-batch holds at least one, so the step runs {samples} micro-batches of one sample, "
+                    f"not {chunks}. Set chunks={samples} (or fewer) to say so, or use batches of at least "
+                    f"{chunks} samples."
+                )
+        if samples < pipe_size and training:
+            raise ValueError(
+                f"a batch of {samples} samples cannot fill {pipe_size} pipeline stages; "
+                "use a batch size of at least pipe_size (and drop_last=True if the last batch is smaller)"
+            )

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch.distributed as dist
 
-__all__ = ["ProcessLayout"]
+__all__ = ["ProcessLayout", "StageGroups", "new_stage_groups"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +108,32 @@ class ProcessLayout:
         assert pipeline_group is not None
         assert replica_group is not None
         return pipeline_group, replica_group, links
+
+
+class StageGroups(NamedTuple):
+    """The process groups of one rank: its pipeline, its stage's replicas, its pipeline's links, objects, control."""
+
+    pipeline: dist.ProcessGroup
+    replicas: dist.ProcessGroup
+    links: list[dist.ProcessGroup]
+    objects: dist.ProcessGroup | None
+    control: dist.ProcessGroup | None
+
+
+def new_stage_groups(layout: ProcessLayout, backend: str | None, timeout: datetime.timedelta) -> StageGroups:
+    """Create every group of :meth:`ProcessLayout.new_groups`, a gloo group per pipeline for objects and a gloo group
+    over the world for checks that must give up after a while (``monitored_barrier``), whatever the backend.
+
+    Objects (the step's logs and loss, checkpoint parts) are pickled to bytes; over NCCL those bytes are staged on the
+    GPU, where gathering a checkpoint would hold K stages' parts at once on one device. Over gloo they stay in host
+    memory. Every rank creates every group, in the same order (``new_group`` is collective over the world).
+    """
+    pipeline, replicas, links = layout.new_groups(timeout)
+    if backend == "gloo":
+        return StageGroups(pipeline, replicas, links, pipeline, dist.group.WORLD)
+    objects = None
+    for replica in range(layout.num_replicas):
+        group = dist.new_group(layout.pipeline_ranks(replica), backend="gloo", timeout=timeout)
+        if replica == layout.replica:
+            objects = group
+    return StageGroups(pipeline, replicas, links, objects, dist.new_group(backend="gloo", timeout=timeout))

@@ -1,6 +1,7 @@
 """Recording self.log over micro-batches: one value per key, weighted by micro-batch share, moved to the host once."""
 
 import threading
+from typing import Any
 
 import lightning as L
 import pytest
@@ -77,3 +78,33 @@ def test_a_metric_step_value_is_the_whole_batch_value() -> None:
     whole = torchmetrics.functional.classification.multiclass_f1_score(preds, target, 3, average="macro")
     assert sent.forward_cache.item() == pytest.approx(whole.item())
     assert module.f1.compute().item() == pytest.approx(whole.item())  # the epoch value accumulates as before
+
+
+class _Validated(L.LightningModule):
+    """Logs each batch's mean with ``batch_size=`` the samples it saw: a micro-batch's count under the strategy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Identity())
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (x,) = batch
+        self.log("val_loss", self.layers(x).mean(), batch_size=len(x))
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+def test_an_epoch_value_logged_with_batch_size_weighs_each_batch_by_all_its_samples() -> None:
+    # Each micro-batch's `batch_size=` replaced the previous one, so Lightning's epoch mean weighed every batch by its
+    # last micro-batch's count (here 1, for batches of 4, 4 and 2 samples) instead of the batch's: sizes must add up.
+    from lightning_gpipe import GPipeStrategy
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10.0).unsqueeze(1)), batch_size=4)
+    values = {}
+    for name, strategy in {"plain": "auto", "gpipe": GPipeStrategy(pipe_size=1, chunks=4)}.items():
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip
+        (values[name],) = trainer.validate(_Validated(), loader, verbose=False)
+    assert values["plain"]["val_loss"] == pytest.approx(4.5)  # (1.5 * 4 + 5.5 * 4 + 8.5 * 2) / 10
+    assert values["gpipe"]["val_loss"] == pytest.approx(values["plain"]["val_loss"])

@@ -1,0 +1,41 @@
+"""The pipeline's summary: which stage holds which layers and parameters, printed once on global rank 0.
+
+Lightning's model summary runs on rank 0 and sees only its own stage; this table shows the whole pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_gpipe.build.assembly import AssembledStage
+from lightning_gpipe.engine.layout import ProcessLayout
+
+__all__ = ["describe_pipeline"]
+
+
+def describe_pipeline(layout: ProcessLayout, chunks: int, assembled: AssembledStage) -> None:
+    """Gather every rank's stage (a collective over the world) and print the first pipeline's through Lightning's
+    logger, with the (all, trainable) parameter counts of each stage and of the unsplit module."""
+    path, num_layers = assembled.partition.path, len(assembled.partition.original)
+    rows: list[Any] = [None] * layout.world_size
+    own = (layout.replica, layout.stage, layout.rank, assembled.layers, assembled.stage_parameters)
+    dist.all_gather_object(rows, own)
+    pipelines = "pipeline" if layout.num_replicas == 1 else "data-parallel pipelines"
+    lines = [
+        f"GPipe: {layout.num_replicas} {pipelines} of {layout.pipe_size} stages, up to chunks={chunks} "
+        f"micro-batches per batch (a batch of N < {chunks} samples runs N); {path!r} has {num_layers} layers"
+    ]
+    for _replica, stage, rank, layers, (count, trainable) in sorted(row for row in rows if row[0] == 0):
+        lines.append(
+            f"  stage {stage} (rank {rank}): layers {layers[0]}-{layers[-1]}, {count:,} parameters ({trainable:,} "
+            "trainable)"
+        )
+    whole = assembled.whole_parameters
+    lines.append(
+        f"  whole model: {whole[0]:,} parameters ({whole[1]:,} trainable); Lightning's model summary counts only "
+        f"stage {layout.stage}, the one on rank {layout.rank}"
+    )
+    rank_zero_info("\n".join(lines))
