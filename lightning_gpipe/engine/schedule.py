@@ -113,6 +113,7 @@ def validate_schedule(name: object) -> str:
 _COUNT_HINTS = {
     "num_stages": "a pipeline has at least one stage (pipe_size >= 1)",
     "num_microbatches": "split each mini-batch into at least one micro-batch (chunks >= 1)",
+    "num_processes": "a pipeline has at least one process (pipe_size >= 1)",
 }
 
 
@@ -217,8 +218,14 @@ def _check_process(
         valid = ", ".join(repr(s) for s in SCHEDULES + PLANNED_SCHEDULES)
         raise ValueError(f"Unknown pipeline schedule {schedule!r}. HINT: use one of {valid}.")
     v = _check_virtual_stages(schedule, virtual_stages)
-    r, K = _check_stage(rank, num_processes)
-    return schedule, r, K, v
+    K = _check_count("num_processes", num_processes)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be an int, got {rank!r} of type {type(rank).__name__}.")
+    if not 0 <= rank < K:
+        raise ValueError(
+            f"rank must satisfy 0 <= rank < num_processes = {K}, got rank={rank}. HINT: ranks count from 0."
+        )
+    return schedule, rank, K, v
 
 
 def stages_of(schedule: str, rank: int, num_processes: int, virtual_stages: int = 1) -> tuple[int, ...]:

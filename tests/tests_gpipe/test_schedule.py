@@ -406,7 +406,13 @@ def test_interleaved_refuses_chunks_its_rounds_cannot_split():
         (("zbv", 0, 2, 4, 3), ValueError, r"virtual_stages=3 applies to schedule='interleaved' only; schedule='zbv'"),
         (("interleaved", 0, 2, 4, 2.0), TypeError, r"virtual_stages must be an int, got 2\.0 of type float"),
         (("zb", 0, 2, 4, 1), ValueError, r"Unknown pipeline schedule 'zb'\. HINT: use one of 'gpipe', '1f1b', 'interl"),
-        (("zbv", 2, 2, 4, 1), ValueError, r"stage must satisfy 0 <= stage < num_stages = 2, got stage=2"),
+        (
+            ("zbv", 2, 2, 4, 1),
+            ValueError,
+            r"rank must satisfy 0 <= rank < num_processes = 2, got rank=2\. HINT: ranks count from 0",
+        ),
+        (("zbv", 0, 0, 4, 1), ValueError, r"num_processes must be >= 1, got 0\. HINT: .*pipe_size >= 1"),
+        (("zbv", "0", 2, 4, 1), TypeError, r"rank must be an int, got '0' of type str"),
         (("zbv", 0, 2, 0, 1), ValueError, r"num_microbatches must be >= 1, got 0"),
     ],
 )
