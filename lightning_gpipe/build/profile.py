@@ -9,8 +9,10 @@ the previous layer's output, as a stage would run it:
 - :func:`saved_bytes` counts the activations autograd saves for a layer's backward, exactly, from tensor storages;
 - :func:`profile_layers` records, per layer, pass times at each micro-batch size the planner weighs (or, with
   ``flops_per_second``, the analytic time of its FLOPs), what re-materializing it adds (under the engine's own
-  checkpoint wrapper), the seconds of one optimizer step over its parameters, its parameter, trainable and buffer
-  bytes, and per sample its saved activations, output and the transient peak of its backward.
+  checkpoint wrapper, whole or selective), the seconds of one optimizer step over its parameters, its parameter,
+  trainable and buffer bytes, and per sample its saved activations, output and the transient peak of its backward,
+  and what ``checkpoint="selective"`` keeps of it (the outputs of the operators in
+  :data:`~lightning_gpipe.engine.rematerialization.KEPT_OPS`).
 
 Bytes are counted from tensor storages (a ``TorchDispatchMode`` sees every operator), so they do not depend on the
 allocator or its cache. A model built on the meta device is profiled one layer at a time: each layer is copied to
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_gpipe.engine.rematerialization import checkpointed
+from lightning_gpipe.engine.rematerialization import KEPT_OPS, checkpointed
 from lightning_gpipe.engine.tree import flatten, map_tensors
 
 __all__ = [
@@ -80,6 +82,10 @@ class LayerProfile:
     output_leaves: tuple[float, ...] = ()  # bytes of each output leaf
     saved_output_leaves: tuple[float, ...] = ()  # bytes of each output leaf the layer saves (0: not saved)
     passthrough: tuple[int, ...] = ()  # for each output leaf, the input leaf it is (the same storage), or -1
+    # Per sample, what selective re-materialization keeps of the layer: the outputs of KEPT_OPS that are not the
+    # layer's output, and those that are (which a stage's engine may hold already as the output it sent on).
+    selective_bytes: float = 0.0
+    selective_output_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,9 @@ class ModelProfile:
     ``times[n]`` holds ``(forward, backward)`` seconds per layer for micro-batches of ``n`` samples, and
     ``recompute[n]`` what re-materializing each layer adds to them (empty when not measured: the planner then charges
     the forward again), of which ``recompute_forward[n]`` falls in the forward pass: the checkpoint wrapper's hook on
-    every tensor autograd saves runs in the first forward too, not only in the replay. Sizes that were not measured
+    every tensor autograd saves runs in the first forward too, not only in the replay. ``selective_recompute[n]`` and
+    ``selective_forward[n]`` are the same under the selective wrapper (``checkpoint="selective"``). Sizes that were
+    not measured
     are interpolated linearly between the nearest measured ones (a fixed launch cost plus a per-sample cost), and
     extrapolated proportionally to the samples beyond them.
 
@@ -106,6 +114,8 @@ class ModelProfile:
     recompute: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
     recompute_call: float = 0.0  # seconds per re-materialized micro-batch and stage
     recompute_forward: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: the forward's share
+    selective_recompute: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
+    selective_forward: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: the forward's share
     updates: tuple[float, ...] = ()  # per layer: seconds of one optimizer step over its parameters; () unmeasured
     update_call: float = 0.0  # seconds per optimizer step and stage
 
@@ -125,17 +135,20 @@ class ModelProfile:
         backward = _at_size({n: b for n, (_, b) in self.times.items()}, samples)
         return forward, backward
 
-    def recompute_times(self, samples: int) -> list[float] | None:
+    def recompute_times(self, samples: int, *, selective: bool = False) -> list[float] | None:
         """Seconds re-materialization adds to each layer for a micro-batch of ``samples`` samples (as
-        :meth:`pass_times` fits them), without the wrapper's per-call ``recompute_call``; ``None`` if not measured."""
-        return _at_size(self.recompute, samples) if self.recompute else None
+        :meth:`pass_times` fits them), without the wrapper's per-call ``recompute_call``; ``None`` if not measured.
+        ``selective``: under the selective wrapper."""
+        table = self.selective_recompute if selective else self.recompute
+        return _at_size(table, samples) if table else None
 
-    def recompute_forward_times(self, samples: int) -> list[float]:
+    def recompute_forward_times(self, samples: int, *, selective: bool = False) -> list[float]:
         """The part of :meth:`recompute_times` that a re-materialized micro-batch pays in its forward pass, per layer
         (zeros when not measured: the whole cost then falls in the backward)."""
-        if not self.recompute_forward:
+        table = self.selective_forward if selective else self.recompute_forward
+        if not table:
             return [0.0] * len(self.layers)
-        return _at_size(self.recompute_forward, samples)
+        return _at_size(table, samples)
 
     def stage_update(self, cell: range) -> float:
         """Seconds of the optimizer step of a stage that holds the layers ``cell`` (0 when not measured)."""
@@ -158,6 +171,8 @@ class ModelProfile:
             times={n: (repeat(f), repeat(b)) for n, (f, b) in self.times.items()},
             recompute={n: repeat(r) for n, r in self.recompute.items()},
             recompute_forward={n: repeat(r) for n, r in self.recompute_forward.items()},
+            selective_recompute={n: repeat(r) for n, r in self.selective_recompute.items()},
+            selective_forward={n: repeat(r) for n, r in self.selective_forward.items()},
             updates=repeat(self.updates),
         )
 
@@ -496,12 +511,45 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], in
     )
 
 
-def _runner(layer: nn.Module, loss_fn: LossFn | None, rematerialized: bool, first: bool) -> Callable[[Any], Any]:
+class _KeptOutputs(TorchDispatchMode):
+    """Holds the outputs of the operators in ``KEPT_OPS``, by storage: what the selective checkpoint wrapper stores.
+    A plain forward runs under it, so it counts on the meta device too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Held, as the wrapper holds them: a freed output's address could be reused by a later tensor.
+        self.kept: dict[int, Tensor] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        if func in KEPT_OPS:
+            for tensor in _tensors(output):
+                self.kept[_key(tensor)] = tensor
+        return output
+
+
+def _selective_bytes(layer: nn.Module, value: Any, input_grad: bool) -> tuple[float, float]:
+    """Bytes (not per sample) that ``checkpoint="selective"`` keeps of ``layer`` on ``value``: the outputs of the
+    operators in ``KEPT_OPS`` that are not the layer's output, and those that are."""
+    recorder = _KeptOutputs()
+    with torch.enable_grad(), recorder:
+        output = layer(_input(value, input_grad)[1])
+    outputs = {_key(t) for t in _tensors(output)}
+    sizes = {key: t.untyped_storage().nbytes() for key, t in recorder.kept.items()}
+    inside = sum(size for key, size in sizes.items() if key not in outputs)
+    return float(inside), float(sum(sizes.values()) - inside)
+
+
+def _runner(
+    layer: nn.Module, loss_fn: LossFn | None, rematerialized: bool, first: bool, selective: bool = False
+) -> Callable[[Any], Any]:
     """The layer's forward as a stage runs it: under the engine's checkpoint wrapper if ``rematerialized`` (copying a
-    received input, as the engine does), then the loss if it is the last layer (outside the wrapper)."""
+    received input, as the engine does; the selective wrapper with ``selective``), then the loss if it is the last
+    layer (outside the wrapper)."""
 
     def run(x: Any) -> Any:
-        output = checkpointed(layer, x, copy_input=not first) if rematerialized else layer(x)
+        wrapped = rematerialized or selective
+        output = checkpointed(layer, x, copy_input=not first, selective=selective) if wrapped else layer(x)
         return loss_fn(output) if loss_fn is not None else output
 
     return run
@@ -556,12 +604,14 @@ Pass = tuple[float, float]  # (forward, backward) seconds
 @dataclass(frozen=True)
 class Passes:
     """The timed passes of every layer, warm-up dropped: ``plain[i]`` holds layer ``i``'s ``(forward, backward)``
-    seconds per round, ``wrapped[i]`` the same under the engine's checkpoint wrapper (empty unless asked), and
-    ``floors[i]`` the floor (a one-element layer's pass) timed at the start of each of those rounds."""
+    seconds per round, ``wrapped[i]`` the same under the engine's checkpoint wrapper (empty unless asked),
+    ``floors[i]`` the floor (a one-element layer's pass) timed at the start of each of those rounds, and
+    ``selective[i]`` the passes under the selective wrapper (empty unless asked)."""
 
     plain: list[list[Pass]]
     wrapped: list[list[Pass]]
     floors: list[list[Pass]]
+    selective: list[list[Pass]] = field(default_factory=list)
 
     def medians(self) -> list[float]:
         """Per layer, the median seconds of a forward plus a backward pass, floor included."""
@@ -579,32 +629,34 @@ def timed_passes(
     rematerialized: bool = False,
     input_grad: bool = False,
     floor: _Floor | None = None,
+    selective: bool = False,
 ) -> Passes:
     """Time ``warmup + repeats`` forward and backward passes of every layer on ``device``, each on its input from
     ``sample``, and keep the last ``repeats``.
 
     Layers on the device are timed round-robin, so that a burst of load on a shared machine spreads over all layers
     instead of inflating one: every layer plain, then every layer under the checkpoint wrapper if
-    ``rematerialized``, so that each pass follows another layer's, as in a stage (a layer's second pass in a row runs
-    warm). Other layers (on the meta device, or on the CPU for a GPU) are copied there and timed one after the other,
-    so that only one copy exists at a time. Each round starts with the floor. ``loss_fn`` runs after the last layer,
-    outside the wrapper; the first layer's input gets a gradient only with ``input_grad``, as the model's batch gets
-    none. The backward is ``torch.autograd.grad``, so no parameter's ``.grad`` changes; buffers and the random number
-    generators are restored (:func:`preserved_state`).
+    ``rematerialized``, then under the selective wrapper if ``selective``, so that each pass follows another layer's,
+    as in a stage (a layer's second pass in a row runs warm). Other layers (on the meta device, or on the CPU for a
+    GPU) are copied there and timed one after the other, so that only one copy exists at a time. Each round starts
+    with the floor. ``loss_fn`` runs after the last layer, outside the wrapper; the first layer's input gets a
+    gradient only with ``input_grad``, as the model's batch gets none. The backward is ``torch.autograd.grad``, so
+    no parameter's ``.grad`` changes; buffers and the random number generators are restored (:func:`preserved_state`).
     """
     round_robin = all(_on(layer, device) for layer in layers)
     last = len(layers) - 1
-    variants = (False, True) if rematerialized else (False,)
+    # 0: plain, 1: under the checkpoint wrapper, 2: under the selective one
+    variants = (0, *([1] if rematerialized else []), *([2] if selective else []))
     # runs[variant][layer]: (forward, backward) seconds of every timed run; floors[layer]: the floor timed just
     # before the round (round-robin) or the layer's runs (one after the other) it belongs to
-    runs: list[list[list[Pass]]] = [[[] for _ in layers] for _ in variants]
+    runs: list[list[list[Pass]]] = [[[] for _ in layers] for _ in range(3)]
     floors: list[list[Pass]] = [[] for _ in layers]
 
-    def time_pass(layer: nn.Module, index: int, value: Any, wrapped: bool) -> None:
-        run = _runner(layer, loss_fn if index == last else None, wrapped, first=index == 0)
+    def time_pass(layer: nn.Module, index: int, value: Any, variant: int) -> None:
+        run = _runner(layer, loss_fn if index == last else None, variant == 1, index == 0, selective=variant == 2)
         with torch.enable_grad():
             grad = input_grad or index > 0
-            runs[wrapped][index].append(_pass_seconds(run, layer, value, device, input_grad=grad))
+            runs[variant][index].append(_pass_seconds(run, layer, value, device, input_grad=grad))
 
     with preserved_state(layers, sample):
         floor = floor if floor is not None else _Floor(device)  # inside: its Linear draws from the generator
@@ -627,7 +679,7 @@ def timed_passes(
                     for index, layer in enumerate(layers):
                         time_pass(layer, index, inputs[index], wrapped)
     kept = [[layer_runs[warmup:] for layer_runs in variant_runs] for variant_runs in runs]
-    return Passes(kept[0], kept[1] if rematerialized else [[] for _ in layers], [f[warmup:] for f in floors])
+    return Passes(kept[0], kept[1], [f[warmup:] for f in floors], kept[2] if selective else [])
 
 
 def profile_layers(
@@ -642,6 +694,7 @@ def profile_layers(
     warmup: int = 1,
     rematerialized: bool = True,
     optimizer: OptimizerFactory | None = torch.optim.Adam,
+    selective: bool = False,
 ) -> ModelProfile:
     """Profile ``layers`` for training on ``device``.
 
@@ -659,6 +712,8 @@ def profile_layers(
         warmup: untimed runs first (lazy initialisation, allocator growth, kernel selection).
         rematerialized: also time each layer under the engine's checkpoint wrapper (what re-materialization adds);
             skip it when no checkpoint mode but ``"never"`` will be weighed.
+        selective: also time each layer under the selective wrapper (``checkpoint="selective"``); what it keeps is
+            counted either way.
         optimizer: the optimizer whose step is timed over each layer's parameters (zero-filled copies: the model is
             not changed); ``None`` leaves the step out. Neither is timed with ``flops_per_second``.
 
@@ -689,6 +744,7 @@ def profile_layers(
         for index, (layer, (real, x)) in enumerate(zip(layers, layer_inputs(layers, base, target), strict=True)):
             params, trainable, buffers = state_bytes(layer, seen)
             counted = _activation_bytes(real, x, state_keys([real]), input_grad=index > 0)
+            kept_inside, kept_output = _selective_bytes(real, x, input_grad=index > 0)
             flops = _forward_flops(real, x)
             results.append(
                 LayerProfile(
@@ -706,6 +762,8 @@ def profile_layers(
                     tuple(b / rows for b in counted.output_leaves),
                     tuple(b / rows for b in counted.saved_output_leaves),
                     counted.passthrough,
+                    kept_inside / rows,
+                    kept_output / rows,
                 )
             )
             last = (real, x)
@@ -718,7 +776,7 @@ def profile_layers(
         if flops_per_second is not None:
             times = _flop_times(results, sizes, flops_per_second)
             return ModelProfile(tuple(results), _storage_bytes(base) / rows, times, str(target), *loss_bytes)
-        measured = _measured_times(layers, loss_fn, sample, sizes, target, repeats, warmup, rematerialized)
+        measured = _measured_times(layers, loss_fn, sample, sizes, target, repeats, warmup, rematerialized, selective)
         updates, update_call = _update_times(layers, optimizer, target, repeats, warmup)
     return ModelProfile(
         tuple(results),
@@ -729,6 +787,8 @@ def profile_layers(
         recompute=measured.recompute,
         recompute_call=measured.recompute_call,
         recompute_forward=measured.recompute_forward,
+        selective_recompute=measured.selective_recompute,
+        selective_forward=measured.selective_forward,
         updates=updates,
         update_call=update_call,
     )
@@ -751,6 +811,8 @@ class _Measured:
     recompute: dict[int, tuple[float, ...]]
     recompute_call: float
     recompute_forward: dict[int, tuple[float, ...]]
+    selective_recompute: dict[int, tuple[float, ...]]
+    selective_forward: dict[int, tuple[float, ...]]
 
 
 def _measured_times(
@@ -762,13 +824,16 @@ def _measured_times(
     repeats: int,
     warmup: int,
     rematerialized: bool,
+    selective: bool = False,
 ) -> _Measured:
-    """The planner's pass times at each size: each pass less its round's floor, and what the wrapper adds."""
+    """The planner's pass times at each size: each pass less its round's floor, and what the wrappers add."""
     floor = _Floor(device)
-    call = floor.wrapper_call(repeats + warmup) if rematerialized else 0.0
+    call = floor.wrapper_call(repeats + warmup) if rematerialized or selective else 0.0
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
     recompute: dict[int, tuple[float, ...]] = {}
     recompute_forward: dict[int, tuple[float, ...]] = {}
+    selective_recompute: dict[int, tuple[float, ...]] = {}
+    selective_forward: dict[int, tuple[float, ...]] = {}
     for n in sizes:
         passes = timed_passes(
             layers,
@@ -779,6 +844,7 @@ def _measured_times(
             loss_fn=loss_fn,
             rematerialized=rematerialized,
             floor=floor,
+            selective=selective,
         )
         # Each pass less the floor timed at the start of its round: the median of these paired differences cancels the
         # machine's drift over the profile, which a floor timed once, before all the layers, would keep.
@@ -788,20 +854,26 @@ def _measured_times(
             tuple(_less_floor(runs, floors, 1) for runs, floors in plain),
         )
         if rematerialized:
-            # Each wrapped pass ran in the same round as its plain one: the median of the paired differences cancels
-            # the machine's drift between rounds, which a difference of two medians keeps.
-            pairs = [
-                list(zip(once, again, strict=True)) for once, again in zip(passes.plain, passes.wrapped, strict=True)
-            ]
-            recompute[n] = tuple(
-                max(0.0, statistics.median(sum(a) - sum(p) for p, a in layer_pairs) - call) for layer_pairs in pairs
-            )
-            # The forward's share, at most the whole: what the wrapped forward takes beyond the plain one.
-            recompute_forward[n] = tuple(
-                min(total, max(0.0, statistics.median(a[0] - p[0] for p, a in layer_pairs)))
-                for layer_pairs, total in zip(pairs, recompute[n], strict=True)
-            )
-    return _Measured(times, recompute, call, recompute_forward)
+            recompute[n], recompute_forward[n] = _added(passes.plain, passes.wrapped, call)
+        if selective:
+            selective_recompute[n], selective_forward[n] = _added(passes.plain, passes.selective, call)
+    return _Measured(times, recompute, call, recompute_forward, selective_recompute, selective_forward)
+
+
+def _added(
+    plain: list[list[Pass]], wrapped: list[list[Pass]], call: float
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per layer, what a wrapper adds to a pass (its per-call ``call`` left out), and the forward's share of it."""
+    # Each wrapped pass ran in the same round as its plain one: the median of the paired differences cancels the
+    # machine's drift between rounds, which a difference of two medians keeps.
+    pairs = [list(zip(once, again, strict=True)) for once, again in zip(plain, wrapped, strict=True)]
+    total = tuple(max(0.0, statistics.median(sum(a) - sum(p) for p, a in layer_pairs) - call) for layer_pairs in pairs)
+    # The forward's share, at most the whole: what the wrapped forward takes beyond the plain one.
+    forward = tuple(
+        min(whole, max(0.0, statistics.median(a[0] - p[0] for p, a in layer_pairs)))
+        for layer_pairs, whole in zip(pairs, total, strict=True)
+    )
+    return total, forward
 
 
 def _less_floor(passes: list[Pass], floors: list[Pass], part: int) -> float:

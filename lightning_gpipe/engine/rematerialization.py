@@ -10,6 +10,11 @@ walking the arguments with pytree. pytree treats dataclasses and most dict subcl
 values here, so the value's tensors are handed over as separate arguments: otherwise a CUDA stage would recompute
 with fresh dropout masks.
 
+The ``"selective"`` mode keeps more than the input: the outputs of the matrix multiplications and attention kernels
+(:data:`KEPT_OPS`), the expensive part of a Transformer layer, through torch's selective checkpoint contexts; the
+replay recomputes only the cheap rest (norms, activations, dropout with its replayed random state, additions) and reads
+the kept outputs back.
+
 Non-reentrant checkpointing (``use_reentrant=False``) is used on purpose: reentrant checkpointing runs a nested
 backward that DistributedDataParallel sees as a second gradient ready event ("Expected to mark a variable ready only
 once"), the failure that kept torchgpipe and PyTorch's old ``Pipe`` from combining re-materialization with DDP.
@@ -19,22 +24,54 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from lightning_gpipe.engine.tree import flatten, map_tensors, unflatten
 
-__all__ = ["CHECKPOINT_MODES", "CheckpointMode", "checkpointed", "checkpoint_stop", "is_recomputing", "validate_mode"]
+__all__ = [
+    "CHECKPOINT_MODES",
+    "KEPT_OPS",
+    "CheckpointMode",
+    "checkpointed",
+    "checkpoint_stop",
+    "is_recomputing",
+    "validate_mode",
+]
 
-CheckpointMode = Literal["always", "except_last", "never"]
-"""Which micro-batches re-materialize: every one, all but the last (whose backward follows at once), or none."""
+CheckpointMode = Literal["always", "except_last", "selective", "never"]
+"""Which micro-batches re-materialize: every one, all but the last (whose backward follows at once), all but the last
+keeping their matrix multiplications' and attention's outputs (:data:`KEPT_OPS`), or none."""
 CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
 """The values of [`CheckpointMode`][lightning_gpipe.engine.rematerialization.CheckpointMode]: checks, messages."""
+
+_aten = torch.ops.aten
+KEPT_OPS: frozenset[Any] = frozenset(
+    getattr(_aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+    if hasattr(_aten, name)
+)
+"""The operators whose outputs ``checkpoint="selective"`` keeps: matrix multiplications (``nn.Linear`` and
+``torch.matmul`` run as these) and the fused attention kernels of ``scaled_dot_product_attention``."""
 
 _state = threading.local()
 
@@ -45,7 +82,8 @@ def validate_mode(mode: object) -> CheckpointMode:
         raise ValueError(
             f"checkpoint={mode!r} is not a re-materialization mode. Use one of "
             f"{', '.join(map(repr, CHECKPOINT_MODES))}: 'except_last' (default) recomputes every micro-batch but "
-            "the last, 'always' recomputes all of them, 'never' keeps every activation."
+            "the last, 'always' recomputes all of them, 'selective' recomputes all but the last keeping their "
+            "matrix multiplications' and attention's outputs, 'never' keeps every activation."
         )
     return mode  # type: ignore[return-value]
 
@@ -54,9 +92,11 @@ def checkpoint_stop(mode: CheckpointMode, num_microbatches: int) -> int:
     """How many leading micro-batches are re-materialized: micro-batch ``i`` is checkpointed iff ``i < stop``.
 
     ``except_last`` spares the last micro-batch because its backward runs first, right after its forward, so
-    recomputing it would buy no memory; with a single micro-batch it therefore checkpoints nothing.
+    recomputing it would buy no memory; with a single micro-batch it therefore checkpoints nothing. ``selective``
+    spares it for the same reason.
     """
-    return {"always": num_microbatches, "except_last": num_microbatches - 1, "never": 0}[mode]
+    spared = {"always": 0, "except_last": 1, "selective": 1, "never": num_microbatches}[mode]
+    return num_microbatches - spared
 
 
 def is_recomputing() -> bool:
@@ -88,12 +128,28 @@ def _stat_buffers(norm: nn.Module) -> list[torch.Tensor]:
     return [norm.running_mean, norm.running_var, norm.num_batches_tracked]  # type: ignore[list-item]
 
 
-def checkpointed(function: Callable[[Any], Any], value: Any, *, copy_input: bool = False) -> Any:
+def _keep_matmuls(context: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextmanager
+def _entered(*managers: AbstractContextManager[Any]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
+def checkpointed(
+    function: Callable[[Any], Any], value: Any, *, copy_input: bool = False, selective: bool = False
+) -> Any:
     """Run ``function(value)`` keeping only ``value``; the forward is replayed with the same RNG state in backward.
 
     The CPU generator and the generator of every CUDA device holding one of ``value``'s tensors are replayed,
     whatever containers hold them. With ``copy_input``, ``function`` gets a copy of ``value``'s tensors, for cells
-    that modify their input in place: the replay must see the input as it was.
+    that modify their input in place: the replay must see the input as it was. With ``selective``, the outputs of
+    :data:`KEPT_OPS` are kept too, and the replay reads them instead of computing them again (a cell must then not
+    modify such an output in place: torch raises when the replay finds it changed).
 
     Callers decide when to checkpoint: in eval mode or under ``torch.no_grad`` there is no backward to recompute for,
     so they should call ``function`` directly.
@@ -105,6 +161,9 @@ def checkpointed(function: Callable[[Any], Any], value: Any, *, copy_input: bool
         return function(map_tensors(torch.clone, rebuilt) if copy_input else rebuilt)
 
     def contexts() -> tuple[Any, Any]:
-        return nullcontext(), _recomputing(function)
+        if not selective:
+            return nullcontext(), _recomputing(function)
+        first, replay = create_selective_checkpoint_contexts(_keep_matmuls)
+        return first, _entered(_recomputing(function), replay)
 
     return _torch_checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)

@@ -80,7 +80,8 @@ class Stage:
         transport: the links to the neighbouring stages; it also tells this stage's index.
         config: the pipeline's settings, validated already; a stage uses its ``checkpoint`` and
             ``detect_anomalies``. Without it, the two keywords below build one (and are validated there).
-        checkpoint: re-materialization mode, ``"always"``, ``"except_last"`` (the default) or ``"never"``.
+        checkpoint: re-materialization mode, ``"always"``, ``"except_last"`` (the default), ``"selective"`` or
+            ``"never"``.
         timeline: records the start and end of every action when given.
         compute_guard: a context entered around this stage's computation (not around its waits); the in-process
             runner uses it to give each thread-stage its own random-number stream.
@@ -187,7 +188,8 @@ class Stage:
         received = grad_enabled and not self.is_first
         with self._guard(), self._record("forward", index):
             if rematerialize:
-                output = checkpointed(self.cell, value, copy_input=received)
+                selective = self.checkpoint == "selective"
+                output = checkpointed(self.cell, value, copy_input=received, selective=selective)
             else:
                 output = self.cell(map_tensors(_alias_leaf, value) if received else value)
         if self.detect_anomalies:

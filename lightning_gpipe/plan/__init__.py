@@ -310,10 +310,12 @@ def evaluate(
     stage_f = [sum(forward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
     stage_b = [sum(backward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
     transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
-    extra = profile.recompute_times(n)
+    # Selective re-materialization as measured under its own wrapper; unmeasured, it is charged as the whole replay.
+    selective = checkpoint == "selective" and bool(profile.selective_recompute)
+    extra = profile.recompute_times(n, selective=selective)
     wrapped = [0.0] * K
     if extra is not None:  # measured: the replayed forward and the checkpoint's hooks on every saved tensor
-        first = profile.recompute_forward_times(n)  # the hooks' share in the first forward
+        first = profile.recompute_forward_times(n, selective=selective)  # the hooks' share in the first forward
         wrapped = [sum(first[i] for i in cell) for cell in bounds]
         recompute = [
             sum(extra[i] for i in cell) - share + profile.recompute_call
@@ -432,8 +434,9 @@ def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, op
 
 def _key(candidate: Candidate) -> tuple[float, float, int]:
     # The fastest per sample (per step when the batch is fixed); among equally fast ones (within 1%), the one with the
-    # most memory to spare, then the one that recomputes least (at M = 1 "except_last" is "never" by another name).
-    recompute = ("never", "except_last", "always").index(candidate.checkpoint)
+    # most memory to spare, then the one that recomputes least (at M = 1 "except_last" is "never" by another name);
+    # "selective" only when it wins on time or memory: a profile that did not measure it predicts it as "except_last".
+    recompute = ("never", "except_last", "selective", "always").index(candidate.checkpoint)
     return (round(math.log(max(candidate.time_per_sample, 1e-15)) / math.log(1.01)), candidate.peak, recompute)
 
 
@@ -641,8 +644,9 @@ def plan(
             device=device,
             loss_fn=loss_fn,
             flops_per_second=flops_per_second,
-            rematerialized=any(mode != "never" for mode in modes),
+            rematerialized=any(mode not in ("never", "selective") for mode in modes),
             optimizer=optimizer,
+            selective="selective" in modes,
         )
     options = {
         "optimizer_slots": optimizer_slots,

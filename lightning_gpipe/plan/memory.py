@@ -4,7 +4,8 @@ A stage holds, for the whole step, its model state (parameters, gradients, optim
 mini-batch every stage is handed. On top, each micro-batch whose forward has run and whose backward has not keeps:
 
 - re-materialized (:func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`): its boundary input and output
-only;
+only, and under ``checkpoint="selective"`` also the outputs of the matrix multiplications and attention kernels the
+profiler counted (``LayerProfile.selective_bytes``), which its backward then does not rebuild;
 - otherwise: every activation its layers saved for backward, its boundary input and its output.
 
 :func:`stage_bytes` counts those per sample, following every tensor that crosses a layer boundary by identity (a
@@ -59,6 +60,7 @@ class StageBytes:
     kept_rematerialized: float  # held until backward with it: the boundary input and the output sent on
     rebuilt: float  # what a re-materialized backward recomputes: the saved activations not already held
     backward: float | None = None  # the peak of this micro-batch's backward through the layers (None: not known)
+    selective: float = 0.0  # what selective re-materialization keeps besides the boundary: the kept operators' outputs
 
 
 def stage_bytes(profile: ModelProfile, cell: range, *, last: bool) -> StageBytes:
@@ -75,13 +77,19 @@ def stage_bytes(profile: ModelProfile, cell: range, *, last: bool) -> StageBytes
     before = profile.layers[cell.start - 1] if cell.start > 0 else None
     received = before.output_bytes if before is not None else 0.0
     output = layers[-1].output_bytes
+    # A kept operator's output that is the stage's output is held already when it is sent on.
+    selective = sum(layer.selective_bytes + layer.selective_output_bytes for layer in layers)
+    selective -= 0.0 if last else layers[-1].selective_output_bytes
     tracked = _tracked(layers, before, last)
     if tracked is not None:
-        return StageBytes(tracked[0], received, output, *tracked[1:])
+        saved, forward_end, kept, kept_rematerialized, rebuilt, backward = tracked
+        return StageBytes(saved, received, output, forward_end, kept, kept_rematerialized, rebuilt, backward, selective)
     overlap = sum(min(b.saved_input_bytes, a.saved_output_bytes) for a, b in zip(layers, layers[1:], strict=False))
     saved = sum(layer.saved_bytes for layer in layers) - overlap
     sent = 0.0 if last else output
-    return StageBytes(saved, received, output, saved + output, saved + sent, received + sent, saved)
+    return StageBytes(
+        saved, received, output, saved + output, saved + sent, received + sent, saved, selective=selective
+    )
 
 
 def _tracked(layers: list[LayerProfile], before: LayerProfile | None, last: bool) -> tuple[float, ...] | None:
@@ -254,6 +262,7 @@ def _walk(
     trainable = sum(layer.trainable_bytes for layer in layers)
     state = sum(layer.param_bytes + layer.buffer_bytes for layer in layers) + trainable * (1.0 + optimizer_slots)
     stop = checkpoint_stop(checkpoint, num_microbatches)
+    selective = checkpoint == "selective"
     stages: dict[int, _Held] = {}
     for s, cell in cells.items():
         last = s == num_stages - 1
@@ -272,17 +281,22 @@ def _walk(
         )
 
     def kept(held: _Held, i: int) -> float:
-        return held.loss + n * (held.each.kept_rematerialized if i < stop else held.each.kept)
+        if i >= stop:
+            return held.loss + n * held.each.kept
+        return held.loss + n * (held.each.kept_rematerialized + (held.each.selective if selective else 0.0))
 
     live = peak = 0.0
     for action in actions:
         assert action.stage is not None, "process_actions names each action's stage"
         i, held = action.microbatch, stages[action.stage]
         each = held.each
-        rebuilt = n * each.rebuilt if i < stop else 0.0
+        # What a selective backward finds kept, it does not rebuild.
+        rebuilt = n * max(0.0, each.rebuilt - (each.selective if selective else 0.0)) if i < stop else 0.0
         if action.phase is Phase.FORWARD:
-            # A re-materialized forward still builds each layer's output from the one before.
-            peak = max(peak, live + held.loss + (held.received + 2 * held.widest if i < stop else n * each.forward_end))
+            # A re-materialized forward still builds each layer's output from the one before (and keeps what
+            # selective re-materialization keeps as it goes).
+            wrapped = held.received + 2 * held.widest + (n * each.selective if selective else 0.0)
+            peak = max(peak, live + held.loss + (wrapped if i < stop else n * each.forward_end))
             live += kept(held, i)
         elif action.phase is Phase.WEIGHT:
             # The weight gradients read what I left; then the micro-batch is gone.

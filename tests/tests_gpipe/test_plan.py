@@ -308,7 +308,9 @@ def test_a_layer_is_timed_re_materialized_after_another_layer_as_in_a_stage(monk
     layers = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
     previous: list[nn.Module | None] = [None]
 
-    def runner(layer: nn.Module, loss_fn: Any, rematerialized: bool, first: bool) -> tuple[nn.Module, bool]:
+    def runner(
+        layer: nn.Module, loss_fn: Any, rematerialized: bool, first: bool, selective: bool = False
+    ) -> tuple[nn.Module, bool]:
         return layer, rematerialized
 
     def pass_seconds(
