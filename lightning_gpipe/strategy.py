@@ -86,7 +86,7 @@ class GPipeStrategy(ParallelStrategy):
         balance: layers per stage (a list of K ints), or how to find it: ``"params"``, ``"flops"``, ``"time"``,
             ``"memory"`` or a callable ``cost(layer) -> float``. Default: ``"flops"`` when the module has an
             ``example_input_array``, else ``"params"``; both are analytic, so every run partitions the same way.
-        checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default) or ``"never"``.
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default), ``"selective"`` or ``"never"``.
         schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (one forward, one backward: the same gradients, and stage
             ``j`` holds at most ``min(K - j, M)`` micro-batches' activations).
         module_name: attribute (dotted path) of the ``nn.Sequential`` to pipeline; default: found automatically.
