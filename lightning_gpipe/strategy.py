@@ -50,10 +50,7 @@ from lightning_gpipe.compat import (
 from lightning_gpipe.config import StartMethod, StrategyConfig
 from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.errors import collective_errors
-from lightning_gpipe.engine.fingerprint import batch_fingerprint
 from lightning_gpipe.engine.layout import ProcessLayout, new_stage_groups
-from lightning_gpipe.engine.microbatch import batch_size, gather, step_extras
-from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.stage import Stage
@@ -69,7 +66,7 @@ from lightning_gpipe.plan.auto import (
     planned_batch,
 )
 from lightning_gpipe.summary import describe_pipeline
-from lightning_gpipe.user_step import BatchChecks, routed, user_step
+from lightning_gpipe.user_step import BatchChecks, UserSteps, evaluation_result, training_result
 
 __all__ = ["GPipeStrategy"]
 
@@ -107,6 +104,9 @@ class GPipeStrategy(ParallelStrategy):
             another), logs the plan's table, and every rank follows it; a first training batch of another size is
             refused. The five settings it chooses must be left at their defaults; restrict its search with
             ``AutoPlan(pipe_sizes=..., chunks=..., ...)`` instead.
+        compile: compile each layer of each stage in place with ``torch.compile``: ``True``, or a dict of its keyword
+            arguments (``{"mode": "max-autotune"}``; ``dynamic=False`` unless given). Parameter names, checkpoints and
+            re-materialization are unchanged; the first step pays the compilation. Off by default.
     """
 
     strategy_name = "gpipe"
@@ -133,6 +133,7 @@ class GPipeStrategy(ParallelStrategy):
         detect_anomalies: bool = False,
         verify_batches: bool = True,
         plan: str | AutoPlan | None = None,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -154,6 +155,7 @@ class GPipeStrategy(ParallelStrategy):
             start_method=start_method,
             detect_anomalies=detect_anomalies,
             verify_batches=verify_batches,
+            compile=compile,
         )
         # Settled in setup, by _follow_plan; refused here beside the settings it would choose.
         self._auto_plan = auto_plan(
@@ -171,7 +173,7 @@ class GPipeStrategy(ParallelStrategy):
         self._assembled: AssembledStage | None = None
         self._partition: Partition | None = None
         self._stage: Stage | None = None
-        self._pipeline: Pipeline | None = None
+        self._steps: UserSteps | None = None  # the user's step hooks over micro-batches
         self._driver: StepDriver | None = None  # the step in progress
         self._gradients: StageGradients | None = None
         self._calls: CallRelay | None = None  # serves an evaluation step's further calls of the sequence (decoding)
@@ -374,13 +376,18 @@ class GPipeStrategy(ParallelStrategy):
         )
         if self._replica_group is not None:
             sync_metrics_over(module, self._replica_group)
-        self._partition, self._pipeline, self._ties = assembled.partition, assembled.pipeline, assembled.ties
+        self._partition, self._ties = assembled.partition, assembled.ties
         self._stage = assembled.stage
         self._names = assembled.names
         # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
         # which a partitioned module cannot do; it is set aside until teardown (the summary then omits sizes).
         self._example_input, module.example_input_array = module.example_input_array, None
         self._calls = CallRelay(self._stage)
+        verify, anomalies = self.config.verify_batches, self.config.detect_anomalies
+        self._steps = UserSteps(
+            module, assembled.pipeline, assembled.partition, self._calls, self._batches,
+            verify_batches=verify, detect_anomalies=anomalies,
+        )  # fmt: skip
         describe_pipeline(self.layout, self.chunks, assembled)
 
     # ------------------------------------------------------------------ steps
@@ -392,35 +399,15 @@ class GPipeStrategy(ParallelStrategy):
         kwargs: dict,
         context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> tuple[list[Any], LogRecorder]:
-        """Begin the step and run its forward phase (:meth:`StepDriver.forward_phase`), each forward a call of ``hook``.
+        """Begin the step and run its forward phase, each forward the user's ``hook`` on one micro-batch.
 
-        Returns the user's step outputs in micro-batch order (``None`` on a stage that is not the last) and the
-        recorded logs; the step's driver stays in ``self._driver`` for ``backward`` or the end of the hook.
+        Returns the user's step outputs and the recorded logs; the step's driver stays in ``self._driver``.
         """
-        assert self._pipeline is not None
-        assert self._partition is not None
-        module = self.lightning_module
-        assert module is not None
-        batch, rest = args[0], args[1:]
-        training = hook == "training_step"
-        self._batches.check(hook, batch_size(batch), module.training, self.chunks, self.layout.pipe_size)
-        # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
-        fingerprint = batch_fingerprint(batch) if self.config.verify_batches and self.layout.pipe_size > 1 else None
-        run = self._pipeline.begin(batch, training=training, fingerprint=fingerprint)
-        self._driver = driver = StepDriver(
-            run,
-            hook=hook,
-            sequence=self._partition.path,
-            returns_weights=True,
-            declare=getattr(module, "batch_loss_weight", None) if hook != "predict_step" else None,
-            hold=module.parameters() if training else None,
-            scale_loss=StageGradients.scale_loss(self.precision_plugin, module.trainer) if training else None,
-            check_losses=self.config.detect_anomalies,
-            relay=None if training else self._calls,
-        )
-        recorder = LogRecorder(module, step_values=training)
-        with routed(self._partition.stand_in, driver):
-            outputs = driver.forward_phase(user_step(module, hook, rest, kwargs, context, recorder))
+        assert self._steps is not None
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        scale = StageGradients.scale_loss(self.precision_plugin, trainer) if hook == "training_step" else None
+        self._driver, outputs, recorder = self._steps.forward_phase(hook, args, kwargs, context, scale)
         return outputs, recorder
 
     def _collective(self, what: str) -> contextlib.AbstractContextManager[None]:
@@ -442,13 +429,8 @@ class GPipeStrategy(ParallelStrategy):
         if not self._stage.is_last:
             scalars, extras = self._mirror_logs(recorder)
             return _with_extras(scalars["loss"].to(self.root_device, torch.float32), extras)
-        driver = self._driver
-        assert driver is not None
-        total = driver.weigh(outputs)
-        assert driver.step_weights is not None
-        recorder.combine(driver.step_weights)
-        # The step's other keys go to on_train_batch_end on every stage, as Lightning passes them on.
-        extras = step_extras(outputs, [mb.size for mb in driver.run.microbatches])
+        assert self._driver is not None
+        total, extras = training_result(self._driver, outputs, recorder)  # extras go to every stage's hooks
         self._mirror_logs(recorder, {"loss": total}, other=extras)
         return _with_extras(total.to(self.root_device), extras)
 
@@ -479,14 +461,8 @@ class GPipeStrategy(ParallelStrategy):
         }[hook]
         with context():
             outputs, recorder = self._forward_phase(hook, args, kwargs)
-        driver = self._driver
-        assert driver is not None
-        driver.finish()  # the last stage's steps may have called the sequence again (decoding): the others serve them
-        gathered = None
-        if self._stage.is_last:
-            recorder.combine(driver.weights(outputs, self.root_device))
-            sizes = [mb.size for mb in driver.run.microbatches]
-            gathered = gather(outputs, sizes) if outputs[0] is not None else None
+        assert self._driver is not None
+        gathered = evaluation_result(self._driver, outputs, recorder, self.root_device)
         shared = self._mirror_logs(recorder, other=gathered if hook == "predict_step" else None)[1]
         return shared if hook == "predict_step" else gathered
 
@@ -606,7 +582,7 @@ class GPipeStrategy(ParallelStrategy):
             self._stage = None
             self._calls = None
             self._ties = None
-            self._driver = None
+            self._steps = self._driver = None
         super().teardown()
 
     @classmethod

@@ -11,16 +11,20 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_gpipe.build.sequence import PipelinedSequential
-from lightning_gpipe.engine.driver import StepDriver, StepFn
-from lightning_gpipe.engine.microbatch import Microbatch
+from lightning_gpipe.build.sequence import Partition, PipelinedSequential
+from lightning_gpipe.engine.driver import StepDriver
+from lightning_gpipe.engine.fingerprint import batch_fingerprint
+from lightning_gpipe.engine.microbatch import Microbatch, batch_size, gather, step_extras
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.plan.auto import check_planned_batch
 
-__all__ = ["BatchChecks", "routed", "user_step"]
+__all__ = ["BatchChecks", "UserSteps", "evaluation_result", "training_result"]
 
 
 class _StageDone(BaseException):
@@ -30,8 +34,102 @@ class _StageDone(BaseException):
     """
 
 
+class UserSteps:
+    """One stage's runs of the user's step hooks, each over the micro-batches of a batch through the step driver.
+
+    Args:
+        module: the LightningModule whose hooks run.
+        pipeline: this stage's pipeline.
+        partition: how the module was cut; its stand-in sequence is routed to the driver during a step.
+        relay: serves an evaluation step's further calls of the sequence (decoding).
+        batches: the checks of each step's batch.
+        verify_batches: check that every stage reads the same batch (a fingerprint in the step header).
+        detect_anomalies: check each loss for NaN and Inf.
+    """
+
+    def __init__(
+        self,
+        module: LightningModule,
+        pipeline: Pipeline,
+        partition: Partition,
+        relay: CallRelay,
+        batches: BatchChecks,
+        *,
+        verify_batches: bool,
+        detect_anomalies: bool,
+    ) -> None:
+        self.module = module
+        self.pipeline = pipeline
+        self.partition = partition
+        self.relay = relay
+        self.batches = batches
+        self.verify_batches = verify_batches
+        self.detect_anomalies = detect_anomalies
+
+    def forward_phase(
+        self,
+        hook: str,
+        args: tuple,
+        kwargs: dict,
+        context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[StepDriver, list[Any], LogRecorder]:
+        """Begin a step on ``args[0]`` and run its forward phase, each forward a call of the module's ``hook``.
+
+        Returns the step's driver (for its backward phase or its end), the user's step outputs in micro-batch order
+        (``None`` on a stage that is not the last) and the recorded logs.
+        """
+        module, stage = self.module, self.pipeline.stage
+        batch, rest = args[0], args[1:]
+        training = hook == "training_step"
+        self.batches.check(hook, batch_size(batch), module.training, self.pipeline.chunks, stage.num_stages)
+        # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
+        fingerprint = batch_fingerprint(batch) if self.verify_batches and stage.num_stages > 1 else None
+        driver = StepDriver(
+            self.pipeline.begin(batch, training=training, fingerprint=fingerprint),
+            hook=hook,
+            sequence=self.partition.path,
+            returns_weights=True,
+            declare=getattr(module, "batch_loss_weight", None) if hook != "predict_step" else None,
+            hold=module.parameters() if training else None,
+            scale_loss=scale_loss,
+            check_losses=self.detect_anomalies,
+            relay=None if training else self.relay,
+        )
+        recorder = LogRecorder(module, step_values=training)
+
+        def step(mb: Microbatch) -> Any:
+            with context(), recorder.capture(mb.index):
+                try:
+                    return getattr(module, hook)(mb.value, *rest, **kwargs)
+                except _StageDone:
+                    return None
+
+        with _routed(self.partition.stand_in, driver):
+            outputs = driver.forward_phase(step)
+        return driver, outputs, recorder
+
+
+def training_result(driver: StepDriver, outputs: list[Any], recorder: LogRecorder) -> tuple[torch.Tensor, Any]:
+    """On the last stage after the forward phase: the step's loss (its losses weighted), and the step's other keys
+    gathered as Lightning passes them to ``on_train_batch_end``; the logs combined by the same weights."""
+    total = driver.weigh(outputs)
+    assert driver.step_weights is not None
+    recorder.combine(driver.step_weights)
+    return total, step_extras(outputs, [mb.size for mb in driver.run.microbatches])
+
+
+def evaluation_result(driver: StepDriver, outputs: list[Any], recorder: LogRecorder, device: torch.device) -> Any:
+    """End an evaluation step (serving or ending its further calls); on the last stage, its gathered outputs."""
+    driver.finish()
+    if not driver.stage.is_last:
+        return None
+    recorder.combine(driver.weights(outputs, device))
+    return gather(outputs, [mb.size for mb in driver.run.microbatches]) if outputs[0] is not None else None
+
+
 @contextlib.contextmanager
-def routed(stand_in: PipelinedSequential, driver: StepDriver) -> Iterator[None]:
+def _routed(stand_in: PipelinedSequential, driver: StepDriver) -> Iterator[None]:
     """Within, calling the pipelined sequence is ``driver``'s call; on a stage that is not the last it ends the step."""
     last = driver.stage.is_last
 
@@ -46,26 +144,6 @@ def routed(stand_in: PipelinedSequential, driver: StepDriver) -> Iterator[None]:
         yield
     finally:
         stand_in.runner = None
-
-
-def user_step(
-    module: LightningModule,
-    hook: str,
-    args: tuple,
-    kwargs: dict,
-    context: Callable[[], contextlib.AbstractContextManager[Any]],
-    recorder: LogRecorder,
-) -> StepFn:
-    """The step function running ``module``'s ``hook`` on a micro-batch, its logs recorded; ``None`` where cut short."""
-
-    def step(mb: Microbatch) -> Any:
-        with context(), recorder.capture(mb.index):
-            try:
-                return getattr(module, hook)(mb.value, *args, **kwargs)
-            except _StageDone:
-                return None
-
-    return step
 
 
 class BatchChecks:

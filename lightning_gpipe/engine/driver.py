@@ -28,7 +28,7 @@ import torch
 from lightning_gpipe.engine.anomaly import check_finite
 from lightning_gpipe.engine.microbatch import Microbatch, count_weights, loss_weights
 from lightning_gpipe.engine.relay import CallRelay
-from lightning_gpipe.engine.schedule import Phase
+from lightning_gpipe.engine.schedule import Action, Phase
 from lightning_gpipe.engine.step import HeldGradients, StepRun
 
 __all__ = ["StepDriver", "StepFn"]
@@ -101,8 +101,8 @@ class StepDriver:
                 self._held = HeldGradients(self._hold)
             for action in run.actions[: run.forward_span]:
                 mb = run.microbatches[action.microbatch]
-                if action.phase is Phase.BACKWARD:
-                    run.backward(mb.index, self._backward_loss(mb.index))
+                if action.phase is not Phase.FORWARD:
+                    self._backward(action)
                     continue
                 outputs.append(self._step(step, mb))
                 if run.training and self.stage.is_last:
@@ -206,6 +206,11 @@ class StepDriver:
         self._losses = {i: loss for i, loss in enumerate(weighted) if i in pending}
         return torch.stack([loss.detach() for loss in weighted]).sum()
 
+    def _backward(self, action: Action) -> None:
+        """Run one of the schedule's backward actions (a split backward's input and weight passes would be phases
+        of their own here, the loss going to the pass that starts from it)."""
+        self.run.backward(action.microbatch, self._backward_loss(action.microbatch))
+
     def _backward_loss(self, index: int) -> torch.Tensor | None:
         """What the backward of micro-batch ``index`` starts from: its weighted loss on the last stage, scaled."""
         if not self.stage.is_last:
@@ -223,7 +228,7 @@ class StepDriver:
                 self._held.release()
                 self._held = None
             for action in run.remaining():  # the schedule's actions after its last forward: backward passes only
-                run.backward(action.microbatch, self._backward_loss(action.microbatch))
+                self._backward(action)
             run.end()
         except BaseException as error:
             self.abort(error)

@@ -81,7 +81,7 @@ class StepRun:
     @property
     def backward_before_last_forward(self) -> bool:
         """Whether a backward pass runs before the last forward (``"1f1b"``), hence in the forward phase's driver."""
-        return any(action.phase is Phase.BACKWARD for action in self.actions[: self.forward_span])
+        return any(action.phase is not Phase.FORWARD for action in self.actions[: self.forward_span])
 
     @property
     def next_action(self) -> Action | None:
