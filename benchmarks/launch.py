@@ -6,7 +6,8 @@ Three ways to start ranks:
   in fresh processes forked from a server that has the heavy imports done, with ``MASTER_ADDR``/``MASTER_PORT``,
   ``RANK`` and ``WORLD_SIZE`` set and a gloo group up; the return values come back in rank order;
 - **script ranks**: :func:`run_job` runs ``python -m module`` once per rank with torchrun's environment
-  (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``);
+  (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), on one "node" or
+  on several that share this host;
 - **Lightning's own launch**: :func:`launch` runs ``python -m module`` once; its Trainer starts the other ranks.
 
 :func:`run_command` and :func:`run_module` run one command (a CLI, a benchmark) the same way. The policy: every launch
@@ -332,26 +333,29 @@ def run_job(
     timeout: float = 300.0,
     cwd: str | Path | None = None,
     grace: float = 30.0,
+    nodes: int = 1,
+    elastic: bool = False,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run ``python -m module *args`` as ``world_size`` ranks on 127.0.0.1 with torchrun's environment.
+
+    ``nodes`` splits the ranks into that many "nodes" of ``world_size / nodes`` consecutive ranks, numbered as torchrun
+    numbers them (``RANK = NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``), all on this host. ``elastic`` adds the
+    variables torchrun's agent sets besides (``GROUP_RANK``, ``TORCHELASTIC_RUN_ID``, ...), which make Lightning take
+    the job for a torchrun launch (its ``TorchElasticEnvironment``); without them it reads ``LOCAL_RANK`` and
+    ``NODE_RANK`` (its ``LightningEnvironment``).
 
     Returns every rank's completed process, its stdout and stderr together in ``stdout``. When a rank fails, the
     others get ``grace`` seconds to end (and report the failure they see) before they are killed; at ``timeout`` every
     rank still running is killed (exit code ``-9``).
     """
+    if nodes < 1 or world_size % nodes:
+        raise ValueError(
+            f"nodes={nodes} must be a positive divisor of world_size={world_size}: every node runs as many ranks"
+        )
     with loopback_store() as store_env, tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         processes, files = [], []
         for rank in range(world_size):
-            env = dict(os.environ)
-            env.update(
-                store_env,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                NODE_RANK="0",
-                WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(world_size),
-                OMP_NUM_THREADS="1",
-            )
+            env = {**os.environ, **store_env, **_torchrun_env(rank, world_size, nodes, elastic)}
             files.append(open(Path(logs) / f"rank{rank}.log", "w+"))  # noqa: SIM115 - closed below
             processes.append(
                 subprocess.Popen(
@@ -379,6 +383,32 @@ def run_job(
         subprocess.CompletedProcess(process.args, process.returncode, output, "")
         for process, output in zip(processes, outputs, strict=True)
     ]
+
+
+def _torchrun_env(rank: int, world_size: int, nodes: int, elastic: bool) -> dict[str, str]:
+    """The variables torchrun gives global rank ``rank`` of ``world_size`` on ``nodes`` nodes (less its store's)."""
+    per_node = world_size // nodes
+    node, local = divmod(rank, per_node)
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local),
+        "NODE_RANK": str(node),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "OMP_NUM_THREADS": "1",
+    }
+    if elastic:  # what torch.distributed.elastic's LocalElasticAgent adds; TORCHELASTIC_RUN_ID is what Lightning reads
+        env.update(
+            GROUP_RANK=str(node),
+            GROUP_WORLD_SIZE=str(nodes),
+            ROLE_RANK=str(rank),
+            ROLE_NAME="default",
+            ROLE_WORLD_SIZE=str(world_size),
+            TORCHELASTIC_RUN_ID="none",  # torchrun's default --rdzv-id
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+        )
+    return env
 
 
 def _supervise(processes: list[subprocess.Popen[str]], timeout: float, grace: float) -> None:

@@ -130,3 +130,32 @@ def test_script_ranks_get_torchruns_environment_and_a_failing_rank_ends_the_othe
         assert environment["WORLD_SIZE"] == environment["LOCAL_WORLD_SIZE"] == "2"
         assert environment["MASTER_ADDR"] == "127.0.0.1"
         assert environment["MASTER_PORT"] == seen[0]["MASTER_PORT"]
+
+
+# A rank script that prints the variables named on its command line and ends.
+PRINT_SCRIPT = """
+import os, sys
+print({key: os.environ.get(key) for key in sys.argv[1:]}, flush=True)
+"""
+TORCHRUN_NODES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
+@RunIf(multiprocess=True)
+def test_script_ranks_on_two_nodes_are_numbered_node_major_as_torchrun_does(tmp_path: Path) -> None:
+    (tmp_path / "print_script.py").write_text(PRINT_SCRIPT)
+    results = run_job("print_script", TORCHRUN_NODES, 4, timeout=120, cwd=tmp_path, nodes=2, elastic=True)
+    assert [result.returncode for result in results] == [0, 0, 0, 0]
+    seen = [eval(result.stdout.splitlines()[0]) for result in results]  # noqa: S307 - our own output
+    assert [(e["RANK"], e["NODE_RANK"], e["GROUP_RANK"], e["LOCAL_RANK"]) for e in seen] == [
+        ("0", "0", "0", "0"),
+        ("1", "0", "0", "1"),
+        ("2", "1", "1", "0"),
+        ("3", "1", "1", "1"),
+    ]
+    assert {e["LOCAL_WORLD_SIZE"] for e in seen} == {"2"}
+    assert all(e["TORCHELASTIC_RUN_ID"] for e in seen)  # what makes Lightning pick its TorchElasticEnvironment
+
+
+def test_nodes_must_divide_the_world() -> None:
+    with pytest.raises(ValueError, match="nodes=3 must be a positive divisor of world_size=4"):
+        run_job("print_script", (), 4, nodes=3)
