@@ -10,7 +10,13 @@ One stage (``Pipeline`` on a ``ThreadTransport``, K = 1) trains ``--layers`` pre
   gradients exist already);
 - the planner's predictions of both from one profile of the layers (:func:`~lightning_gpipe.plan.evaluate`).
 
-Run ``python -m benchmarks.checkpoint_modes [--width 256] [--rounds 8]``; ``--tiny`` checks the script in seconds.
+``--compiled`` compares instead one forward and backward of the layers (dropout off) eager and compiled, under the
+engine's wrapper and with a checkpoint inside each compiled layer (whole, or selective by
+:func:`~lightning_gpipe.engine.rematerialization.selective_checkpoint`): the median time and the bytes autograd saves
+for the backward (where the wrapper's own hooks do not hide them).
+
+Run ``python -m benchmarks.checkpoint_modes [--width 256] [--rounds 8] [--compiled]``; ``--tiny`` checks the script
+in seconds.
 GPU figures come from ``make bench-gpu`` (``benchmarks/gpu_speed``), which runs ``checkpoint="selective"`` too.
 """
 
@@ -29,7 +35,12 @@ from torch import nn
 from benchmarks.machine import cpu_model
 from lightning_gpipe.build.profile import LiveTensorBytes, profile_layers
 from lightning_gpipe.engine.pipeline import Pipeline
-from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode
+from lightning_gpipe.engine.rematerialization import (
+    CHECKPOINT_MODES,
+    CheckpointMode,
+    checkpointed,
+    selective_checkpoint,
+)
 from lightning_gpipe.engine.transport import ThreadTransport
 from lightning_gpipe.plan import evaluate
 
@@ -94,6 +105,73 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return results
 
 
+def compare_compiled(args: argparse.Namespace) -> str:
+    """One forward and backward of the layers per variant: median milliseconds and MiB saved for backward."""
+    torch.manual_seed(0)
+    blocks = [Block(args.width, args.heads) for _ in range(args.layers)]
+    for block in blocks:
+        block.dropout.p = 0.0  # compiled dropout draws from other random streams than eager
+    layers = nn.Sequential(*blocks)
+    x = torch.randn(args.batch, args.tokens, args.width)
+
+    def chain(calls: list[Any]) -> Any:
+        def run(value: torch.Tensor) -> torch.Tensor:
+            for call in calls:
+                value = call(value)
+            return value
+
+        return run
+
+    def whole(block: nn.Module) -> Any:
+        return lambda value: torch.utils.checkpoint.checkpoint(block, value, use_reentrant=False)
+
+    compiled = chain([torch.compile(block) for block in blocks])
+    variants: dict[str, tuple[Any, bool]] = {  # name -> (run, whether autograd's saved tensors can be counted)
+        "eager, nothing recomputed": (layers, True),
+        "eager, the engine's whole wrapper": (lambda value: checkpointed(layers, value), False),
+        "eager, the engine's selective wrapper": (lambda value: checkpointed(layers, value, selective=True), False),
+        "compiled, nothing recomputed": (compiled, True),
+        "compiled, the engine's whole wrapper": (lambda value: checkpointed(compiled, value), False),
+        "compiled, the engine's selective wrapper": (
+            lambda value: checkpointed(compiled, value, selective=True),
+            False,
+        ),
+        "compiled, a whole checkpoint inside": (chain([torch.compile(whole(block)) for block in blocks]), True),
+        "compiled, the selective policy inside": (
+            chain([torch.compile(selective_checkpoint(block)) for block in blocks]),
+            True,
+        ),
+    }
+    state = {t.untyped_storage().data_ptr() for t in layers.parameters()}
+
+    def step(run: Any, saved: dict[int, int] | None = None) -> None:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if saved is not None and t.untyped_storage().data_ptr() not in state:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = run(x.clone().requires_grad_())
+        torch.autograd.grad(output.square().mean(), list(layers.parameters()))
+
+    saved_bytes: dict[str, float | None] = {}
+    for name, (run, countable) in variants.items():
+        saved: dict[int, int] = {}
+        step(run, saved)  # compiles
+        saved_bytes[name] = sum(saved.values()) / MiB if countable else None
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, (run, _) in variants.items():
+            start = time.perf_counter()
+            step(run)
+            times[name].append(time.perf_counter() - start)
+    lines = ["| each layer | ms | saved for backward, MiB |", "|---|---:|---:|"]
+    for name in variants:
+        mib = saved_bytes[name]
+        lines.append(f"| {name} | {statistics.median(times[name]) * 1e3:.1f} | {'' if mib is None else f'{mib:.1f}'} |")
+    return "\n".join(lines)
+
+
 def table(results: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
     never = results["never"]
     lines = [
@@ -123,10 +201,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tiny", action="store_true", help="2 layers, D=32, 16 tokens, 2 rounds: a check")
+    parser.add_argument("--compiled", action="store_true", help="compare eager and compiled layers instead")
     args = parser.parse_args(argv)
     if args.tiny:
         args.layers, args.width, args.tokens, args.batch, args.rounds = 2, 32, 16, 8, 2
-    print(table(measure(args), args))
+    print(compare_compiled(args) if args.compiled else table(measure(args), args))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ __all__ = [
     "checkpointed",
     "checkpoint_stop",
     "is_recomputing",
+    "selective_checkpoint",
     "validate_mode",
 ]
 
@@ -132,6 +133,25 @@ def _keep_matmuls(context: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def selective_checkpoint(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` re-materialized on its own under the selective policy (:data:`KEPT_OPS` kept, the rest replayed).
+
+    For compiled layers: ``torch.compile(selective_checkpoint(layer))`` puts the policy inside the compiled graph,
+    where torch's partitioner keeps the kept operators' outputs and fuses the replay into the backward kernels. Around
+    a compiled layer (as :func:`checkpointed` wraps a cell) the policy sees the layer as one call and keeps nothing of
+    it. The random state is replayed as in :func:`checkpointed`; :func:`is_recomputing` is not set inside a graph.
+    """
+
+    def run(*args: Any) -> Any:
+        return _torch_checkpoint(call, *args, use_reentrant=False, context_fn=_selective_contexts)
+
+    return run
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
 @contextmanager
 def _entered(*managers: AbstractContextManager[Any]) -> Iterator[None]:
     with ExitStack() as stack:
@@ -163,7 +183,7 @@ def checkpointed(
     def contexts() -> tuple[Any, Any]:
         if not selective:
             return nullcontext(), _recomputing(function)
-        first, replay = create_selective_checkpoint_contexts(_keep_matmuls)
+        first, replay = _selective_contexts()
         return first, _entered(_recomputing(function), replay)
 
     return _torch_checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)

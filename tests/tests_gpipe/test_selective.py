@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpipe.build.profile import LayerProfile, LiveTensorBytes, ModelProfile, profile_layers
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
-from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop, checkpointed
+from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop, checkpointed, selective_checkpoint
 from lightning_gpipe.engine.transport import ThreadTransport
 from lightning_gpipe.plan import evaluate, plan
 from lightning_gpipe.plan.memory import stage_memory
@@ -87,7 +87,9 @@ def test_the_replay_reads_kept_matmul_outputs_and_recomputes_the_rest(selective:
     assert counter.counts["gelu"] == 1
 
 
-def pipelined_grads(mode: CheckpointMode, stages: int = 2, chunks: int = 4, schedule: str = "gpipe") -> list[torch.Tensor]:
+def pipelined_grads(
+    mode: CheckpointMode, stages: int = 2, chunks: int = 4, schedule: str = "gpipe"
+) -> list[torch.Tensor]:
     model = transformer()
     cells = [model[:2], model[2:]] if stages == 2 else [model]
     run_in_threads(cells, batch(), mse, chunks=chunks, checkpoint=mode, schedule=schedule, seeds=[3, 4][:stages])
@@ -184,3 +186,43 @@ def test_the_planner_chooses_selective_where_it_fits_and_is_faster() -> None:
     assert plan(layers, None, memory_per_device="130MiB", profile=synthetic(1e-3), **options).checkpoint == (
         "except_last"
     )
+
+
+@pytest.mark.heavy
+def test_compiled_layers_train_alike_under_the_selective_wrapper_and_with_the_policy_inside() -> None:
+    # Around compiled layers the engine's selective wrapper replays them whole; compiled with the policy inside, the
+    # layers save only the kept operators' outputs (and their inputs) for backward. Both train like plain layers.
+    model = transformer(2)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0  # compiled dropout draws from other random streams than eager
+    x = batch(4)[0]
+
+    def grads(run: Any, saved: dict[int, int] | None = None) -> list[torch.Tensor]:
+        model.zero_grad()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if saved is not None and not any(t.untyped_storage() is p.untyped_storage() for p in model.parameters()):
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = run(x.clone().requires_grad_())
+        output.square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    plain_saved: dict[int, int] = {}
+    expected = grads(model, plain_saved)
+    compiled = nn.Sequential(*[cast(nn.Module, torch.compile(block)) for block in model])
+    inside = [torch.compile(selective_checkpoint(block)) for block in model]
+
+    def policy_inside(value: torch.Tensor) -> torch.Tensor:
+        for call in inside:
+            value = call(value)
+        return value
+
+    kept: dict[int, int] = {}
+    for got in (grads(lambda v: checkpointed(compiled, v, selective=True)), grads(policy_inside, kept)):
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert 0 < sum(kept.values()) < sum(plain_saved.values())
