@@ -149,6 +149,25 @@ def check_k1_fp16_overflow() -> str:
     return _strategy_against_auto("16-mixed")
 
 
+def check_k1_compiled_bf16() -> str:
+    """``GPipeStrategy(compile=True)``, K=1, M=2, trains like ``strategy="auto"`` in ``bf16-mixed``; its layers compiled
+    (inductor on CUDA)."""
+    from torch._dynamo.utils import counters
+
+    from lightning_gpipe import GPipeStrategy
+
+    reference, _ = _fit("auto", "bf16-mixed")
+    counters.clear()
+    ours, _ = _fit(GPipeStrategy(pipe_size=1, chunks=2, compile=True), "bf16-mixed")
+    graphs = counters["stats"]["unique_graphs"]
+    if graphs == 0:
+        raise AssertionError("compile=True compiled no graph")
+    difference = _largest_difference(ours, reference)
+    if difference > TOLERANCE["bf16-mixed"]:
+        raise AssertionError(f"weights differ from strategy='auto' by {difference:.2e} > {TOLERANCE['bf16-mixed']}")
+    return f"{graphs} graphs compiled, max abs weight difference {difference:.1e}"
+
+
 def check_threaded_engine() -> str:
     """``run_in_threads`` with two CUDA stages computes the single-device gradients."""
     import torch.nn.functional as F
@@ -291,6 +310,7 @@ CHECKS: dict[str, Callable[[], str]] = {
     "K=1 vs auto, 32-true": check_k1_fp32,
     "K=1 vs auto, bf16-mixed": check_k1_bf16,
     "K=1 vs auto, 16-mixed with overflow": check_k1_fp16_overflow,
+    "K=1 compile=True vs auto, bf16-mixed": check_k1_compiled_bf16,
     "threaded engine vs single device": check_threaded_engine,
     "meta init on CUDA": check_meta_init,
     "re-materialization peak memory": check_rematerialization_memory,

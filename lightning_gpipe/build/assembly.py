@@ -4,9 +4,10 @@
 rank follows (several steps are collectives): find the ``nn.Sequential``, record the whole module's names for
 checkpoints, resolve the balance (measured on rank 0 and broadcast), cut the module down to this stage's layers,
 allocate and initialize layers built on the meta device, convert BatchNorm to :class:`DeferredBatchNorm` when asked,
-give the replicas of the stage the same weights, set up the copies of tensors tied across stages, and wrap the cell
-in a :class:`~lightning_gpipe.engine.pipeline.Pipeline` over the given transport. It needs no Trainer: a test builds
-every stage of a pipeline in one process over a :class:`~lightning_gpipe.engine.transport.ThreadTransport`.
+compile each layer in place when asked (:mod:`lightning_gpipe.build.compile`), give the replicas of the stage the
+same weights, set up the copies of tensors tied across stages, and wrap the cell in a
+:class:`~lightning_gpipe.engine.pipeline.Pipeline` over the given transport. It needs no Trainer: a test builds every
+stage of a pipeline in one process over a :class:`~lightning_gpipe.engine.transport.ThreadTransport`.
 
 :meth:`AssembledStage.reassemble` is the inverse at the end of training: every stage's part, gathered over the
 pipeline, restores the whole module on every rank.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe.build.balance import balance_by_cost, checked_total, in_place_starts
+from lightning_gpipe.build.compile import CompiledLayers, compile_layers
 from lightning_gpipe.build.config import ResolvedPipeline
 from lightning_gpipe.build.cost import layer_costs
 from lightning_gpipe.build.sequence import Partition, find_sequence, materialize, partition_module
@@ -51,6 +53,7 @@ class AssembledStage:
         ties: this stage's copies of tensors that layers of other stages share, kept equal by collectives.
         names: the whole module's state-dict keys, shapes and parameter names, recorded before the cut.
         whole_parameters: (all, trainable) parameter counts of the whole module, each tied tensor once.
+        compiled: this stage's layers compiled in place (none unless ``settings.compile``), undone by reassembly.
     """
 
     partition: Partition
@@ -58,6 +61,7 @@ class AssembledStage:
     ties: TiedCopies
     names: ModelNames
     whole_parameters: tuple[int, int]
+    compiled: CompiledLayers = field(default_factory=CompiledLayers)
 
     @property
     def stage(self) -> Stage:
@@ -79,8 +83,10 @@ class AssembledStage:
 
         Every stage of the pipeline calls it; ``group`` is the pipeline's group (for objects: gloo keeps the parts in
         host memory), unused with a single stage. Tied tensors get back their shared value and deferred BatchNorm
-        layers become plain BatchNorm again (:meth:`~lightning_gpipe.build.sequence.Partition.reassemble`).
+        layers become plain BatchNorm again (:meth:`~lightning_gpipe.build.sequence.Partition.reassemble`), and
+        compiled layers run as they did before assembly: the module is the user's again, on every rank alike.
         """
+        self.compiled.restore()
         local = self.partition.stage_state()
         num_stages = self.stage.num_stages
         parts: list[Any] = [local]
@@ -132,6 +138,9 @@ def assemble_stage(
     retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
     if settings.deferred_batch_norm:
         DeferredBatchNorm.convert(partition.stand_in)
+    # The final layer objects (materialized, BatchNorm converted) are the ones compiled; the checkpointed cell
+    # around them stays eager, so a replay runs the compiled layers with the engine's RNG and BatchNorm handling.
+    compiled = compile_layers(partition.stand_in.children(), settings.compile)
     cell = partition.stand_in.cell()
     _broadcast_replica_weights(module, layout, device, replica_group)
     with collective_errors(layout.stage, "creating the groups of stages that share tied weights and broadcasting them"):
@@ -145,7 +154,7 @@ def assemble_stage(
         )
         ties.broadcast(device)
     pipeline = Pipeline(cell, transport, settings.pipeline, timeline=timeline)
-    return AssembledStage(partition, pipeline, ties, names, whole)
+    return AssembledStage(partition, pipeline, ties, names, whole, compiled)
 
 
 def resolve_balance(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from lightning_gpipe.build.balance import checked_entries
+from lightning_gpipe.build.compile import Compile, check_compile, compile_options
 from lightning_gpipe.build.cost import COST_SOURCES, CostFn
 from lightning_gpipe.engine.config import PipelineConfig, validate_flag
 from lightning_gpipe.engine.layout import ProcessLayout
@@ -32,7 +33,8 @@ class BuildConfig(PipelineConfig):
     """The settings of :func:`~lightning_gpipe.build.assembly.assemble_stage`: a pipeline's, and how to build it.
 
     ``pipe_size=None`` and ``chunks=None`` defer to the world size (see :meth:`resolve`); ``timeout`` is how long a
-    stage waits for a peer, in the pipeline and in the collectives of the build.
+    stage waits for a peer, in the pipeline and in the collectives of the build; ``compile`` compiles each layer of
+    the stage (``True`` or ``torch.compile``'s keyword arguments, see :mod:`lightning_gpipe.build.compile`).
     """
 
     pipe_size: int | None = None
@@ -40,6 +42,7 @@ class BuildConfig(PipelineConfig):
     module_name: str | None = None
     deferred_batch_norm: bool = False
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    compile: Compile = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,6 +55,7 @@ class BuildConfig(PipelineConfig):
         _check_module_name(self.module_name)
         validate_flag("deferred_batch_norm", self.deferred_batch_norm)
         _check_timeout(self.timeout)
+        object.__setattr__(self, "compile", check_compile(self.compile))  # a copy: the caller's dict may change
 
     def resolve(self, world_size: int, rank: int, chosen: Mapping[str, Any] | None = None) -> ResolvedPipeline:
         """These settings for process ``rank`` of a job of ``world_size``: K and M as numbers, this process's place.
@@ -86,7 +90,15 @@ class BuildConfig(PipelineConfig):
             schedule=chosen.get("schedule", self.schedule),
             detect_anomalies=self.detect_anomalies,
         )
-        return ResolvedPipeline(layout, engine, balance, self.module_name, self.deferred_batch_norm, self.timeout)
+        return ResolvedPipeline(
+            layout,
+            engine,
+            balance,
+            self.module_name,
+            self.deferred_batch_norm,
+            self.timeout,
+            compile_options(self.compile),
+        )
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,7 @@ class ResolvedPipeline:
         pipeline: what :class:`~lightning_gpipe.engine.pipeline.Pipeline` and its stage run by; ``chunks`` is M.
         balance: layers per stage (K ints), or how assembly finds them from the sequence (``resolve_balance``).
         module_name, deferred_batch_norm, timeout: as given (see :class:`BuildConfig`).
+        compile: ``torch.compile``'s keyword arguments for each layer of the stage, or ``None``: not compiled.
     """
 
     layout: ProcessLayout
@@ -109,6 +122,7 @@ class ResolvedPipeline:
     module_name: str | None
     deferred_batch_norm: bool
     timeout: datetime.timedelta
+    compile: dict[str, Any] | None = None
 
     @property
     def pipe_size(self) -> int:

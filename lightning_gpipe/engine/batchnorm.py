@@ -86,13 +86,18 @@ class DeferredBatchNorm(_BatchNorm):
             )
         # No running buffers are passed, so nothing moves here; F.batch_norm also rejects one value per channel.
         output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        # Plain BatchNorm moves running statistics under no_grad too, so grad mode is no signal; a recomputation is.
-        if self.training and self.track_running_stats and not is_recomputing():
+        if self.training and self.track_running_stats:
             self._gather(input)
         return output
 
+    # Eager under torch.compile: the count is a host int (a compiled graph would be specialized on each value), and a
+    # replay must run the very graphs of its forward, so the recomputation is told apart here, outside them.
+    @torch.compiler.disable
     def _gather(self, input: Tensor) -> None:
         """Merge the per-channel count, mean and M2 of ``input`` into the accumulators (Chan et al.'s formula)."""
+        # Plain BatchNorm moves running statistics under no_grad too, so grad mode is no signal; a recomputation is.
+        if is_recomputing():
+            return
         with torch.no_grad():
             x = input.detach()
             dims = [0, *range(2, x.dim())]

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-__all__ = ["InfAgreeingScaler", "flatten_dense_tensors", "storage_key", "unflatten_dense_tensors"]
+__all__ = [
+    "InfAgreeingScaler",
+    "abort_process_group",
+    "compile_in_place",
+    "flatten_dense_tensors",
+    "restore_compiled_call",
+    "storage_key",
+    "unflatten_dense_tensors",
+]
 
 flatten_dense_tensors = _flatten_dense_tensors
 """One flat tensor holding the given tensors of one dtype and device, as DDP's buckets are made."""
@@ -37,3 +48,37 @@ class InfAgreeingScaler(ShardedGradScaler):
         found = super()._check_inf_per_device(optimizer)
         self.agree(found)
         return found
+
+
+CompiledCall = Callable[..., Any] | None
+"""What a module's call runs instead of its own (``nn.Module.compile`` sets it); ``None`` when it is not compiled."""
+
+
+def compile_in_place(module: nn.Module, options: Mapping[str, Any]) -> CompiledCall:
+    """``module.compile(**options)``, which keeps the module and its names, also for torch's own module classes.
+
+    Dynamo skips frames in torch's files, so a layer whose ``forward`` is torch's (``nn.Linear``, ``nn.LayerNorm``)
+    would run eagerly under ``module.compile()``; as ``torch.compile(module)`` does for them, a frame of ours calls
+    it instead. Returns the call the module ran before, for :func:`restore_compiled_call`.
+    """
+    previous: CompiledCall = module.__dict__.get("_compiled_call_impl")
+    if not type(module).forward.__module__.startswith("torch."):
+        module.compile(**options)  # its own forward is the frame dynamo compiles, one cache for all its instances
+        return previous
+    call = module._call_impl
+
+    def torch_module_call(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    module._compiled_call_impl = torch.compile(torch_module_call, **options)
+    return previous
+
+
+def restore_compiled_call(module: nn.Module, previous: CompiledCall) -> None:
+    """Undo :func:`compile_in_place`: the module runs ``previous`` again (its own call when ``None``)."""
+    module._compiled_call_impl = previous
+
+
+def abort_process_group(group: dist.ProcessGroup) -> None:
+    """Abort ``group``'s pending operations so that the process can exit (torch has no public abort)."""
+    dist.distributed_c10d._abort_process_group(group)

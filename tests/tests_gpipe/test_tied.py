@@ -252,16 +252,25 @@ def _assert_checkpoint_is_the_plain_modules(checkpoint: Path) -> None:
 
 
 @RunIf(multiprocess=True)
-def test_tied_embeddings_and_a_shared_buffer_module_train_like_plain_lightning(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_tied_embeddings_and_a_shared_buffer_module_train_like_plain_lightning_compiled_or_not(tmp_path: Path) -> None:
     # Before: the tied embedding was refused ("share one parameter"), and the shared table gave NaN (issue 17.3).
-    checkpoint = tmp_path / "two-stages.ckpt"
+    # compile=True (issue 33): each stage's layers compiled in place train as the plain model and save its names.
+    checkpoint, compiled_checkpoint = tmp_path / "two-stages.ckpt", tmp_path / "compiled.ckpt"
+    compiled = {"options": {"compile": True}}
     two = _launch(tmp_path / "two", 2, [
         {**EPOCH, "pipe_size": 2, "devices": 2, "save": str(checkpoint)},
         {"model": "table", "steps": 3, "chunks": 4, "pipe_size": 2, "devices": 2},
+        {**EPOCH, **compiled, "pipe_size": 2, "devices": 2, "save": str(compiled_checkpoint)},
+        {**EPOCH, **compiled, "pipe_size": 2, "devices": 2, "checkpoint": "always"},
     ])  # fmt: skip
-    assert_same_parameters(two[0], _plain(tmp_path, **EPOCH))
+    one_epoch = _plain(tmp_path, **EPOCH)
+    assert_same_parameters(two[0], one_epoch)
     assert_same_parameters(two[1], _plain(tmp_path, model="table", steps=3))
     _assert_checkpoint_is_the_plain_modules(checkpoint)
+    assert_same_parameters(two[2], one_epoch)
+    assert_same_parameters(two[3], one_epoch)
+    _assert_checkpoint_is_the_plain_modules(compiled_checkpoint)
 
 
 @pytest.mark.slow  # two jobs of 2 and 4 processes, about 3 minutes on a loaded 2-core machine

@@ -1,0 +1,174 @@
+"""Compiled stages (``compile=True``): the setting checked where given; layers compiled in place train like eager.
+
+Both stages of a K = 2 pipeline are assembled in one process (as in ``test_assembly.py``), once eager and once
+compiled, and trained with re-materialization of every micro-batch, uneven micro-batches, deferred BatchNorm, a tied
+weight and a model built on the meta device. Compiling is slow on a CPU, so one module-scoped fixture trains both and
+the tests read it. The strategy's multi-process run is in ``test_tied.py`` (its 2-rank job).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_assembly import train_in_threads
+from torch import nn
+from torch._dynamo.utils import counters
+
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
+from lightning_gpipe.build.compile import DEFAULT_OPTIONS
+from lightning_gpipe.build.config import BuildConfig
+from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, commit_running_stats
+from lightning_gpipe.engine.transport import ThreadTransport
+
+WIDTH, OUT, BATCH, STEPS = 6, 3, 33, 2  # 33 rows in 8 micro-batches: 5, 4, ..., 4
+
+
+class Block(nn.Module):
+    """A user's layer (its forward is ours, so ``nn.Module.compile`` traces it) with a BatchNorm inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.BatchNorm1d(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.linear(x)))
+
+
+class Net(nn.Module):
+    """torch's own layers and user blocks; layers 1 and 3 (both on stage 0) share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(WIDTH, WIDTH), Block(), nn.Tanh(), nn.Linear(WIDTH, WIDTH), Block())
+        self.layers[3].weight = self.layers[1].linear.weight  # type: ignore[union-attr]
+        self.head = nn.Identity()
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, WIDTH, generator=generator)
+
+
+def _loss(output: torch.Tensor, microbatch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(output, microbatch[1])
+
+
+@dataclass
+class Trained:
+    """One pipeline's stages after training, the whole module put back, and what compiling counted."""
+
+    stages: list[AssembledStage]
+    whole: nn.Module
+    graphs: int
+    compiled_before_reassembly: list[bool]
+
+
+def _train(model: Net, compile: Any) -> Trained:
+    config = BuildConfig(
+        pipe_size=2, chunks=8, balance=[4, 1], checkpoint="always", deferred_batch_norm=True, compile=compile
+    )
+    transports = ThreadTransport.create(2, timeout=datetime.timedelta(seconds=300))
+    stages = [
+        assemble_stage(copy.deepcopy(model), config.resolve(2, 1 - j), torch.device("cpu"), transports[j])
+        for j in range(2)
+    ]
+    counters.clear()
+    optimizers = [torch.optim.SGD(stage.partition.module.parameters(), lr=0.1) for stage in stages]
+    for step in range(STEPS):
+        train_in_threads(stages, _data(step))
+        for stage, optimizer in zip(stages, optimizers, strict=True):
+            stage.ties.sum_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+            commit_running_stats(stage.partition.stand_in)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = [layer._compiled_call_impl is not None for stage in stages for layer in stage.stage.cell.children()]
+    parts = [stage.partition.stage_state() for stage in stages]
+    for stage in stages:
+        stage.compiled.restore()  # what AssembledStage.reassemble does first; its gather needs a process group
+    stages[0].partition.reassemble(parts, stages[0].ties.values())
+    return Trained(stages, stages[0].partition.module, graphs, compiled)
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, Trained]:
+    """The same model trained eager and compiled, built in place and on the meta device."""
+    torch.manual_seed(0)
+    model = Net()
+    with torch.device("meta"):
+        meta = Net()
+    return {
+        "eager": _train(model, False),
+        "compiled": _train(model, True),
+        "meta eager": _train(meta, False),
+        "meta compiled": _train(meta, {"dynamic": False, "fullgraph": False}),
+    }
+
+
+def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        difference = (actual[key].double() - value.double()).abs().max().item()
+        assert difference <= 1e-5, f"{key}: max abs difference {difference:.2e}"
+
+
+@pytest.mark.heavy  # compiles about a dozen graphs: tens of seconds on a loaded CPU
+@pytest.mark.timeout(600)
+def test_compiled_stages_train_like_eager_stages(trained: dict[str, Trained]) -> None:
+    assert trained["compiled"].graphs > 0, "nothing was compiled"  # the meta model's run reuses these graphs
+    assert trained["eager"].graphs == trained["meta eager"].graphs == 0
+    assert all(trained["compiled"].compiled_before_reassembly + trained["meta compiled"].compiled_before_reassembly)
+    _assert_close(trained["compiled"].whole.state_dict(), trained["eager"].whole.state_dict())
+    _assert_close(trained["meta compiled"].whole.state_dict(), trained["meta eager"].whole.state_dict())
+    # Deferred BatchNorm gathered each micro-batch once, not again in the replays: it moved like eager's.
+    assert trained["compiled"].whole.state_dict()["layers.1.norm.num_batches_tracked"].item() == STEPS
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(600)
+def test_compiled_layers_keep_their_names_and_load_strictly_into_the_plain_module(
+    trained: dict[str, Trained],
+) -> None:
+    plain = Net()
+    compiled = trained["compiled"]
+    for stage, eager_stage in zip(compiled.stages, trained["eager"].stages, strict=True):
+        assert stage.names.keys == list(plain.state_dict())
+        assert [n for n, _ in stage.stage.cell.named_parameters()] == [
+            n for n, _ in eager_stage.stage.cell.named_parameters()
+        ]
+    state = compiled.whole.state_dict()
+    assert list(state) == list(plain.state_dict())
+    plain.load_state_dict(state, strict=True)
+    assert plain.layers[3].weight is plain.layers[1].linear.weight  # type: ignore[union-attr]
+    # Reassembly gives the user's module back as it was: no layer stays compiled on one rank only.
+    assert isinstance(compiled.whole.layers, nn.Sequential)
+    assert all(layer._compiled_call_impl is None for layer in compiled.whole.layers)
+    assert not any(isinstance(m, DeferredBatchNorm) for m in compiled.whole.modules())
+
+
+def test_the_compile_setting_is_checked_where_given_with_the_fix() -> None:
+    assert BuildConfig().compile is False
+    assert BuildConfig().resolve(1, 0).compile is None
+    assert BuildConfig(compile=True).resolve(1, 0).compile == DEFAULT_OPTIONS
+    given = {"mode": "max-autotune-no-cudagraphs"}
+    config = BuildConfig(compile=given)
+    given["mode"] = "changed later"
+    assert config.resolve(1, 0).compile == {"dynamic": False, "mode": "max-autotune-no-cudagraphs"}
+    assert BuildConfig(compile={"dynamic": True}).resolve(1, 0).compile == {"dynamic": True}
+    with pytest.raises(TypeError, match=r"compile='yes' must be True, False or a dict of torch.compile's keyword"):
+        BuildConfig(compile="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'fullgrph' is not a keyword argument of torch.compile; use some of fullgr"):
+        BuildConfig(compile={"fullgrph": True})
+    with pytest.raises(ValueError, match=r"compile=\{'mode': 'fastest'\} is refused by torch.compile: Unrecognized"):
+        BuildConfig(compile={"mode": "fastest"})
+    with pytest.raises(ValueError, match=r"is refused by torch.compile: Invalid backend: 'nope'"):
+        GPipeStrategy(compile={"backend": "nope"})  # the strategy's argument, refused when it is built
+    assert GPipeStrategy(compile=True).config.compile is True
