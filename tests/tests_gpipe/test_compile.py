@@ -25,6 +25,8 @@ from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.build.compile import DEFAULT_OPTIONS
 from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, commit_running_stats
+from lightning_gpipe.engine.rematerialization import CheckpointMode
+from lightning_gpipe.engine.torch_compat import compile_in_place, restore_compiled_call
 from lightning_gpipe.engine.transport import ThreadTransport
 
 WIDTH, OUT, BATCH, STEPS = 6, 3, 33, 2  # 33 rows in 8 micro-batches: 5, 4, ..., 4
@@ -71,9 +73,9 @@ class Trained:
     compiled_before_reassembly: list[bool]
 
 
-def _train(model: Net, compile: Any) -> Trained:
+def _train(model: Net, compile: Any, checkpoint: CheckpointMode = "always") -> Trained:
     config = BuildConfig(
-        pipe_size=2, chunks=8, balance=[4, 1], checkpoint="always", deferred_batch_norm=True, compile=compile
+        pipe_size=2, chunks=8, balance=[4, 1], checkpoint=checkpoint, deferred_batch_norm=True, compile=compile
     )
     transports = ThreadTransport.create(2, timeout=datetime.timedelta(seconds=300))
     stages = [
@@ -110,6 +112,8 @@ def trained() -> dict[str, Trained]:
         "compiled": _train(model, True),
         "meta eager": _train(meta, False),
         "meta compiled": _train(meta, {"dynamic": False, "fullgraph": False}),
+        # The selective policy around compiled layers: they are replayed whole, and train alike.
+        "selective compiled": _train(model, True, "selective"),
     }
 
 
@@ -128,6 +132,7 @@ def test_compiled_stages_train_like_eager_stages(trained: dict[str, Trained]) ->
     assert all(trained["compiled"].compiled_before_reassembly + trained["meta compiled"].compiled_before_reassembly)
     _assert_close(trained["compiled"].whole.state_dict(), trained["eager"].whole.state_dict())
     _assert_close(trained["meta compiled"].whole.state_dict(), trained["meta eager"].whole.state_dict())
+    _assert_close(trained["selective compiled"].whole.state_dict(), trained["eager"].whole.state_dict())
     # Deferred BatchNorm gathered each micro-batch once, not again in the replays: it moved like eager's.
     assert trained["compiled"].whole.state_dict()["layers.1.norm.num_batches_tracked"].item() == STEPS
 
@@ -152,6 +157,20 @@ def test_compiled_layers_keep_their_names_and_load_strictly_into_the_plain_modul
     assert isinstance(compiled.whole.layers, nn.Sequential)
     assert all(layer._compiled_call_impl is None for layer in compiled.whole.layers)
     assert not any(isinstance(m, DeferredBatchNorm) for m in compiled.whole.modules())
+
+
+def test_a_layer_of_torchs_own_classes_is_compiled_too() -> None:
+    # Dynamo skips frames in torch's files: nn.Module.compile() alone left an nn.Linear layer running eagerly.
+    eager_backend = {"backend": "eager", "dynamic": False}  # traced by dynamo, no inductor: fast
+    for layer in (nn.Linear(2, 2), Block()):
+        names = list(layer.state_dict())
+        counters.clear()
+        previous = compile_in_place(layer, eager_backend)
+        layer(torch.randn(3, layer.in_features if isinstance(layer, nn.Linear) else WIDTH))
+        assert counters["stats"]["unique_graphs"] == 1, type(layer).__name__
+        assert list(layer.state_dict()) == names
+        restore_compiled_call(layer, previous)
+        assert layer._compiled_call_impl is None
 
 
 def test_the_compile_setting_is_checked_where_given_with_the_fix() -> None:
