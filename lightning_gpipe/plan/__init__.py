@@ -417,6 +417,8 @@ def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, op
         + layer.buffer_bytes
         + layer.trainable_bytes * (1 + slots)
         + n * (layer.saved_bytes if like.checkpoint == "never" else layer.saved_bytes / max(1, held))
+        # A selective micro-batch keeps its kept operators' outputs until its backward.
+        + (n * held * (layer.selective_bytes + layer.selective_output_bytes) if like.checkpoint == "selective" else 0)
         for layer in profile.layers
     ]
     return evaluate(

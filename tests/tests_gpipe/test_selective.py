@@ -17,7 +17,7 @@ from lightning_gpipe.build.profile import LayerProfile, LiveTensorBytes, ModelPr
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop, checkpointed, selective_checkpoint
 from lightning_gpipe.engine.transport import ThreadTransport
-from lightning_gpipe.plan import evaluate, plan
+from lightning_gpipe.plan import _memory_balanced, evaluate, plan
 from lightning_gpipe.plan.memory import stage_memory
 
 WIDTH, HEADS, TOKENS = 32, 4, 16
@@ -226,3 +226,16 @@ def test_compiled_layers_train_alike_under_the_selective_wrapper_and_with_the_po
         for a, b in zip(got, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert 0 < sum(kept.values()) < sum(plain_saved.values())
+
+
+def test_the_memory_balance_weighs_what_selective_keeps() -> None:
+    # The first four layers keep 4 MiB per sample under selective re-materialization, the others nothing: balanced
+    # by memory, the first stage takes fewer of them than under except_last, where the layers weigh alike.
+    heavy = LayerProfile("Block", 2**20, 2**20, 0, 2**19, 2**17, 2**18, 1.0, selective_bytes=2**22)
+    light = replace(heavy, selective_bytes=0.0)
+    times = {n: ((1e-3 * n,) * 8, (2e-3 * n,) * 8) for n in (1, 2, 4, 8)}
+    profile = ModelProfile((heavy,) * 4 + (light,) * 4, 2**17, times)
+    options: dict[str, Any] = {"pipe_size": 2, "chunks": 4, "batch_size": 16}
+    for mode, first_stage in (("except_last", 4), ("selective", 2)):
+        by_time = evaluate(profile, checkpoint=mode, **options)
+        assert _memory_balanced(profile, by_time, 16, {}).balance[0] == first_stage, mode
