@@ -233,9 +233,12 @@ def test_the_memory_balance_weighs_what_selective_keeps() -> None:
     # by memory, the first stage takes fewer of them than under except_last, where the layers weigh alike.
     heavy = LayerProfile("Block", 2**20, 2**20, 0, 2**19, 2**17, 2**18, 1.0, selective_bytes=2**22)
     light = replace(heavy, selective_bytes=0.0)
-    times = {n: ((1e-3 * n,) * 8, (2e-3 * n,) * 8) for n in (1, 2, 4, 8)}
+    times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {
+        n: ((1e-3 * n,) * 8, (2e-3 * n,) * 8) for n in (1, 2, 4, 8)
+    }
     profile = ModelProfile((heavy,) * 4 + (light,) * 4, 2**17, times)
     options: dict[str, Any] = {"pipe_size": 2, "chunks": 4, "batch_size": 16}
-    for mode, first_stage in (("except_last", 4), ("selective", 2)):
+    expected: list[tuple[CheckpointMode, int]] = [("except_last", 4), ("selective", 2)]
+    for mode, first_stage in expected:
         by_time = evaluate(profile, checkpoint=mode, **options)
         assert _memory_balanced(profile, by_time, 16, {}).balance[0] == first_stage, mode
