@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.torch_compat import abort_process_group
 
 __all__ = ["DEFAULT_TIMEOUT", "ProcessGroupTransport", "ThreadTransport", "Transport"]
 
@@ -232,7 +233,7 @@ class ProcessGroupTransport(Transport):
         self._pending.clear()
         for group in links:
             try:
-                dist.distributed_c10d._abort_process_group(group)
+                abort_process_group(group)
             except (RuntimeError, ValueError) as error:  # already destroyed, or a backend that cannot abort
                 log.debug(f"aborting a link group failed: {error}")
 

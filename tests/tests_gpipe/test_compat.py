@@ -34,7 +34,7 @@ def test_lightnings_private_names_have_the_signatures_used() -> None:
     assert callable(compat.StrategyRegistry().register), HINT
     connect = inspect.signature(compat.init_dist_connection).parameters
     assert list(connect)[:2] == ["cluster_environment", "torch_distributed_backend"], HINT
-    assert any(p.kind is p.VAR_KEYWORD for p in connect.values()), HINT  # timeout and device_id go to init_process_group
+    assert any(p.kind is p.VAR_KEYWORD for p in connect.values()), HINT  # timeout, device_id: init_process_group
     assert "reduce_op" in inspect.signature(compat.sync_ddp_if_available).parameters, HINT
     assert list(inspect.signature(compat.optimizers_to_device).parameters)[:2] == ["optimizers", "device"], HINT
     assert "start_method" in inspect.signature(compat.MultiProcessingLauncher).parameters, HINT
@@ -128,6 +128,7 @@ def test_torch_private_helpers_behave_as_assumed() -> None:
     base = torch.ones(4)
     assert torch_compat.storage_key(base) == torch_compat.storage_key(base[1:]), hint
     assert torch_compat.storage_key(base) != torch_compat.storage_key(torch.ones(4)), hint
+    assert callable(torch.distributed.distributed_c10d._abort_process_group), hint
     meta = torch.empty(4, device="meta")
     assert torch_compat.storage_key(meta) == torch_compat.storage_key(meta[1:]), hint
     assert torch_compat.storage_key(meta) != torch_compat.storage_key(torch.empty(4, device="meta")), hint
