@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -140,7 +140,10 @@ def assemble_stage(
         DeferredBatchNorm.convert(partition.stand_in)
     # The final layer objects (materialized, BatchNorm converted) are the ones compiled; the checkpointed cell
     # around them stays eager, so a replay runs the compiled layers with the engine's RNG and BatchNorm handling.
-    compiled = compile_layers(partition.stand_in.children(), settings.compile)
+    # Compiled selective layers re-materialize themselves, inside their graphs: the stage wraps nothing around them.
+    selective = settings.compile is not None and settings.checkpoint == "selective"
+    compiled = compile_layers(partition.stand_in.children(), settings.compile, selective=selective)
+    engine = replace(settings.pipeline, checkpoint="never") if selective else settings.pipeline
     cell = partition.stand_in.cell()
     _broadcast_replica_weights(module, layout, device, replica_group)
     with collective_errors(layout.stage, "creating the groups of stages that share tied weights and broadcasting them"):
@@ -153,7 +156,7 @@ def assemble_stage(
             settings.timeout,
         )
         ties.broadcast(device)
-    pipeline = Pipeline(cell, transport, settings.pipeline, timeline=timeline)
+    pipeline = Pipeline(cell, transport, engine, timeline=timeline)
     return AssembledStage(partition, pipeline, ties, names, whole, compiled)
 
 

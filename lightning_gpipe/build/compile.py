@@ -5,6 +5,16 @@ checkpoints, optimizer state keyed by name and ``strict=True`` loading into the 
 compiles a stage's layers once they are final (materialized, tied weights restored, BatchNorm converted) and inside
 the engine's re-materialization, which wraps the whole cell and so replays the compiled layers.
 
+With ``checkpoint="selective"`` each layer is compiled as ``selective_checkpoint(layer's call)`` instead
+(:func:`~lightning_gpipe.engine.rematerialization.selective_checkpoint`): the policy lives inside the compiled graph,
+whose partitioner keeps the matrix multiplications' and attention's outputs and fuses the replay of the rest into the
+backward, and the stage wraps nothing (the engine's wrapper around a compiled layer sees one call and would replay it
+whole). The layers re-materialize themselves, so on every micro-batch, the last included. A layer the graph cannot
+replay alone stays under the engine's own wrapper, on its own (:func:`~lightning_gpipe.engine.rematerialization.
+replayed_layer`): one holding a BatchNorm that tracks running statistics (deferred BatchNorm gathers them eagerly, in a
+graph break, and a replay must not count them twice) or whose first module changes its input in place. Any other graph
+break in a layer makes torch run that layer's checkpoint eagerly: it trains alike, without the compiled speed.
+
 ``dynamic=False`` is the default: torch's automatic dynamic shapes may give a later micro-batch a dynamic graph that
 the replay of an earlier one then picks, saving other tensors than its forward did (torch's ``CheckpointError``).
 """
@@ -19,9 +29,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gpipe.build.balance import in_place_starts
+from lightning_gpipe.engine.rematerialization import replayed_layer, selective_checkpoint, tracks_running_stats
 from lightning_gpipe.engine.torch_compat import CompiledCall, compile_in_place, restore_compiled_call
 
-__all__ = ["DEFAULT_OPTIONS", "Compile", "CompiledLayers", "check_compile", "compile_layers", "compile_options"]
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "Compile",
+    "CompiledLayers",
+    "check_compile",
+    "compile_layers",
+    "compile_options",
+    "replayed_by_engine",
+]
 
 Compile = bool | Mapping[str, Any]
 """The ``compile`` setting: ``False``, ``True`` (torch's defaults but :data:`DEFAULT_OPTIONS`), or ``torch.compile``'s
@@ -81,20 +101,44 @@ class CompiledLayers:
         self.previous.clear()
 
 
-def compile_layers(layers: Iterable[nn.Module], options: Mapping[str, Any] | None) -> CompiledLayers:
+def compile_layers(
+    layers: Iterable[nn.Module], options: Mapping[str, Any] | None, *, selective: bool = False
+) -> CompiledLayers:
     """Compile each of ``layers`` in place with ``torch.compile(**options)``; nothing when ``options`` is ``None``.
 
-    Compilation happens at each layer's first call; a layer that appears twice is compiled once.
+    With ``selective``, each layer re-materializes itself under the selective policy, inside its graph where it can
+    (:func:`replayed_by_engine` says where not). Compilation happens at each layer's first call; a layer that appears
+    twice is compiled once.
     """
     compiled = CompiledLayers()
     if options is None:
         return compiled
     seen: set[int] = set()
     for layer in layers:
-        if id(layer) not in seen:
-            seen.add(id(layer))
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        if not selective:
             compiled.previous.append((layer, compile_in_place(layer, options)))
+        elif replayed_by_engine(layer):
+            previous = compile_in_place(layer, options)
+            assert layer._compiled_call_impl is not None
+            layer._compiled_call_impl = replayed_layer(layer, layer._compiled_call_impl)
+            compiled.previous.append((layer, previous))
+        else:
+            previous = layer.__dict__.get("_compiled_call_impl")
+            layer._compiled_call_impl = torch.compile(selective_checkpoint(layer._call_impl), **options)
+            compiled.previous.append((layer, previous))
     return compiled
+
+
+def replayed_by_engine(layer: nn.Module) -> bool:
+    """Whether a compiled selective ``layer`` is replayed by the engine's wrapper rather than inside its graph.
+
+    Its graph cannot hold a BatchNorm's statistics without counting a replay twice (deferred BatchNorm gathers them
+    eagerly), nor replay from an input the layer changed in place.
+    """
+    return any(tracks_running_stats(m) for m in layer.modules()) or bool(in_place_starts([layer]))
 
 
 def _nothing() -> None:

@@ -42,7 +42,9 @@ __all__ = [
     "checkpointed",
     "checkpoint_stop",
     "is_recomputing",
+    "replayed_layer",
     "selective_checkpoint",
+    "tracks_running_stats",
     "validate_mode",
 ]
 
@@ -89,13 +91,16 @@ def validate_mode(mode: object) -> CheckpointMode:
     return mode  # type: ignore[return-value]
 
 
-def checkpoint_stop(mode: CheckpointMode, num_microbatches: int) -> int:
+def checkpoint_stop(mode: CheckpointMode, num_microbatches: int, *, compiled: bool = False) -> int:
     """How many leading micro-batches are re-materialized: micro-batch ``i`` is checkpointed iff ``i < stop``.
 
     ``except_last`` spares the last micro-batch because its backward runs first, right after its forward, so
     recomputing it would buy no memory; with a single micro-batch it therefore checkpoints nothing. ``selective``
-    spares it for the same reason.
+    spares it for the same reason, unless the layers are ``compiled``: each then re-materializes itself, inside its
+    graph, on every micro-batch (see :mod:`lightning_gpipe.build.compile`).
     """
+    if compiled and mode == "selective":
+        return num_microbatches
     spared = {"always": 0, "except_last": 1, "selective": 1, "never": num_microbatches}[mode]
     return num_microbatches - spared
 
@@ -106,11 +111,11 @@ def is_recomputing() -> bool:
 
 
 @contextmanager
-def _recomputing(function: Callable[[Any], Any]) -> Iterator[None]:
+def _recomputing(function: Callable[..., Any]) -> Iterator[None]:
     previous = is_recomputing()
     _state.recomputing = True
     # Plain BatchNorm updates its running statistics on every training forward; the replay must not count twice.
-    norms = [m for m in function.modules() if _tracks_stats(m)] if isinstance(function, nn.Module) else []
+    norms = [m for m in function.modules() if tracks_running_stats(m)] if isinstance(function, nn.Module) else []
     saved = [[buffer.clone() for buffer in _stat_buffers(norm)] for norm in norms]
     try:
         yield
@@ -121,7 +126,8 @@ def _recomputing(function: Callable[[Any], Any]) -> Iterator[None]:
                 current.copy_(before)
 
 
-def _tracks_stats(module: nn.Module) -> bool:
+def tracks_running_stats(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm that moves running statistics in training (plain or deferred)."""
     return isinstance(module, _BatchNorm) and module.track_running_stats and module.running_mean is not None
 
 
@@ -161,7 +167,12 @@ def _entered(*managers: AbstractContextManager[Any]) -> Iterator[None]:
 
 
 def checkpointed(
-    function: Callable[[Any], Any], value: Any, *, copy_input: bool = False, selective: bool = False
+    function: Callable[[Any], Any],
+    value: Any,
+    *,
+    copy_input: bool = False,
+    selective: bool = False,
+    module: nn.Module | None = None,
 ) -> Any:
     """Run ``function(value)`` keeping only ``value``; the forward is replayed with the same RNG state in backward.
 
@@ -171,10 +182,14 @@ def checkpointed(
     :data:`KEPT_OPS` are kept too, and the replay reads them instead of computing them again (a cell must then not
     modify such an output in place: torch raises when the replay finds it changed).
 
+    The replay puts back the BatchNorm running statistics of ``module`` (``function`` itself when it is a module):
+    plain BatchNorm would otherwise count the replayed micro-batch twice.
+
     Callers decide when to checkpoint: in eval mode or under ``torch.no_grad`` there is no backward to recompute for,
     so they should call ``function`` directly.
     """
     leaves, spec = flatten(value)
+    owner = module if module is not None else function
 
     def run(*arguments: Any) -> Any:
         rebuilt = unflatten(arguments, spec)
@@ -182,8 +197,24 @@ def checkpointed(
 
     def contexts() -> tuple[Any, Any]:
         if not selective:
-            return nullcontext(), _recomputing(function)
+            return nullcontext(), _recomputing(owner)
         first, replay = _selective_contexts()
-        return first, _entered(_recomputing(function), replay)
+        return first, _entered(_recomputing(owner), replay)
 
     return _torch_checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+
+
+def replayed_layer(layer: nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call``, what ``layer`` runs, re-materialized on its own by :func:`checkpointed` under the selective policy.
+
+    For a compiled layer whose graph cannot replay it alone: the replay sets :func:`is_recomputing`, so deferred
+    BatchNorm's eager gathering does not count it twice, puts plain BatchNorm's statistics back, and starts from a copy
+    of the input, which the layer may have changed in place. In eval mode or without grad it runs ``call`` as it is.
+    """
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if len(args) != 1 or kwargs or not torch.is_grad_enabled() or not layer.training:
+            return call(*args, **kwargs)
+        return checkpointed(call, args[0], copy_input=True, selective=True, module=layer)
+
+    return run

@@ -274,6 +274,7 @@ def evaluate(
     overhead: float | None = None,
     boundary_overhead: float | None = None,
     first_send_parked: bool | None = None,
+    compiled: bool = False,
 ) -> Candidate:
     """Predict one configuration: step time, bubble and per-stage memory for a mini-batch of ``batch_size`` samples.
 
@@ -284,14 +285,15 @@ def evaluate(
     given). ``boundary_overhead`` is what a stage adds per micro-batch and stage boundary (default by device type:
     :data:`DEFAULT_BOUNDARY_OVERHEAD`), split alike. ``first_send_parked`` holds each stage's first message of the step
     until its next forward (see :func:`~lightning_gpipe.plan.simulate.simulate_step`); by default on CPU stages, whose
-    transport is gloo.
+    transport is gloo. ``compiled`` layers (``compile=True``) re-materialize every micro-batch under
+    ``checkpoint="selective"``, the last included (:func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`).
     """
     K, M = pipe_size, chunks
     per_replica = math.ceil(batch_size / replicas)
     n = math.ceil(per_replica / M)
     M = math.ceil(per_replica / n)  # what scatter makes of it: no empty micro-batches
     forward, backward = profile.pass_times(n)
-    stop = checkpoint_stop(checkpoint, M)
+    stop = checkpoint_stop(checkpoint, M, compiled=compiled)
     if balance is None:
         share = stop / M
         costs = [f + b + share * f for f, b in zip(forward, backward, strict=True)]
@@ -348,6 +350,7 @@ def evaluate(
             checkpoint=checkpoint,
             schedule=schedule,
             optimizer_slots=optimizer_slots,
+            compiled=compiled,
         )
         for j, cell in enumerate(bounds)
     )
@@ -580,6 +583,7 @@ def plan(
     pipe_sizes: Sequence[int] | None = None,
     per_pipeline_batch: bool = False,
     optimizer: OptimizerFactory | None = torch.optim.Adam,
+    compiled: bool = False,
 ) -> Plan:
     """Choose K, M, balance, checkpoint mode and schedule for training ``model`` on ``devices`` devices.
 
@@ -608,6 +612,8 @@ def plan(
         per_pipeline_batch: ``batch_size`` is what each pipeline reads per step (a DataLoader's ``batch_size`` under
             :class:`~lightning_gpipe.GPipeStrategy`, where ``devices / K`` replicas read that many each), not the
             whole step's; configurations are then ranked by time per sample.
+        compiled: the stages' layers will be compiled (``compile=True``): ``"selective"`` then re-materializes
+            every micro-batch, the last included.
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the smallest device count and memory that would.
@@ -656,6 +662,7 @@ def plan(
         "latency": latency,
         "overhead": overhead,
         "boundary_overhead": boundary_overhead,
+        "compiled": compiled,
     }
     every = _search(
         profile, divisors, devices, batch_size, chunks, modes, kinds, smallest, per_pipeline_batch, **options

@@ -163,6 +163,7 @@ def stage_memory(
     checkpoint: CheckpointMode,
     schedule: str = "gpipe",
     optimizer_slots: float = 2.0,
+    compiled: bool = False,
 ) -> StageMemory:
     """Predict the memory of stage ``stage``, which holds layers ``cell`` of ``profile``.
 
@@ -178,6 +179,8 @@ def stage_memory(
             :func:`process_memory` for the others).
         optimizer_slots: parameter-sized optimizer tensors per trainable parameter (2 for Adam, 1 for SGD with
             momentum, 0 for plain SGD).
+        compiled: the layers are compiled (``compile=True``): ``"selective"`` then keeps its share of every
+            micro-batch, the last included.
     """
     if schedule in ("interleaved", "zbv"):
         raise ValueError(
@@ -187,7 +190,7 @@ def stage_memory(
     actions = process_actions(schedule, stage, num_stages, num_microbatches)
     return _walk(
         profile, {stage: cell}, actions, num_stages, num_microbatches, microbatch_size, batch_size, checkpoint,
-        optimizer_slots,
+        optimizer_slots, compiled,
     )  # fmt: skip
 
 
@@ -255,13 +258,14 @@ def _walk(
     batch_size: int,
     checkpoint: CheckpointMode,
     optimizer_slots: float,
+    compiled: bool = False,
 ) -> StageMemory:
     """The peak of one process holding stages ``cells`` (stage -> layers) walked through its ``actions``."""
     n = microbatch_size
     layers = [profile.layers[i] for cell in cells.values() for i in cell]
     trainable = sum(layer.trainable_bytes for layer in layers)
     state = sum(layer.param_bytes + layer.buffer_bytes for layer in layers) + trainable * (1.0 + optimizer_slots)
-    stop = checkpoint_stop(checkpoint, num_microbatches)
+    stop = checkpoint_stop(checkpoint, num_microbatches, compiled=compiled)
     selective = checkpoint == "selective"
     stages: dict[int, _Held] = {}
     for s, cell in cells.items():

@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
-from lightning_gpipe.build.compile import DEFAULT_OPTIONS
+from lightning_gpipe.build.compile import DEFAULT_OPTIONS, compile_layers, replayed_by_engine
 from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, commit_running_stats
 from lightning_gpipe.engine.rematerialization import CheckpointMode
@@ -112,7 +112,8 @@ def trained() -> dict[str, Trained]:
         "compiled": _train(model, True),
         "meta eager": _train(meta, False),
         "meta compiled": _train(meta, {"dynamic": False, "fullgraph": False}),
-        # The selective policy around compiled layers: they are replayed whole, and train alike.
+        # Compiled selective: each layer re-materializes itself inside its graph (the Blocks, holding BatchNorm,
+        # under the engine's wrapper on their own), on every micro-batch, and trains alike.
         "selective compiled": _train(model, True, "selective"),
     }
 
@@ -135,6 +136,21 @@ def test_compiled_stages_train_like_eager_stages(trained: dict[str, Trained]) ->
     _assert_close(trained["selective compiled"].whole.state_dict(), trained["eager"].whole.state_dict())
     # Deferred BatchNorm gathered each micro-batch once, not again in the replays: it moved like eager's.
     assert trained["compiled"].whole.state_dict()["layers.1.norm.num_batches_tracked"].item() == STEPS
+    assert trained["selective compiled"].whole.state_dict()["layers.1.norm.num_batches_tracked"].item() == STEPS
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(600)
+def test_compiled_selective_layers_rematerialize_themselves_and_are_restored(trained: dict[str, Trained]) -> None:
+    selective = trained["selective compiled"]
+    # The stages wrap nothing: the engine's wrapper would see each compiled layer as one call and replay it whole.
+    assert [stage.stage.checkpoint for stage in selective.stages] == ["never", "never"]
+    assert all(selective.compiled_before_reassembly)
+    layers = list(selective.whole.get_submodule("layers").children())
+    assert [replayed_by_engine(layer) for layer in layers] == [False, True, False, False, True]  # the Blocks' norms
+    assert list(selective.whole.state_dict()) == list(Net().state_dict())
+    Net().load_state_dict(selective.whole.state_dict(), strict=True)
+    assert all(layer._compiled_call_impl is None for layer in layers)
 
 
 @pytest.mark.heavy
@@ -171,6 +187,28 @@ def test_a_layer_of_torchs_own_classes_is_compiled_too() -> None:
         assert list(layer.state_dict()) == names
         restore_compiled_call(layer, previous)
         assert layer._compiled_call_impl is None
+
+
+@pytest.mark.parametrize("norm", [DeferredBatchNorm, nn.BatchNorm1d])
+def test_a_compiled_selective_layer_with_batch_norm_counts_its_statistics_once(norm: type[nn.Module]) -> None:
+    # Deferred BatchNorm gathers eagerly, in a graph break: under a checkpoint inside the compiled layer the replay
+    # gathered again (torch refused it: "aten.sub.Tensor encountered during backward but not found in storage").
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(WIDTH, WIDTH), norm(WIDTH), nn.GELU())
+    eager = copy.deepcopy(layer)
+    x, weights = torch.randn(5, WIDTH, requires_grad=True), torch.randn(5, WIDTH)
+    compiled = compile_layers([layer], {"backend": "aot_eager", "dynamic": False}, selective=True)
+    assert replayed_by_engine(layer)
+    (layer(x) * weights).sum().backward()
+    expected = x.grad
+    x.grad = None
+    (eager(x) * weights).sum().backward()
+    compiled.restore()
+    torch.testing.assert_close(expected, x.grad)
+    for module in (layer, eager):
+        commit_running_stats(module)
+    torch.testing.assert_close(layer.state_dict(), eager.state_dict())
+    assert layer.state_dict()["1.num_batches_tracked"].item() == 1
 
 
 def test_the_compile_setting_is_checked_where_given_with_the_fix() -> None:

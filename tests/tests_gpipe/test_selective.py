@@ -72,6 +72,17 @@ def test_selective_spares_the_last_micro_batch_like_except_last() -> None:
     assert checkpoint_stop("selective", 1) == 0
 
 
+def test_compiled_selective_rematerializes_every_micro_batch_and_the_planner_knows_it() -> None:
+    # Compiled layers re-materialize themselves inside their graphs: the last micro-batch is no exception.
+    assert checkpoint_stop("selective", 4, compiled=True) == 4
+    assert [checkpoint_stop(mode, 4, compiled=True) for mode in ("always", "except_last", "never")] == [4, 3, 0]
+    options: dict[str, Any] = {"pipe_size": 1, "chunks": 4, "batch_size": 16, "overhead": 0.0}
+    eager = evaluate(synthetic(0.2e-3), checkpoint="selective", **options)
+    compiled = evaluate(synthetic(0.2e-3), checkpoint="selective", compiled=True, **options)
+    assert compiled.step_time > eager.step_time  # a fourth replay
+    assert compiled.stage_memory[0].activations <= eager.stage_memory[0].activations  # the last keeps no more
+
+
 @pytest.mark.parametrize(("selective", "replayed_matmuls"), [(False, 1), (True, 0)])
 def test_the_replay_reads_kept_matmul_outputs_and_recomputes_the_rest(selective: bool, replayed_matmuls: int) -> None:
     # The forward's matrix multiplications run as addmm (the backward's as mm). A whole replay runs the first Linear
