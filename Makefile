@@ -65,8 +65,8 @@ bench-plan: env  ## the planner's predicted vs measured peak memory and step tim
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.plan_calibration.run
 	$(RUN) python -m benchmarks.plan_paper.run
 
-bench-gpu: env  ## on one CUDA GPU: auto, gpipe K=1 (M, re-materialization), hand loops, compiled layers (< 8 min; skips without CUDA)
-	$(RUN) python -m benchmarks.gpu_speed.run
+bench-gpu: env  ## on one CUDA GPU: auto, gpipe K=1 (M, re-materialization), hand loops, compiled layers (< 8 min; skips without CUDA); WORKLOAD=causal_lm times a 0.5B Qwen2 instead
+	$(RUN) python -m benchmarks.gpu_speed.run $(if $(WORKLOAD),--workload $(WORKLOAD))
 
 gpu-check: env  ## everything one CUDA GPU can verify, one line per check (under 10 minutes; skips without CUDA)
 	$(RUN) python -m benchmarks.gpu_check

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "CAUSAL_LM",
+    "CAUSAL_LM_KEYS",
+    "CAUSAL_LM_TINY",
     "FULL",
     "QUICK",
     "QUICK_KEYS",
@@ -19,11 +22,18 @@ __all__ = [
 ]
 
 Runner = Literal["auto", "gpipe", "hand"]
+Model = Literal["transformer_lm", "qwen2"]
 
 
 @dataclass(frozen=True)
 class Workload:
-    """The zoo's Transformer-L (``zoo.create_model("transformer_lm", ...)`` arguments) and what one step trains."""
+    """A model's shape and what one step trains.
+
+    ``model``: ``"transformer_lm"``, the zoo's Transformer-L (``zoo.create_model("transformer_lm", ...)`` arguments,
+    Adam under its warmup schedule), or ``"qwen2"``, a random-initialized Hugging Face Qwen2 with tied embeddings as
+    ``zoo.PretrainedCausalLM`` (AdamW; :mod:`benchmarks.gpu_speed.causal_lm`), whose ``ff_dim`` is the MLP's
+    intermediate size and ``kv_heads`` its key/value heads (grouped-query attention).
+    """
 
     num_layers: int
     d_model: int
@@ -31,18 +41,28 @@ class Workload:
     num_heads: int
     vocab_size: int
     batch: int  # sequences per step
-    seq_len: int  # tokens the model reads per sequence (a sample holds seq_len + 1 tokens: inputs and next tokens)
+    seq_len: int  # tokens the model reads per sequence (a Transformer-L sample holds seq_len + 1: inputs and targets)
     warmup: int  # steps before the timed ones (the compiled configurations compile in the first)
     steps: int  # timed steps; the result is their median
+    model: Model = "transformer_lm"
+    kv_heads: int | None = None  # None: one per attention head
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
 
     def describe(self) -> str:
+        """The model, the batch and the optimizer, for the page."""
+        batch = f"{self.batch} sequences of {self.seq_len:,} tokens a step"
+        if self.model == "qwen2":
+            return (
+                f"a random-initialized Qwen2 (`zoo.PretrainedCausalLM`), L={self.num_layers}, D={self.d_model}, "
+                f"intermediate {self.ff_dim}, {self.num_heads} heads over {self.kv_heads} key/value heads, "
+                f"V={self.vocab_size}, tied embeddings; {batch} (`input_ids`, `attention_mask`, `labels`); AdamW"
+            )
         return (
             f"the zoo's Transformer-L, L={self.num_layers}, D={self.d_model}, FF={self.ff_dim}, "
-            f"{self.num_heads} heads, V={self.vocab_size}; {self.batch} sequences of {self.seq_len:,} tokens a step"
+            f"{self.num_heads} heads, V={self.vocab_size}; {batch}; Adam"
         )
 
 
@@ -52,6 +72,9 @@ FULL = Workload(12, 2048, 8192, 16, 32000, batch=16, seq_len=1024, warmup=3, ste
 QUICK = Workload(4, 1024, 4096, 16, 32000, batch=8, seq_len=512, warmup=2, steps=5)
 # --tiny: every code path on a CPU in seconds (8 sequences, so that M = 8 still has one per micro-batch).
 TINY = Workload(2, 32, 64, 2, 64, batch=8, seq_len=16, warmup=1, steps=2)
+# --workload causal_lm (issue 32): Qwen2.5-0.5B's shape, 494M parameters, random weights; 8 x 1,024 tokens a step.
+CAUSAL_LM = Workload(24, 896, 4864, 14, 151936, batch=8, seq_len=1024, warmup=3, steps=10, model="qwen2", kv_heads=2)
+CAUSAL_LM_TINY = Workload(2, 32, 64, 4, 96, batch=8, seq_len=16, warmup=1, steps=2, model="qwen2", kv_heads=2)
 
 
 @dataclass(frozen=True)
@@ -102,7 +125,7 @@ def strategy_accepts_selective() -> bool:
     from lightning_gpipe import GPipeStrategy
 
     try:
-        GPipeStrategy(pipe_size=1, chunks=1, checkpoint="selective")  # type: ignore[arg-type]
+        GPipeStrategy(pipe_size=1, chunks=1, checkpoint="selective")
     except (TypeError, ValueError):
         return False
     return True
@@ -139,3 +162,5 @@ def configurations(selective: bool, compile_argument: bool) -> list[Config]:
 
 QUICK_KEYS = ("auto", "gpipe-m4-except_last")
 """``--quick`` (what ``make gpu-check`` runs): the strategy's default at M = 4 against ``auto``."""
+CAUSAL_LM_KEYS = ("auto", "gpipe-m1-never", "gpipe-m4-except_last")
+"""``--workload causal_lm``'s rows (issue 32): one micro-batch and the strategy's default at M = 4, against auto."""

@@ -46,16 +46,35 @@ class _StepClock(Callback):
         self.starts.append(time.perf_counter())
 
 
-def _batches(workload: Workload) -> list[torch.Tensor]:
-    """Random token ids [B, T + 1], none of them the padding id 0, so that every token counts in the loss."""
+def _batches(workload: Workload) -> list[Any]:
+    """Random token ids, none of them the padding id 0, so that every token counts in the loss: [B, T + 1] (inputs and
+    next tokens) for Transformer-L, collator-style mappings of [B, T] for the causal LM."""
+    if workload.model == "qwen2":
+        from benchmarks.gpu_speed.causal_lm import collated_batches
+
+        return collated_batches(workload, DISTINCT_BATCHES)
     generator = torch.Generator().manual_seed(0)
     shape = (workload.batch, workload.seq_len + 1)
     return [torch.randint(1, workload.vocab_size, shape, generator=generator) for _ in range(DISTINCT_BATCHES)]
 
 
-def _lightning_steps(
-    module: ZooModule, config: Config, batches: list[torch.Tensor], total: int, device: str
-) -> list[float]:
+def _model(workload: Workload) -> L.LightningModule:
+    """``workload``'s model, random weights, on the current default device."""
+    if workload.model == "qwen2":
+        from benchmarks.gpu_speed.causal_lm import qwen2_module
+
+        return qwen2_module(workload)
+    return zoo.create_model(
+        "transformer_lm",
+        num_layers=workload.num_layers,
+        d_model=workload.d_model,
+        ff_dim=workload.ff_dim,
+        num_heads=workload.num_heads,
+        vocab_size=workload.vocab_size,
+    )
+
+
+def _lightning_steps(module: ZooModule, config: Config, batches: list[Any], total: int, device: str) -> list[float]:
     """``total`` steps under Lightning; the times of the ``total + 1`` step boundaries (each step's start, one more)."""
     if config.runner == "auto":
         strategy: Any = "auto"
@@ -128,14 +147,8 @@ def run_config(rank: int, world_size: int, config: Config, workload: Workload, d
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with torch.device(device):  # built in place: initializing 735M parameters on the host takes longer than training
-        module: Any = zoo.create_model(
-            "transformer_lm",
-            num_layers=workload.num_layers,
-            d_model=workload.d_model,
-            ff_dim=workload.ff_dim,
-            num_heads=workload.num_heads,
-            vocab_size=workload.vocab_size,
-        )
+        module: Any = _model(workload)
+    assert config.runner != "hand" or workload.model == "transformer_lm", "the hand loops train Transformer-L only"
     if config.user_compile:
         for layer in module.layers:
             layer.compile()  # in place: the parameter names, and so the strategy's partition, stay those of the model

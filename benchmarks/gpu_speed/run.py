@@ -1,7 +1,8 @@
 """``make bench-gpu``: issue 33's table on one CUDA GPU, every configuration in a fresh process, in under 8 minutes.
 
 Usage: ``python -m benchmarks.gpu_speed.run [--quick] [--only KEY ...] [--budget S] [--peak-tflops P] [--no-docs]``,
-and ``--device cpu --tiny`` to dry-run every configuration on a tiny model (see this folder's README). Without CUDA
+and ``--device cpu --tiny`` to dry-run every configuration on a tiny model (see this folder's README);
+``--workload causal_lm`` times a random-initialized 0.5B Qwen2 instead (issue 32), in its own table. Without CUDA
 and without ``--device cpu`` it says that it needs a GPU and exits 0, so the target is safe anywhere. Configurations
 run by priority (issue 33's table first) while the time budget lasts; what would not fit is skipped and named. The
 table is printed, and (unless ``--tiny`` or ``--no-docs``) written into ``docs/benchmarks/gpu.md`` between markers.
@@ -22,6 +23,9 @@ import torch
 
 from benchmarks.docs_page import write_block
 from benchmarks.gpu_speed.configs import (
+    CAUSAL_LM,
+    CAUSAL_LM_KEYS,
+    CAUSAL_LM_TINY,
     FULL,
     QUICK,
     QUICK_KEYS,
@@ -39,7 +43,11 @@ __all__ = ["main"]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "benchmarks" / "gpu.md"
-BEGIN, END = "<!-- gpu-speed:begin -->", "<!-- gpu-speed:end -->"
+# Each workload's table on the page, between its own markers.
+MARKERS = {
+    "transformer_lm": ("<!-- gpu-speed:begin -->", "<!-- gpu-speed:end -->"),
+    "causal_lm": ("<!-- gpu-speed-causal-lm:begin -->", "<!-- gpu-speed-causal-lm:end -->"),
+}
 BUDGET = 450.0  # seconds from the start of the command to the end of its last configuration: 8 minutes with margin
 JOB_LIMIT = 300.0  # no configuration runs longer, whatever the budget
 # A configuration's duration before any of its kind has run: a first compile (cold caches) takes the longest.
@@ -76,7 +84,8 @@ def measure_all(
 
     results: dict[str, dict[str, Any]] = {}
     order = sorted(configs, key=lambda config: (config.key != "auto", config.priority))
-    with Launcher(preload=["benchmarks.gpu_speed.measure"]) as launcher:
+    preload = ["benchmarks.gpu_speed.measure", *(["benchmarks.gpu_speed.causal_lm"] * (workload.model == "qwen2"))]
+    with Launcher(preload=preload) as launcher:
         for config in order:
             left = budget.remaining()
             if config.key != "auto" and budget.guess(config) > left:
@@ -131,7 +140,7 @@ def report(
         f"- device: {device}; {software}",
         f"- command: `{command}` ({seconds / 60:.1f} min)",
         f"- date: {started:%Y-%m-%d %H:%M} UTC",
-        f"- workload: {workload.describe()}; Adam, bf16-mixed; median of {workload.steps} steps after "
+        f"- workload: {workload.describe()}; bf16-mixed; median of {workload.steps} steps after "
         f"{workload.warmup} warm-up step{'s' * (workload.warmup > 1)}; every configuration in a fresh process",
     ]
     for config in configs:
@@ -151,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     started_clock = time.monotonic()
     started = datetime.datetime.now(datetime.timezone.utc)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--workload",
+        choices=tuple(MARKERS),
+        default="transformer_lm",
+        help="the zoo's Transformer-L (735M), or a random Qwen2 of Qwen2.5-0.5B's shape as zoo.PretrainedCausalLM",
+    )
     parser.add_argument("--quick", action="store_true", help=f"{' and '.join(QUICK_KEYS)} on a small model")
     parser.add_argument("--tiny", action="store_true", help="a tiny model: a dry run of the code paths")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu needs --tiny")
@@ -161,18 +176,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cpu" and not args.tiny:
         parser.error("--device cpu runs only with --tiny: the full model would take hours on a CPU")
+    causal = args.workload == "causal_lm"
+    if causal and args.quick:
+        parser.error(f"--quick is Transformer-L's short form; --workload causal_lm runs {', '.join(CAUSAL_LM_KEYS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
             "benchmarks.gpu_speed needs a CUDA GPU and found none: nothing measured (--device cpu --tiny dry-runs it)"
         )
         return 0
     every = configurations(strategy_accepts_selective(), strategy_accepts_compile())
+    if causal:  # the hand loops are written for Transformer-L's batches and loss
+        every = [config for config in every if config.runner != "hand"]
     unknown = set(args.only or ()) - {config.key for config in every}
     if unknown:
         parser.error(f"--only {' '.join(sorted(unknown))}: no such configuration; choose from {[c.key for c in every]}")
-    keys = args.only or (QUICK_KEYS if args.quick else [config.key for config in every])
+    keys = args.only or (CAUSAL_LM_KEYS if causal else QUICK_KEYS if args.quick else [config.key for config in every])
     configs = [config for config in every if config.key in keys]
-    workload = TINY if args.tiny else QUICK if args.quick else FULL
+    if causal:
+        workload = CAUSAL_LM_TINY if args.tiny else CAUSAL_LM
+    else:
+        workload = TINY if args.tiny else QUICK if args.quick else FULL
     threads = 1 if args.device == "cpu" else 4  # on a GPU the host only launches kernels
     results = measure_all(configs, workload, args.device, Budget(args.budget, started_clock), threads)
     device_name = next((r["device_name"] for r in results.values() if "device_name" in r), "")
@@ -181,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(configs, results, workload, peak, command, started, time.monotonic() - started_clock)
     print(text)
     if not (args.tiny or args.no_docs):
-        write_block(PAGE, BEGIN, END, text)
+        write_block(PAGE, *MARKERS[args.workload], text)
     return 1 if any("error" in result for result in results.values()) else 0
 
 
