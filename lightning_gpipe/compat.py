@@ -52,7 +52,6 @@ SUPPORTED = "lightning>=2.5,<2.7 and torchmetrics>=1.4,<2.0 (checked on lightnin
 StrategyRegistry = _StrategyRegistry
 MultiProcessingLauncher = _MultiProcessingLauncher
 SubprocessScriptLauncher = _SubprocessScriptLauncher
-distributed_is_initialized = _distributed_is_initialized
 default_process_group_backend = _get_default_process_group_backend_for_device
 init_dist_connection = _init_dist_connection
 sync_ddp_if_available = _sync_ddp_if_available
@@ -60,6 +59,11 @@ optimizers_to_device = _optimizers_to_device
 
 
 # --- Lightning
+
+
+def distributed_is_initialized() -> bool:
+    """Whether the default process group is up (false, not an error, where ``torch.distributed`` is not built)."""
+    return _distributed_is_initialized()
 
 
 def running_loader(trainer: Trainer) -> Any:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from lightning_gpipe.build.config import BuildConfig
+from lightning_gpipe.compat import default_process_group_backend
 from lightning_gpipe.engine.config import validate_flag
 
 __all__ = ["START_METHODS", "StartMethod", "StrategyConfig"]
@@ -38,6 +41,20 @@ class StrategyConfig(BuildConfig):
                 "notebooks)"
             )
         validate_flag("verify_batches", self.verify_batches)
+
+    def backend_for(self, device: torch.device) -> str:
+        """The ``torch.distributed`` backend on ``device``: the one given, else NCCL on CUDA and gloo on CPU.
+
+        Raises:
+            ValueError: ``"gloo"`` for a CUDA device, whose tensors gloo's send and receive cannot move.
+        """
+        backend = self.process_group_backend or default_process_group_backend(device)
+        if backend == "gloo" and device.type == "cuda":
+            raise ValueError(
+                f"process_group_backend='gloo' cannot move the pipeline's tensors on {device}: gloo's send and receive "
+                "take CPU tensors only. Use process_group_backend='nccl' (or leave it None to choose by device)."
+            )
+        return backend
 
 
 def _check_backend(backend: object) -> str | None:

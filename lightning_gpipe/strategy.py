@@ -1,11 +1,10 @@
 """GPipeStrategy: Lightning's lifecycle around the GPipe engine, one process per pipeline stage.
 
-Lightning's automatic optimization calls ``training_step``, then ``zero_grad``, then ``backward``. The engine's step
-driver (:class:`~lightning_gpipe.engine.driver.StepDriver`) runs the step: its forward phase (the schedule's actions up
-to its last forward, each forward the user's ``training_step`` on one micro-batch, :mod:`lightning_gpipe.user_step`) in
-``training_step``, its backward phase in ``backward``; under 1F1B the backward passes among the forwards hold their
-gradients past ``zero_grad``. The gradients' way to the optimizer step is :mod:`lightning_gpipe.optimization`'s, the
-logs' :mod:`lightning_gpipe.log_mirror`'s, the checkpoints' :mod:`lightning_gpipe.checkpoint_io`'s.
+The engine's step driver (:class:`~lightning_gpipe.engine.driver.StepDriver`) runs the step: its forward phase (each
+forward the user's ``training_step`` on one micro-batch, :mod:`lightning_gpipe.user_step`) in ``training_step``, its
+backward phase in ``backward``; under 1F1B the backwards among the forwards hold their gradients past ``zero_grad``.
+Gradients go through :mod:`lightning_gpipe.optimization`, logs :mod:`lightning_gpipe.log_mirror`, checkpoints
+:mod:`lightning_gpipe.checkpoint_io`, and ``plan="auto"`` :mod:`lightning_gpipe.plan.auto`.
 """
 
 from __future__ import annotations
@@ -32,15 +31,13 @@ from typing_extensions import override
 
 from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.build.config import Balance, ResolvedPipeline
-from lightning_gpipe.build.sequence import Partition, find_sequence
+from lightning_gpipe.build.sequence import find_sequence
 from lightning_gpipe.build.state_dict import ModelNames
-from lightning_gpipe.build.tied import TiedCopies
 from lightning_gpipe.checkpoint_io import StageCheckpoints, save_atomically
 from lightning_gpipe.compat import (
     MultiProcessingLauncher,
     StrategyRegistry,
     SubprocessScriptLauncher,
-    default_process_group_backend,
     distributed_is_initialized,
     init_dist_connection,
     optimizers_to_device,
@@ -58,15 +55,15 @@ from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import ProcessGroupTransport
 from lightning_gpipe.log_mirror import LogRecorder, mirror_logs, sharing_from_last_stage, sync_metrics_over
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
-from lightning_gpipe.plan.auto import (
-    AutoPlan,
-    agreed_settings,
-    auto_plan,
-    plan_for_module,
-    planned_batch,
-)
+from lightning_gpipe.plan.auto import AutoPlan, auto_plan, planned_settings
 from lightning_gpipe.summary import describe_pipeline
-from lightning_gpipe.user_step import BatchChecks, UserSteps, evaluation_result, training_result
+from lightning_gpipe.user_step import (
+    BatchChecks,
+    UserSteps,
+    check_automatic_optimization,
+    evaluation_result,
+    training_result,
+)
 
 __all__ = ["GPipeStrategy"]
 
@@ -76,37 +73,26 @@ log = logging.getLogger(__name__)
 class GPipeStrategy(ParallelStrategy):
     """GPipe pipeline parallelism: the LightningModule's ``nn.Sequential`` split into ``pipe_size`` stages.
 
+    The user guide (docs/guide/strategy.md, "Arguments") describes each argument in full.
+
     Args:
-        pipe_size: K, stages per pipeline; default: every process of the job in one pipeline. ``world_size / K``
-            pipelines train as data-parallel replicas.
-        chunks: M, micro-batches per mini-batch; default ``4 * K`` (the bubble is small when M >= 4K).
-        balance: layers per stage (a list of K ints), or how to find it: ``"params"``, ``"flops"``, ``"time"``,
-            ``"memory"`` or a callable ``cost(layer) -> float``. Default: ``"flops"`` when the module has an
-            ``example_input_array``, else ``"params"``; both are analytic, so every run partitions the same way.
-        checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default), ``"selective"`` or ``"never"``.
-        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (one forward, one backward: the same gradients, and stage
-            ``j`` holds at most ``min(K - j, M)`` micro-batches' activations).
+        pipe_size: K, stages per pipeline; default: every process in one pipeline (``world_size / K`` replicas).
+        chunks: M, micro-batches per mini-batch; default ``4 * K``.
+        balance: layers per stage (K ints), or ``"params"``, ``"flops"``, ``"time"``, ``"memory"`` or a callable
+            ``cost(layer) -> float``; default ``"flops"`` with an ``example_input_array``, else ``"params"``.
+        checkpoint: re-materialization: ``"always"``, ``"except_last"`` (default), ``"selective"`` or ``"never"``.
+        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (the same gradients in less activation memory).
         module_name: attribute (dotted path) of the ``nn.Sequential`` to pipeline; default: found automatically.
         deferred_batch_norm: move BatchNorm running statistics once per mini-batch, from all of its samples.
         timeout: how long a stage waits for a peer before it gives up (default 30 minutes).
-        start_method: ``"popen"`` (default: re-run the script per rank, as DDP), or ``"fork"`` / ``"spawn"``;
-            use ``"fork"`` in notebooks.
-        process_group_backend: the ``torch.distributed`` backend; default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
-        detect_anomalies: check every micro-batch's loss, each stage's outputs and the gradients it sends back for
-            NaN and Inf, and stop with an error naming the stage and micro-batch where one first appears. Costs one
-            device synchronization per checked tensor; off by default.
-        verify_batches: check at every step that all stages of a pipeline read the same batch (shapes and a
-            checksum travel with the step header, so it costs no extra message); on by default.
-        plan: ``"auto"`` or an :class:`~lightning_gpipe.AutoPlan`: at setup, global rank 0 plans K, M, the
-            balance, the checkpoint mode and the schedule with :func:`~lightning_gpipe.plan.plan` (the world size
-            as the device count, the device's memory or the plan's budget, ``example_input_array`` as the sample,
-            the DataLoader's ``batch_size`` as each pipeline's batch unless ``AutoPlan(batch_size=...)`` says
-            another), logs the plan's table, and every rank follows it; a first training batch of another size is
-            refused. The five settings it chooses must be left at their defaults; restrict its search with
-            ``AutoPlan(pipe_sizes=..., chunks=..., ...)`` instead.
-        compile: compile each layer of each stage in place with ``torch.compile``: ``True``, or a dict of its keyword
-            arguments (``{"mode": "max-autotune"}``; ``dynamic=False`` unless given). Parameter names, checkpoints and
-            re-materialization are unchanged; the first step pays the compilation. Off by default.
+        start_method: ``"popen"`` (default, as DDP), or ``"fork"`` / ``"spawn"``; use ``"fork"`` in notebooks.
+        process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
+        detect_anomalies: stop at the first NaN or Inf, naming its stage and micro-batch; off by default.
+        verify_batches: check at every step that all stages of a pipeline read the same batch; on by default.
+        plan: ``"auto"`` or an :class:`~lightning_gpipe.AutoPlan`: rank 0 plans K, M, the balance, the checkpoint
+            mode and the schedule at setup and every rank follows it (docs/guide/planning.md); leave those five at
+            their defaults.
+        compile: ``torch.compile`` each layer of each stage in place: ``True`` or a dict of its keyword arguments.
     """
 
     strategy_name = "gpipe"
@@ -170,15 +156,12 @@ class GPipeStrategy(ParallelStrategy):
         self._object_group: dist.ProcessGroup | None = None
         self._links: list[dist.ProcessGroup] = []  # one group per pair of adjacent stages of this pipeline
         self._control_group: dist.ProcessGroup | None = None
-        self._assembled: AssembledStage | None = None
-        self._partition: Partition | None = None
+        self._assembled: AssembledStage | None = None  # this process's stage of the module, its partition and ties
         self._stage: Stage | None = None
         self._steps: UserSteps | None = None  # the user's step hooks over micro-batches
         self._driver: StepDriver | None = None  # the step in progress
         self._gradients: StageGradients | None = None
-        self._calls: CallRelay | None = None  # serves an evaluation step's further calls of the sequence (decoding)
         self._names = ModelNames(keys=[], shapes={}, parameter_order=[], aliases={})
-        self._ties: TiedCopies | None = None
         self._failed = False
         self._example_input: Any = None
         self._batches = BatchChecks()  # each step's batch checked (plan="auto"'s batch size among others)
@@ -228,16 +211,12 @@ class GPipeStrategy(ParallelStrategy):
     @property
     def pipe_size(self) -> int:
         """K, the number of stages per pipeline (before the Trainer sets the world: the one given)."""
-        if self._settings is None:
-            return self.config.pipe_size or self.world_size
-        return self._settings.pipe_size
+        return self._settings.pipe_size if self._settings is not None else self.config.pipe_size or self.world_size
 
     @property
     def chunks(self) -> int:
         """M, the number of micro-batches per mini-batch (before the Trainer sets the world: the one given)."""
-        if self._settings is None:
-            return self.config.chunks or 4 * self.pipe_size
-        return self._settings.chunks
+        return self._settings.chunks if self._settings is not None else self.config.chunks or 4 * self.pipe_size
 
     @property
     @override
@@ -281,9 +260,7 @@ class GPipeStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        backend = self._process_group_backend or default_process_group_backend(self.root_device)
-        _check_backend_for_device(backend, self.root_device)
-        self._process_group_backend = backend
+        self._process_group_backend = backend = self.config.backend_for(self.root_device)
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         init_dist_connection(self.cluster_environment, backend, timeout=self.config.timeout, device_id=device_id)
@@ -310,85 +287,59 @@ class GPipeStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        if not module.automatic_optimization:
-            raise ValueError(
-                "GPipeStrategy supports automatic optimization only: the pipeline runs every micro-batch's forward in "
-                "training_step and every backward in Lightning's backward. Set `self.automatic_optimization = True` "
-                "(the default) and return the loss from training_step. For several optimizers, use one optimizer "
-                "with parameter groups (e.g. torch.optim.AdamW([{'params': self.layers[:-1].parameters()}, "
-                "{'params': self.layers[-1].parameters(), 'lr': 1e-3}]))."
-            )
+        check_automatic_optimization(module)
         if self._auto_plan is not None:
             self._follow_plan(module)
-        self._partition_model(module)
+        assembled = self._partition_model(module)
         self.precision_plugin.convert_module(self.model)  # type: ignore[arg-type]
         self.model_to_device()
         self.timeline.device = self.root_device  # on a GPU, spans are timed with CUDA events
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            assert self._partition is not None
-            setup_stage_optimizers(self.setup_optimizers, trainer, module, self._partition, self.layout.stage)
+            setup_stage_optimizers(self.setup_optimizers, trainer, module, assembled.partition, self.layout.stage)
         self.setup_precision_plugin()
-        self._gradients = StageGradients(self.layout, self._pipeline_group, self._replica_group, self._ties)
+        self._gradients = StageGradients(self.layout, self._pipeline_group, self._replica_group, assembled.ties)
         self._gradients.install(self.precision_plugin, self.root_device, fitting)
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _follow_plan(self, module: LightningModule) -> None:
         """``plan="auto"``: plan on global rank 0, resolve its choice on every rank, then make the groups it needs."""
-        request = self._auto_plan
-        assert request is not None
+        assert self._auto_plan is not None
         _, sequence = find_sequence(module, self.config.module_name)
-        # Every rank reads the same loader's batch_size, so every rank can hold the first batch to it.
-        batch = planned_batch(request, lambda: running_loader(module.trainer))
-        chosen = agreed_settings(
-            lambda: plan_for_module(
-                request,
-                sequence,
-                module.example_input_array,
-                batch_size=batch,
-                devices=self.world_size,
-                device=self.root_device,
-            ),
-            rank=self.global_rank,
-            broadcast=self.broadcast,
-            report=rank_zero_info,
-        )
-        self._planned, self._auto_plan = chosen, None
+        self._planned, batch = planned_settings(
+            self._auto_plan, sequence, module.example_input_array, loader=lambda: running_loader(module.trainer),
+            devices=self.world_size, device=self.root_device, compiled=self.config.compile is not False,
+            rank=self.global_rank, broadcast=self.broadcast, report=rank_zero_info,
+        )  # fmt: skip
+        self._auto_plan = None
         self._batches.planned = batch if module.trainer.state.fn == TrainerFn.FITTING else None
         self.set_world_ranks()
         self._new_groups()
 
-    def _partition_model(self, module: LightningModule) -> None:
-        if self._partition is not None:  # a second fit/validate on the same module
-            return
-        settings = self.settings
+    def _partition_model(self, module: LightningModule) -> AssembledStage:
+        """Build this process's stage of ``module`` (once: a second fit or validate keeps it) and the user's steps."""
+        if self._assembled is not None:
+            return self._assembled
         links = None if self._links_on_world else self._links
-        transport = ProcessGroupTransport(self.layout.pipeline_ranks(), self.root_device, settings.timeout, links=links)
+        ranks, timeout = self.layout.pipeline_ranks(), self.settings.timeout
+        transport = ProcessGroupTransport(ranks, self.root_device, timeout, links=links)
         self._assembled = assembled = assemble_stage(
-            module,
-            settings,
-            self.root_device,
-            transport,
-            sample=module.example_input_array,
-            replica_group=self._replica_group,
-            timeline=self.timeline,
-        )
+            module, self.settings, self.root_device, transport, sample=module.example_input_array,
+            replica_group=self._replica_group, timeline=self.timeline,
+        )  # fmt: skip
         if self._replica_group is not None:
             sync_metrics_over(module, self._replica_group)
-        self._partition, self._ties = assembled.partition, assembled.ties
-        self._stage = assembled.stage
-        self._names = assembled.names
+        self._stage, self._names = assembled.stage, assembled.names
         # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
         # which a partitioned module cannot do; it is set aside until teardown (the summary then omits sizes).
         self._example_input, module.example_input_array = module.example_input_array, None
-        self._calls = CallRelay(self._stage)
-        verify, anomalies = self.config.verify_batches, self.config.detect_anomalies
         self._steps = UserSteps(
-            module, assembled.pipeline, assembled.partition, self._calls, self._batches,
-            verify_batches=verify, detect_anomalies=anomalies,
+            module, assembled.pipeline, assembled.partition, CallRelay(assembled.stage), self._batches,
+            verify_batches=self.config.verify_batches, detect_anomalies=self.config.detect_anomalies,
         )  # fmt: skip
         describe_pipeline(self.layout, self.chunks, assembled)
+        return assembled
 
     # ------------------------------------------------------------------ steps
 
@@ -547,7 +498,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        assert self._partition is not None
+        assert self._assembled is not None
         self._checkpoints().load_module_state(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
@@ -577,12 +528,7 @@ class GPipeStrategy(ParallelStrategy):
             assert module is not None
             self._assembled.reassemble(self._object_group)
             module.example_input_array = self._example_input
-            self._assembled = None
-            self._partition = None
-            self._stage = None
-            self._calls = None
-            self._ties = None
-            self._steps = self._driver = None
+            self._assembled = self._stage = self._steps = self._driver = None
         super().teardown()
 
     @classmethod
@@ -602,11 +548,3 @@ class GPipeStrategy(ParallelStrategy):
 
 def _with_extras(loss: Tensor, extras: dict[str, Any] | None) -> Tensor | dict[str, Any]:
     return loss if extras is None else {"loss": loss, **extras}
-
-
-def _check_backend_for_device(backend: str, device: torch.device) -> None:
-    if backend == "gloo" and device.type == "cuda":
-        raise ValueError(
-            f"process_group_backend='gloo' cannot move the pipeline's tensors on {device}: gloo's send and receive "
-            "take CPU tensors only. Use process_group_backend='nccl' (or leave it None to choose by device)."
-        )

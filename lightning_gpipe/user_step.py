@@ -24,7 +24,23 @@ from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.plan.auto import check_planned_batch
 
-__all__ = ["BatchChecks", "UserSteps", "evaluation_result", "training_result"]
+__all__ = ["BatchChecks", "UserSteps", "check_automatic_optimization", "evaluation_result", "training_result"]
+
+
+def check_automatic_optimization(module: LightningModule) -> None:
+    """Refuse manual optimization: the pipeline's forwards run in ``training_step``, its backwards in ``backward``.
+
+    Raises:
+        ValueError: ``module.automatic_optimization`` is off; the message says how to train with one optimizer.
+    """
+    if not module.automatic_optimization:
+        raise ValueError(
+            "GPipeStrategy supports automatic optimization only: the pipeline runs every micro-batch's forward in "
+            "training_step and every backward in Lightning's backward. Set `self.automatic_optimization = True` "
+            "(the default) and return the loss from training_step. For several optimizers, use one optimizer "
+            "with parameter groups (e.g. torch.optim.AdamW([{'params': self.layers[:-1].parameters()}, "
+            "{'params': self.layers[-1].parameters(), 'lr': 1e-3}]))."
+        )
 
 
 class _StageDone(BaseException):

@@ -59,8 +59,9 @@ __all__ = [
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 """The schedules: GPipe's fill-drain (all forwards, then all backwards) and one-forward-one-backward."""
 
-# Generated and simulated (process_actions, plan.simulate), not yet run by the step driver, which refuses them.
 PLANNED_SCHEDULES: tuple[str, ...] = ("interleaved", "zero_bubble", "zbv")
+"""The schedules generated (:func:`process_actions`) and simulated by the planner, not yet run by the step driver,
+which refuses them."""
 
 
 class Phase(str, Enum):

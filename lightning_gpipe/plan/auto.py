@@ -6,7 +6,8 @@ validates the strategy's ``plan=`` argument against the explicit settings it wou
 finds the batch to plan for (the request's, else the run's DataLoader's, never the sample's rows) and
 :func:`check_planned_batch` holds the first real batch to it; :func:`plan_for_module` plans a LightningModule's
 sequence; :func:`agreed_settings` runs that on global rank 0 only (measured times differ between processes, and so
-could the plans) and hands every rank the same keyword arguments, or the same error.
+could the plans) and hands every rank the same keyword arguments, or the same error; :func:`planned_settings` is the
+three in the order the strategy's setup runs them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "loader_batch_size",
     "plan_for_module",
     "planned_batch",
+    "planned_settings",
 ]
 
 DEVICE_MEMORY_SHARE = 0.9
@@ -209,12 +211,20 @@ def _budget(request: AutoPlan, device: torch.device) -> float:
 
 
 def plan_for_module(
-    request: AutoPlan, sequence: nn.Module, example: Any, *, batch_size: int, devices: int, device: torch.device
+    request: AutoPlan,
+    sequence: nn.Module,
+    example: Any,
+    *,
+    batch_size: int,
+    devices: int,
+    device: torch.device,
+    compiled: bool = False,
 ) -> Plan:
     """Plan the pipelined ``sequence`` for ``devices`` processes on ``device`` as ``request`` asks.
 
     ``example`` is the LightningModule's ``example_input_array``, used when the request has no ``sample``;
-    ``batch_size`` is what each pipeline reads per step (:func:`planned_batch`), whatever the sample's rows.
+    ``batch_size`` is what each pipeline reads per step (:func:`planned_batch`), whatever the sample's rows;
+    ``compiled``: the stages will compile their layers (``"selective"`` then re-materializes every micro-batch).
 
     Raises:
         ValueError: no sample, or no budget on a device without a memory size.
@@ -246,6 +256,7 @@ def plan_for_module(
         chunks=request.chunks,
         pipe_sizes=request.pipe_sizes,
         per_pipeline_batch=True,
+        compiled=compiled,
         **options,
     )
     if device.type == "cuda":
@@ -280,3 +291,32 @@ def agreed_settings(
     if kind == "error":
         raise ValueError(f"global rank 0 could not plan the pipeline, so this rank stops too: {payload}")
     return dict(payload)
+
+
+def planned_settings(
+    request: AutoPlan,
+    sequence: nn.Module,
+    example: Any,
+    *,
+    loader: Callable[[], Any],
+    devices: int,
+    device: torch.device,
+    compiled: bool,
+    rank: int,
+    broadcast: Callable[[Any], Any],
+    report: Callable[[str], None],
+) -> tuple[dict[str, Any], int]:
+    """``plan="auto"`` at setup: the settings rank 0 plans, the same on every rank, and the batch they are planned for.
+
+    The batch is :func:`planned_batch`'s (``loader()`` gives the run's DataLoader: every rank reads the same
+    ``batch_size``, so every rank can hold the first batch to it); the plan :func:`plan_for_module`'s for it, agreed by
+    :func:`agreed_settings`.
+    """
+    batch = planned_batch(request, loader)
+
+    def make() -> Plan:
+        return plan_for_module(
+            request, sequence, example, batch_size=batch, devices=devices, device=device, compiled=compiled
+        )
+
+    return agreed_settings(make, rank=rank, broadcast=broadcast, report=report), batch

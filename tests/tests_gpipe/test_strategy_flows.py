@@ -135,13 +135,14 @@ def test_logging_with_sync_dist_in_training_step_under_nccl_stream_order(tmp_pat
 
 def test_gloo_with_cuda_devices_is_refused_with_the_fix() -> None:
     # R12: gloo's send and receive take CPU tensors only; the job would fail at the first boundary.
-    from lightning_gpipe.strategy import _check_backend_for_device
+    from lightning_gpipe.config import StrategyConfig
 
     fix = r"process_group_backend='gloo' cannot .* on cuda:1.* Use process_group_backend='nccl'"
     with pytest.raises(ValueError, match=fix):
-        _check_backend_for_device("gloo", torch.device("cuda", 1))
-    _check_backend_for_device("nccl", torch.device("cuda", 1))
-    _check_backend_for_device("gloo", torch.device("cpu"))
+        StrategyConfig(process_group_backend="gloo").backend_for(torch.device("cuda", 1))
+    assert StrategyConfig(process_group_backend="nccl").backend_for(torch.device("cuda", 1)) == "nccl"
+    assert StrategyConfig(process_group_backend="gloo").backend_for(torch.device("cpu")) == "gloo"
+    assert StrategyConfig().backend_for(torch.device("cpu")) == "gloo"
 
 
 def test_bad_configuration_fails_when_the_trainer_is_built() -> None:
