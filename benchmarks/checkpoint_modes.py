@@ -13,7 +13,9 @@ One stage (``Pipeline`` on a ``ThreadTransport``, K = 1) trains ``--layers`` pre
 ``--compiled`` compares instead one forward and backward of the layers (dropout off) eager and compiled, under the
 engine's wrapper and with a checkpoint inside each compiled layer (whole, or selective by
 :func:`~lightning_gpipe.engine.rematerialization.selective_checkpoint`): the median time and the bytes autograd saves
-for the backward (where the wrapper's own hooks do not hide them).
+for the backward (where the wrapper's own hooks do not hide them). A second table runs the strategy's path: a stage
+(``Pipeline``, K = 1, ``--chunks`` micro-batches) over layers compiled as assembly compiles them
+(:func:`~lightning_gpipe.build.compile.compile_layers`) in each mode, with the step's peak tensor bytes.
 
 Run ``python -m benchmarks.checkpoint_modes [--width 256] [--rounds 8] [--compiled]``; ``--tiny`` checks the script
 in seconds.
@@ -23,6 +25,7 @@ GPU figures come from ``make bench-gpu`` (``benchmarks/gpu_speed``), which runs 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections.abc import Sequence
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.machine import cpu_model
+from lightning_gpipe.build.compile import DEFAULT_OPTIONS, compile_layers
 from lightning_gpipe.build.profile import LiveTensorBytes, profile_layers
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.rematerialization import (
@@ -172,6 +176,55 @@ def compare_compiled(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def compare_compiled_stages(args: argparse.Namespace) -> str:
+    """A compiled stage per mode, as the strategy assembles it: median step milliseconds and peak MiB of one step."""
+    torch.manual_seed(0)
+    blocks = [Block(args.width, args.heads) for _ in range(args.layers)]
+    for block in blocks:
+        block.dropout.p = 0.0
+    data = (torch.randn(args.batch, args.tokens, args.width), torch.randn(args.batch, args.tokens, args.width))
+
+    def loss(output: torch.Tensor, microbatch: Any) -> torch.Tensor:
+        return F.mse_loss(output, microbatch[1])
+
+    pipelines: dict[str, Pipeline] = {}
+    modes: list[CheckpointMode] = list(CHECKPOINT_MODES)  # type: ignore[arg-type]
+    for mode in modes:
+        layers = nn.Sequential(*[copy.deepcopy(block) for block in blocks])
+        selective = mode == "selective"
+        compile_layers(layers.children(), DEFAULT_OPTIONS, selective=selective)
+        # What assembly does: compiled selective layers re-materialize themselves; the stage wraps nothing.
+        engine_mode: CheckpointMode = "never" if selective else mode
+        pipelines[mode] = Pipeline(layers, ThreadTransport.create(1)[0], chunks=args.chunks, checkpoint=engine_mode)
+    peaks: dict[str, float] = {}
+    for name, pipeline in pipelines.items():
+        pipeline.train_step(data, loss)  # compiles
+        counter = LiveTensorBytes()
+        with counter:
+            pipeline.train_step(data, loss)
+        peaks[name] = counter.peak / MiB
+    times: dict[str, list[float]] = {name: [] for name in pipelines}
+    for _ in range(args.rounds):
+        for name, pipeline in pipelines.items():
+            start = time.perf_counter()
+            pipeline.train_step(data, loss)
+            times[name].append(time.perf_counter() - start)
+    never = statistics.median(times["never"])
+    lines = ["| compiled stage, checkpoint | step ms | vs never | peak MiB |", "|---|---:|---:|---:|"]
+    for name in pipelines:
+        ms = statistics.median(times[name])
+        lines.append(f"| `{name}` | {ms * 1e3:.1f} | {ms / never:.2f} | {peaks[name]:.1f} |")
+    return "\n".join(lines)
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The workload and the machine, under a table."""
+    return (
+        f"{args.layers} layers, D={args.width}, {args.heads} heads, {args.batch} sequences of {args.tokens} tokens in "
+        f"M={args.chunks} micro-batches; {cpu_model()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+    )
+
+
 def table(results: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
     never = results["never"]
     lines = [
@@ -184,10 +237,7 @@ def table(results: dict[str, dict[str, float]], args: argparse.Namespace) -> str
             f"{r['predicted_seconds'] * 1e3:.0f} | {r['bytes'] / MiB:.1f} | {r['predicted_bytes'] / MiB:.1f} |"
         )
     lines.append("")
-    lines.append(
-        f"{args.layers} layers, D={args.width}, {args.heads} heads, {args.batch} sequences of {args.tokens} tokens in "
-        f"M={args.chunks} micro-batches; {cpu_model()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
-    )
+    lines.append(describe(args))
     return "\n".join(lines)
 
 
@@ -205,7 +255,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tiny:
         args.layers, args.width, args.tokens, args.batch, args.rounds = 2, 32, 16, 8, 2
-    print(compare_compiled(args) if args.compiled else table(measure(args), args))
+    if args.compiled:
+        print(f"{compare_compiled(args)}\n\n{compare_compiled_stages(args)}\n\n{describe(args)}")
+    else:
+        print(table(measure(args), args))
 
 
 if __name__ == "__main__":
