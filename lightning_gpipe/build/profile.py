@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_gpipe.engine.rematerialization import KEPT_OPS, checkpointed
+from lightning_gpipe.engine.torch_compat import TorchDispatchMode, storage_key
 from lightning_gpipe.engine.tree import flatten, map_tensors
 
 __all__ = [
@@ -298,17 +298,10 @@ def _resized(sample: Any, samples: int) -> Any:
     return map_tensors(resize, sample)
 
 
-def _key(t: Tensor) -> int:
-    """The identity of ``t``'s memory: views of one storage share it. Meta storages have no address; ``_cdata``
-    identifies the storage itself (a new Python object wraps it at every call)."""
-    storage = t.untyped_storage()
-    return int(storage._cdata) if t.is_meta else int(storage.data_ptr())
-
-
 def _storage_bytes(value: Any) -> int:
     seen: dict[int, int] = {}
     for t in _tensors(value):
-        seen[_key(t)] = t.untyped_storage().nbytes()
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -409,7 +402,7 @@ def state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
 
 def state_keys(layers: Iterable[nn.Module]) -> set[int]:
     """The storages of the parameters and buffers of ``layers``: what a layer saves of them is no activation."""
-    return {_key(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+    return {storage_key(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
 
 
 def _saved_forward(run: Callable[[Any], Any], x: Any, state: set[int], saved: dict[int, int]) -> Any:
@@ -417,7 +410,7 @@ def _saved_forward(run: Callable[[Any], Any], x: Any, state: set[int], saved: di
     backward pass, those of ``state`` (parameters, buffers) left out."""
 
     def pack(t: Tensor) -> Tensor:
-        key = _key(t)
+        key = storage_key(t)
         if key not in state:
             # A view keeps its whole storage alive, so the storage's size is what the layer holds on to.
             saved[key] = t.untyped_storage().nbytes()
@@ -458,7 +451,7 @@ def _leaf_bytes(x: Any, output: Any, saved: dict[int, int]) -> dict[str, tuple[A
     leaf is (the same storage, passed on unchanged). A storage that two leaves share counts at its first leaf only."""
 
     def keys(value: Any) -> list[int | None]:
-        return [_key(t) if isinstance(t, Tensor) else None for t in flatten(value)[0]]
+        return [storage_key(t) if isinstance(t, Tensor) else None for t in flatten(value)[0]]
 
     def first_saved(found: list[int | None], skip: Sequence[int]) -> tuple[float, ...]:
         return tuple(
@@ -485,7 +478,7 @@ def _activation_bytes(run: Callable[[Any], Any], value: Any, state: set[int], in
     saved: dict[int, int] = {}
 
     def shared(tensors: Any) -> float:
-        keys = {_key(t) for t in _tensors(tensors)}
+        keys = {storage_key(t) for t in _tensors(tensors)}
         return float(sum(size for key, size in saved.items() if key in keys))
 
     leaves, x = _input(value, input_grad)
@@ -524,7 +517,7 @@ class _KeptOutputs(TorchDispatchMode):
         output = func(*args, **(kwargs or {}))
         if func in KEPT_OPS:
             for tensor in _tensors(output):
-                self.kept[_key(tensor)] = tensor
+                self.kept[storage_key(tensor)] = tensor
         return output
 
 
@@ -534,7 +527,7 @@ def _selective_bytes(layer: nn.Module, value: Any, input_grad: bool) -> tuple[fl
     recorder = _KeptOutputs()
     with torch.enable_grad(), recorder:
         output = layer(_input(value, input_grad)[1])
-    outputs = {_key(t) for t in _tensors(output)}
+    outputs = {storage_key(t) for t in _tensors(output)}
     sizes = {key: t.untyped_storage().nbytes() for key, t in recorder.kept.items()}
     inside = sum(size for key, size in sizes.items() if key not in outputs)
     return float(inside), float(sum(sizes.values()) - inside)

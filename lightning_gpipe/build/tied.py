@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.engine.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
+from lightning_gpipe.engine.torch_compat import BatchNormBase, flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = ["Tie", "TiedCopies", "find_ties", "retie", "set_aside"]
 
@@ -78,7 +78,7 @@ def find_ties(sequence: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
     first_names: dict[int, str] = {}
     for name, module in sequence.named_modules(remove_duplicate=False):
         first = first_names.setdefault(id(module), name)
-        shares_statistics = isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+        shares_statistics = isinstance(module, BatchNormBase) and module.track_running_stats
         if shares_statistics and stage(first) != stage(name):
             raise ValueError(
                 f"layer {first} (stage {stage(first)}) and layer {name} (stage {stage(name)}) share one "

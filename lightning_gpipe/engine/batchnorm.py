@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpipe.engine.rematerialization import is_recomputing
+from lightning_gpipe.engine.torch_compat import BatchNormBase
 
 __all__ = ["DeferredBatchNorm", "commit_running_stats"]
 
@@ -28,7 +28,7 @@ __all__ = ["DeferredBatchNorm", "commit_running_stats"]
 _CONVERTIBLE = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-class DeferredBatchNorm(_BatchNorm):
+class DeferredBatchNorm(BatchNormBase):
     """BatchNorm whose running statistics are committed once per mini-batch from all of its micro-batches.
 
     In training mode each forward normalizes its input with the input's own batch statistics (outputs and gradients
@@ -43,7 +43,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     _gathered_mean: Tensor
     _gathered_m2: Tensor
-    _plain_type: type[_BatchNorm] = nn.BatchNorm2d  # the class it replaced, for revert()
+    _plain_type: type[BatchNormBase] = nn.BatchNorm2d  # the class it replaced, for revert()
 
     def __init__(
         self,
@@ -172,7 +172,7 @@ class DeferredBatchNorm(_BatchNorm):
     def _convert(cls, module: nn.Module, converted: dict[int, nn.Module]) -> nn.Module:
         if id(module) in converted:
             return converted[id(module)]
-        if type(module) in _CONVERTIBLE and isinstance(module, _BatchNorm) and module.track_running_stats:
+        if type(module) in _CONVERTIBLE and isinstance(module, BatchNormBase) and module.track_running_stats:
             result: nn.Module = cls._replacement(module)
         else:
             # Not ``named_children()``: it yields a module shared under two names once, leaving the second name behind.
@@ -185,7 +185,7 @@ class DeferredBatchNorm(_BatchNorm):
         return result
 
     @classmethod
-    def _replacement(cls, module: _BatchNorm) -> DeferredBatchNorm:
+    def _replacement(cls, module: BatchNormBase) -> DeferredBatchNorm:
         assert module.running_mean is not None
         # Build on the meta device: every tensor is replaced by the original's right after.
         with torch.device("meta"):

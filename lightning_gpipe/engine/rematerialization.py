@@ -29,10 +29,10 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from lightning_gpipe.engine.torch_compat import BatchNormBase
 from lightning_gpipe.engine.tree import flatten, map_tensors, unflatten
 
 __all__ = [
@@ -128,7 +128,7 @@ def _recomputing(function: Callable[..., Any]) -> Iterator[None]:
 
 def tracks_running_stats(module: nn.Module) -> bool:
     """Whether ``module`` is a BatchNorm that moves running statistics in training (plain or deferred)."""
-    return isinstance(module, _BatchNorm) and module.track_running_stats and module.running_mean is not None
+    return isinstance(module, BatchNormBase) and module.track_running_stats and module.running_mean is not None
 
 
 def _stat_buffers(norm: nn.Module) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Every use of torch's private API in the engine and the build layer, in one place, checked by ``test_compat.py``."""
+"""Every use of torch's private API in the package, in one place, checked by ``test_compat.py``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "BatchNormBase",
     "InfAgreeingScaler",
+    "TorchDispatchMode",
     "abort_process_group",
     "compile_in_place",
     "flatten_dense_tensors",
@@ -25,6 +29,12 @@ flatten_dense_tensors = _flatten_dense_tensors
 """One flat tensor holding the given tensors of one dtype and device, as DDP's buckets are made."""
 unflatten_dense_tensors = _unflatten_dense_tensors
 """Views of a flat tensor shaped like the given tensors."""
+
+BatchNormBase = _BatchNorm
+"""The base class of torch's ``BatchNorm1d``/``2d``/``3d`` and ``SyncBatchNorm`` (running statistics, ``momentum``)."""
+
+# TorchDispatchMode (a mode that sees every operator dispatched, with its tensors) lives in the private
+# torch.utils._python_dispatch; it is re-exported from here, the one place that imports it.
 
 
 def storage_key(tensor: torch.Tensor) -> int:

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpipe.build.balance import balance_by_cost, cell_bounds
 from lightning_gpipe.build.profile import LayerProfile, ModelProfile, OptimizerFactory, profile_layers
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
 from lightning_gpipe.engine.schedule import SCHEDULES, validate_schedule
+from lightning_gpipe.engine.torch_compat import BatchNormBase
 from lightning_gpipe.plan.auto import AutoPlan
 from lightning_gpipe.plan.memory import StageMemory, stage_memory
 from lightning_gpipe.plan.simulate import simulate_step
@@ -513,7 +513,7 @@ def _reasons(
 def _smallest_microbatch(layers: nn.Module) -> int:
     # Training-mode BatchNorm needs two samples per channel; a micro-batch of one would fail (or, on a 1x1 map,
     # raise "Expected more than 1 value per channel").
-    return 2 if any(isinstance(m, _BatchNorm) for m in layers.modules()) else 1
+    return 2 if any(isinstance(m, BatchNormBase) for m in layers.modules()) else 1
 
 
 def _batch_norm_pipe_sizes(

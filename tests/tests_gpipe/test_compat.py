@@ -6,7 +6,9 @@ Every such use sits in ``lightning_gpipe/compat.py`` (Lightning layer) or ``ligh
 
 from __future__ import annotations
 
+import ast
 import inspect
+import pathlib
 from typing import Any
 
 import lightning as L
@@ -150,3 +152,53 @@ def test_a_fused_optimizers_infs_reach_the_scalers_agreement() -> None:
     scaler.step(optimizer)
     assert len(seen) == 1, f"torch {torch.__version__}: update lightning_gpipe/engine/torch_compat.py"
     assert torch.allclose(parameter.detach(), torch.full((3,), 0.9))
+
+
+def test_torch_private_classes_are_what_the_package_subclasses_and_checks() -> None:
+    hint = f"torch {torch.__version__}: update lightning_gpipe/engine/torch_compat.py"
+    nn = torch.nn
+    for layer in (nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2), nn.SyncBatchNorm(2)):
+        assert isinstance(layer, torch_compat.BatchNormBase), hint
+        assert layer.track_running_stats, hint
+        assert layer.running_mean is not None, hint
+    assert not isinstance(nn.LayerNorm(2), torch_compat.BatchNormBase), hint
+    assert not isinstance(nn.GroupNorm(1, 2), torch_compat.BatchNormBase), hint
+
+    seen: list[str] = []
+
+    class Ops(torch_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        torch.ones(2) + 1
+    assert any("add" in op for op in seen), hint
+
+
+def _private_torch_names(path: pathlib.Path) -> list[str]:
+    """The private torch names ``path`` imports or reads: a module or name with a leading underscore under torch."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names = [*node.module.split("."), *(alias.name for alias in node.names)]  # type: ignore[union-attr]
+            found += [f"{node.module}: {name}" for name in names if name.startswith("_")]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.startswith("torch._") or "._" in alias.name]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            chain = ast.unparse(node)
+            if chain.split(".")[0] in ("torch", "nn", "dist", "F") and "(" not in chain:
+                found.append(chain)
+    return found
+
+
+def test_torch_private_names_are_used_in_torch_compat_only() -> None:
+    # Four modules of the engine, build and plan layers used _BatchNorm and build/profile.py imported
+    # torch.utils._python_dispatch themselves, unchecked here; a torch upgrade could break them unnoticed.
+    package = pathlib.Path(torch_compat.__file__).resolve().parents[1]
+    uses = {
+        str(path.relative_to(package)): names
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "torch_compat.py" and (names := _private_torch_names(path))
+    }
+    assert not uses, f"private torch names outside engine/torch_compat.py: {uses}; import them from torch_compat"
