@@ -1,4 +1,8 @@
-"""Every use of torch's private API in the package, in one place, checked by ``test_compat.py``."""
+"""Every use of torch's private API in the package, in one place, checked by ``test_compat.py``.
+
+Besides the names below, ``BatchNormBase`` is torch's private base class of its BatchNorm layers (``_BatchNorm``):
+what ``DeferredBatchNorm`` subclasses and what re-materialization, tied copies and the planner recognize as BatchNorm.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "BatchNormBase",
     "InfAgreeingScaler",
     "TorchDispatchMode",
     "abort_process_group",
@@ -30,6 +33,7 @@ flatten_dense_tensors = _flatten_dense_tensors
 unflatten_dense_tensors = _unflatten_dense_tensors
 """Views of a flat tensor shaped like the given tensors."""
 
+# Not in __all__: it is torch's own class, whose missing docstring the reference would show; the module's says it.
 BatchNormBase = _BatchNorm
 """The base class of torch's ``BatchNorm1d``/``2d``/``3d`` and ``SyncBatchNorm`` (running statistics, ``momentum``)."""
 
