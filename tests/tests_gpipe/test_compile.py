@@ -211,6 +211,22 @@ def test_a_compiled_selective_layer_with_batch_norm_counts_its_statistics_once(n
     assert layer.state_dict()["1.num_batches_tracked"].item() == 1
 
 
+def test_a_compiled_selective_layer_starting_in_place_replays_from_its_input_as_it_was() -> None:
+    # Inside the compiled checkpoint the replay found its input changed by the layer's ReLU(inplace=True): torch
+    # raised "one of the variables needed for gradient computation has been modified by an inplace operation".
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(WIDTH, WIDTH), nn.GELU())
+    eager = copy.deepcopy(layer)
+    x, weights = torch.randn(5, WIDTH, requires_grad=True), torch.randn(5, WIDTH)
+    compiled = compile_layers([layer], {"backend": "aot_eager", "dynamic": False}, selective=True)
+    (layer(x * 1) * weights).sum().backward()
+    expected = x.grad
+    x.grad = None
+    (eager(x * 1) * weights).sum().backward()
+    compiled.restore()
+    torch.testing.assert_close(expected, x.grad)
+
+
 def test_the_compile_setting_is_checked_where_given_with_the_fix() -> None:
     assert BuildConfig().compile is False
     assert BuildConfig().resolve(1, 0).compile is None
