@@ -81,7 +81,8 @@ class GPipeStrategy(ParallelStrategy):
         balance: layers per stage (K ints), or ``"params"``, ``"flops"``, ``"time"``, ``"memory"`` or a callable
             ``cost(layer) -> float``; default ``"flops"`` with an ``example_input_array``, else ``"params"``.
         checkpoint: re-materialization: ``"always"``, ``"except_last"`` (default), ``"selective"`` or ``"never"``.
-        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (the same gradients in less activation memory).
+        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (the same gradients in less activation memory) or
+            ``"zero_bubble"`` (ZB-H1: 1F1B with each backward split, its weight gradients deferred into the bubble).
         module_name: attribute (dotted path) of the ``nn.Sequential`` to pipeline; default: found automatically.
         deferred_batch_norm: move BatchNorm running statistics once per mini-batch, from all of its samples.
         timeout: how long a stage waits for a peer before it gives up (default 30 minutes).

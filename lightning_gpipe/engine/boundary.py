@@ -404,12 +404,14 @@ class GradientLink:
         # Per micro-batch: receive buffer, its wait, and the device of the output it is the gradient of.
         self._posted: dict[int, list[tuple[torch.Tensor, Callable[[], None], torch.device]]] = {}
 
-    def send(self, inputs: Sequence[torch.Tensor], index: int) -> None:
-        """Send the gradients accumulated in ``inputs`` (micro-batch ``index``'s leaves that require grad); zeros where
-        none arrived."""
-        for tensor in inputs:
-            grad = torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
-            self.transport.send(grad, self.peer, _gradients_of(index))
+    def send(
+        self, inputs: Sequence[torch.Tensor], index: int, grads: Sequence[torch.Tensor | None] | None = None
+    ) -> None:
+        """Send the gradients of ``inputs`` (micro-batch ``index``'s leaves that require grad): ``grads`` where given,
+        else those accumulated in ``.grad``; zeros where none arrived."""
+        for k, tensor in enumerate(inputs):
+            grad = tensor.grad if grads is None else grads[k]
+            self.transport.send(torch.zeros_like(tensor) if grad is None else grad, self.peer, _gradients_of(index))
 
     @property
     def posted(self) -> list[int]:

@@ -90,7 +90,8 @@ class StepDriver:
     def forward_phase(self, step: StepFn) -> list[Any]:
         """Run the schedule's actions up to its last forward, each forward a call of ``step``; its outputs in order.
 
-        The backward passes among them (``"1f1b"``) run here, their gradients held when ``hold`` was given.
+        The backward passes among them (``"1f1b"``, ``"zero_bubble"``) run here, their gradients held when ``hold``
+        was given.
         """
         run = self.run
         outputs: list[Any] = []
@@ -207,9 +208,14 @@ class StepDriver:
         return torch.stack([loss.detach() for loss in weighted]).sum()
 
     def _backward(self, action: Action) -> None:
-        """Run one of the schedule's backward actions (a split backward's input and weight passes would be phases
-        of their own here, the loss going to the pass that starts from it)."""
-        self.run.backward(action.microbatch, self._backward_loss(action.microbatch))
+        """Run one of the schedule's backward actions: a whole backward, or a split backward's input pass (both start
+        from the loss on the last stage) or weight pass (which reuses the input pass's graph)."""
+        if action.phase is Phase.WEIGHT:
+            self.run.weight(action.microbatch)
+        elif action.phase is Phase.INPUT:
+            self.run.input(action.microbatch, self._backward_loss(action.microbatch))
+        else:
+            self.run.backward(action.microbatch, self._backward_loss(action.microbatch))
 
     def _backward_loss(self, index: int) -> torch.Tensor | None:
         """What the backward of micro-batch ``index`` starts from: its weighted loss on the last stage, scaled."""

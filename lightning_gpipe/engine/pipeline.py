@@ -59,7 +59,7 @@ class Pipeline:
             ``checkpoint``, ``schedule`` and ``detect_anomalies``.
         chunks: M, the number of micro-batches per mini-batch (required without ``config``).
         checkpoint: re-materialization mode (default ``"except_last"``).
-        schedule: ``"gpipe"`` (fill-drain, the default) or ``"1f1b"``.
+        schedule: ``"gpipe"`` (fill-drain, the default), ``"1f1b"`` or ``"zero_bubble"`` (ZB-H1).
         timeline: records every action's start and end when given.
         detect_anomalies: raise where a NaN or Inf first appears (stage and micro-batch named); see :class:`Stage`.
     """

@@ -11,8 +11,10 @@ executor walks :func:`stage_actions` and blocks on the transfers that :func:`dep
   every stage takes the same time per pass, but stage ``j`` holds at most ``min(K - j, M)`` micro-batches'
   activations at once instead of ``M``. Backwards run in micro-batch order.
 
-Three more schedules are generated here and simulated by the planner (:data:`PLANNED_SCHEDULES`); a process may hold
-several stages, so their actions name their stage and come per process (:func:`process_actions`):
+Three more schedules are generated here and simulated by the planner; a process may hold several stages, so their
+actions name their stage and come per process (:func:`process_actions`). ``"zero_bubble"`` holds one stage per
+process and runs (:func:`stage_actions` gives its actions too); the other two are planned only
+(:data:`PLANNED_SCHEDULES`):
 
 - ``"interleaved"``: Megatron-LM's interleaved 1F1B (Narayanan et al., 2021). Each of the K processes holds
   ``v = virtual_stages`` stages, process ``r`` the stages ``r, r + K, r + 2K, ...``; the bubble shrinks ``v`` times
@@ -56,10 +58,10 @@ __all__ = [
 #   r: index of process (rank in the pipeline), 0 <= r < K; v: stages per process (``virtual_stages``)
 #   s: index of stage when a process holds several, 0 <= s < K·v
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
-"""The schedules: GPipe's fill-drain (all forwards, then all backwards) and one-forward-one-backward."""
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble")
+"""The schedules: GPipe's fill-drain (all forwards, then all backwards), one-forward-one-backward, and ZB-H1."""
 
-PLANNED_SCHEDULES: tuple[str, ...] = ("interleaved", "zero_bubble", "zbv")
+PLANNED_SCHEDULES: tuple[str, ...] = ("interleaved", "zbv")
 """The schedules generated (:func:`process_actions`) and simulated by the planner, not yet run by the step driver,
 which refuses them."""
 
@@ -143,6 +145,8 @@ def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: 
     schedule = validate_schedule(schedule)
     j, K = _check_stage(stage, num_stages)
     M = _check_count("num_microbatches", num_microbatches)
+    if schedule == "zero_bubble":
+        return [Action(action.phase, action.microbatch) for action in _zero_bubble_h1(j, K, M)]
     forwards = [Action(Phase.FORWARD, i) for i in range(M)]
     if schedule == "gpipe":
         return forwards + [Action(Phase.BACKWARD, i) for i in reversed(range(M))]
@@ -341,9 +345,9 @@ def process_actions(
 ) -> list[Action]:
     """The ordered actions, each naming its stage, that process ``rank`` of ``num_processes`` runs for one mini-batch.
 
-    For ``"gpipe"`` and ``"1f1b"`` these are :func:`stage_actions` with the stage set. The process's stages are
-    :func:`stages_of`; every action of every stage it holds appears once, in an order that never deadlocks under
-    :func:`dependencies` across all processes.
+    For ``"gpipe"``, ``"1f1b"`` and ``"zero_bubble"`` these are :func:`stage_actions` with the stage set. The
+    process's stages are :func:`stages_of`; every action of every stage it holds appears once, in an order that never
+    deadlocks under :func:`dependencies` across all processes.
 
     Raises:
         ValueError: an unknown schedule, ``virtual_stages`` that the schedule does not take, or (``"interleaved"``) a
@@ -355,8 +359,6 @@ def process_actions(
         return [Action(a.phase, a.microbatch, r) for a in stage_actions(schedule, r, K, M)]
     if schedule == "interleaved":
         return _interleaved(r, K, M, v)
-    if schedule == "zero_bubble":
-        return _zero_bubble_h1(r, K, M)
     return _zbv(r, K, M)
 
 

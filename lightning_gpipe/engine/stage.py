@@ -9,6 +9,11 @@ parameter gradients exactly as ``loss.backward()`` would, and sends the input's 
 Only what backward needs is kept between the two: the grad-requiring input leaves and output tensors of each
 micro-batch. Which actions run in which order is the schedule's business (:mod:`lightning_gpipe.engine.schedule`).
 
+A zero-bubble schedule splits the backward in two: :meth:`Stage.input_backward` computes the input's gradient alone,
+sends it at once and keeps the graph; :meth:`Stage.weight_backward` later accumulates the parameters' gradients from
+it. A re-materialized micro-batch is recomputed once, by the input pass, from its input and the random state of its
+forward; the weight pass reuses that graph.
+
 Receives are posted ahead of the actions that need them (gloo parks a send until its receive is posted): the
 activations of the whole step once its header is in (:class:`~lightning_gpipe.engine.boundary.ActivationLink`), and,
 when the step's ``gradient_order`` is known, the gradients of up to :data:`GRADIENTS_AHEAD` micro-batches whose outputs
@@ -33,10 +38,11 @@ from lightning_gpipe.engine.boundary import ActivationLink, GradientLink
 from lightning_gpipe.engine.config import PipelineConfig, config_from
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.fingerprint import Fingerprint
-from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop, checkpointed
+from lightning_gpipe.engine.rematerialization import CheckpointMode, _recomputing, checkpoint_stop, checkpointed
+from lightning_gpipe.engine.split import WeightPass, input_pass
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import Transport
-from lightning_gpipe.engine.tree import flatten, map_tensors
+from lightning_gpipe.engine.tree import flatten, map_tensors, unflatten
 
 __all__ = ["GRADIENTS_AHEAD", "Stage"]
 
@@ -70,6 +76,26 @@ def _alias_leaf(tensor: torch.Tensor) -> torch.Tensor:
 def _grad_tensors(value: Any) -> list[torch.Tensor]:
     leaves, _spec = flatten(value)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+class _Replay:
+    """What a split backward needs to recompute a micro-batch's forward: its input and the random state it saw."""
+
+    def __init__(self, value: Any, copy_input: bool) -> None:
+        self.value = value
+        self.copy_input = copy_input
+        leaves, _spec = flatten(value)
+        self.devices = sorted({t.device.index for t in leaves if isinstance(t, torch.Tensor) and t.is_cuda})
+        self.cpu = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(device) for device in self.devices]
+
+    def run(self, cell: nn.Module) -> Any:
+        """``cell``'s forward again, as a replay (BatchNorm statistics left alone), with the same random numbers."""
+        with torch.random.fork_rng(devices=self.devices), _recomputing(cell):
+            torch.set_rng_state(self.cpu)
+            for device, state in zip(self.devices, self.cuda, strict=True):
+                torch.cuda.set_rng_state(state, device)
+            return cell(map_tensors(torch.clone, self.value) if self.copy_input else self.value)
 
 
 class Stage:
@@ -119,6 +145,10 @@ class Stage:
         self._inputs: dict[int, list[torch.Tensor]] = {}
         self._outputs: dict[int, list[torch.Tensor]] = {}
         self._forwarded: set[int] = set()
+        self._split = False  # whether the step splits its backward passes into input and weight passes
+        self._replays: dict[int, _Replay] = {}  # split backward: the re-materialized micro-batches to recompute
+        self._cut: dict[int, list[torch.Tensor]] = {}  # split, last stage: the leaves the loss starts from
+        self._weights: dict[int, WeightPass] = {}  # split backward: the weight passes still to run
         self._unposted_gradients: deque[int] = deque()  # the rest of the step's gradient order, not posted yet
         self._stranded: str | None = None  # why receives of a failed step may still be posted on the transport
 
@@ -137,6 +167,7 @@ class Stage:
         sizes: Sequence[int],
         fingerprint: Fingerprint | None = None,
         gradient_order: Sequence[int] | None = None,
+        split_backward: bool = False,
     ) -> None:
         """Start a step of ``len(sizes)`` micro-batches with these sample counts (the same on every stage).
 
@@ -144,6 +175,8 @@ class Stage:
         ``gradient_order``, the order in which the next stage runs the backward passes of the step's micro-batches
         (hence sends their gradients), this stage posts its gradient receives ahead of its own backward passes;
         without one, each backward posts its receive when it starts. Either way backward may run in any order.
+        With ``split_backward``, each micro-batch's backward runs as :meth:`input_backward`, then
+        :meth:`weight_backward`, instead of :meth:`backward`.
         """
         if self._stranded is not None:
             raise PipelineError(
@@ -152,8 +185,8 @@ class Stage:
                 "they would take this step's messages. A pipeline cannot go on after a failed step: end the job (or "
                 "its process group) and restart it, from the last checkpoint if there is one.",
             )
-        if self._inputs or self._outputs:
-            pending = sorted(set(self._inputs) | set(self._outputs))
+        if self._inputs or self._outputs or self._weights:
+            pending = sorted(set(self._inputs) | set(self._outputs) | set(self._weights))
             raise PipelineError(self.index, f"a new step began while micro-batches {pending} still await backward")
         if gradient_order is not None and sorted(gradient_order) != list(range(len(sizes))):
             raise ValueError(
@@ -161,6 +194,7 @@ class Stage:
                 f"(0 to {len(sizes) - 1}), in the order the next stage runs their backward passes"
             )
         self._num_microbatches = len(sizes)
+        self._split = split_backward
         self._forwarded.clear()
         self._unposted_gradients = deque(gradient_order if gradient_order is not None and not self.is_last else ())
         for link in (self._inbox, self._outbox):
@@ -188,7 +222,9 @@ class Stage:
         received = grad_enabled and not self.is_first
         with self._guard(), self._record("forward", index):
             if rematerialize:
-                selective = self.checkpoint == "selective"
+                if self._split:  # recomputed by the input pass; kept alive from there until the weight pass
+                    self._replays[index] = _Replay(value, copy_input=received)
+                selective = self.checkpoint == "selective" and not self._split
                 output = checkpointed(self.cell, value, copy_input=received, selective=selective)
             else:
                 output = self.cell(map_tensors(_alias_leaf, value) if received else value)
@@ -198,6 +234,11 @@ class Stage:
             inputs = _grad_tensors(value) if not self.is_first else []
             if inputs:
                 self._inputs[index] = inputs
+        if self.is_last and self._split and grad_enabled:
+            # The loss starts from leaves cut off the output: the input pass back-propagates the loss's own graph
+            # whole (freeing it), then splits the cell's, which a re-materialized micro-batch recomputes only then.
+            self._outputs[index] = _grad_tensors(output)
+            output = self._cut_off(index, output)
         if not self.is_last:
             assert self._outbox is not None
             self._outbox.send(index, output)
@@ -211,6 +252,17 @@ class Stage:
                 # the step does between its forwards and backwards (log syncs, allocator frees that synchronize).
                 self._post_gradients()
         return output
+
+    def _cut_off(self, index: int, output: Any) -> Any:
+        """``output`` with each grad-requiring tensor replaced by an alias of a new leaf, kept in :attr:`_cut`."""
+        leaves, spec = flatten(output)
+        cut: list[torch.Tensor] = []
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                cut.append(leaf.detach().requires_grad_())
+                leaves[k] = _alias_leaf(cut[-1])
+        self._cut[index] = cut
+        return unflatten(leaves, spec)
 
     def post_activations(self, after: int) -> None:
         """Post the activation receives of this step's micro-batches after ``after`` now, wherever receives are
@@ -268,6 +320,43 @@ class Stage:
                 check_finite(self.index, index, "the gradient of the input", [t.grad for t in inputs])
             self._grad_outbox.send(inputs, index)
 
+    def input_backward(self, index: int, loss: torch.Tensor | None = None) -> None:
+        """The first half of a split backward of micro-batch ``index``: the gradient of the stage's input, sent on at
+        once, and what :meth:`weight_backward` needs kept (:mod:`~lightning_gpipe.engine.split`). The last stage is
+        given the (already weighted) loss."""
+        grads: list[torch.Tensor] | None = None
+        if self.is_last:
+            if loss is None:
+                raise PipelineError(self.index, f"the last stage needs the loss of micro-batch {index} for backward")
+            if self.detect_anomalies:
+                check_finite(self.index, index, "the loss", loss)
+        elif index in self._outputs:  # nothing downstream needs a gradient otherwise
+            assert self._grad_inbox is not None
+            self._post_gradients(through=index)
+            grads = self._grad_inbox.recv(self._outputs[index], index)
+            self._post_gradients()
+        outputs = self._outputs.pop(index, [])
+        inputs = self._inputs.pop(index, [])
+        with self._guard(), self._record("input", index):
+            if loss is not None:  # the loss's own graph, down to the leaves cut off the cell's output
+                torch.autograd.backward(loss)
+                grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in self._cut.pop(index, [])]
+            replay = self._replays.pop(index, None)
+            if replay is not None:
+                outputs = _grad_tensors(replay.run(self.cell))
+            dinputs, self._weights[index] = input_pass(outputs, grads, inputs)
+        if inputs:
+            assert self._grad_outbox is not None
+            if self.detect_anomalies:
+                check_finite(self.index, index, "the gradient of the input", list(dinputs))
+            self._grad_outbox.send(inputs, index, dinputs)
+
+    def weight_backward(self, index: int) -> None:
+        """The second half of a split backward of micro-batch ``index``: the parameters' gradients, into ``.grad``."""
+        weights = self._weights.pop(index)
+        with self._guard(), self._record("weight", index):
+            weights.run()
+
     def end_step(self) -> None:
         """Finish the step: wait for outgoing messages and commit deferred BatchNorm statistics.
 
@@ -289,6 +378,9 @@ class Stage:
                 link.clear()
         self._inputs.clear()
         self._outputs.clear()
+        self._replays.clear()
+        self._cut.clear()
+        self._weights.clear()
         self._forwarded.clear()
         self._unposted_gradients.clear()
         self.transport.abort(reason)

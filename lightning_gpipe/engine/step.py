@@ -9,8 +9,8 @@ micro-batch and runs the backward passes in Lightning's ``backward``. Every orde
 driver can run a schedule of its own.
 
 Lightning zeroes gradients between ``training_step`` and ``backward``. A schedule that runs a backward pass before its
-last forward (``"1f1b"``) therefore runs those passes in ``training_step``; :class:`HeldGradients` keeps what they
-computed out of the parameters' ``.grad`` until Lightning's ``backward``.
+last forward (``"1f1b"``, ``"zero_bubble"``) therefore runs those passes in ``training_step``; :class:`HeldGradients`
+keeps what they computed out of the parameters' ``.grad`` until Lightning's ``backward``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from lightning_gpipe.engine.schedule import Action, Phase, cached_stage_actions
 from lightning_gpipe.engine.stage import Stage
 
 __all__ = ["HeldGradients", "StepRun"]
+
+_SENDS_GRADIENT = (Phase.BACKWARD, Phase.INPUT)  # the passes after which a stage sends its input's gradient
 
 
 class StepRun:
@@ -68,9 +70,12 @@ class StepRun:
         gradient_order = None
         if training and not stage.is_last:
             later = cached_stage_actions(schedule, stage.index + 1, K, M)
-            gradient_order = [action.microbatch for action in later if action.phase is Phase.BACKWARD]
+            gradient_order = [action.microbatch for action in later if action.phase in _SENDS_GRADIENT]
         self._done = 0
-        stage.begin_step([mb.size for mb in self.microbatches], fingerprint, gradient_order=gradient_order)
+        split = any(action.phase is Phase.INPUT for action in self.actions)
+        stage.begin_step(
+            [mb.size for mb in self.microbatches], fingerprint, gradient_order=gradient_order, split_backward=split
+        )
 
     @property
     def forward_span(self) -> int:
@@ -80,7 +85,8 @@ class StepRun:
 
     @property
     def backward_before_last_forward(self) -> bool:
-        """Whether a backward pass runs before the last forward (``"1f1b"``), hence in the forward phase's driver."""
+        """Whether a backward pass runs before the last forward (``"1f1b"``, ``"zero_bubble"``), hence in the forward
+        phase's driver."""
         return any(action.phase is not Phase.FORWARD for action in self.actions[: self.forward_span])
 
     @property
@@ -113,6 +119,16 @@ class StepRun:
         """Backward of micro-batch ``index``; the last stage is given its loss, already weighted."""
         self._advance(Action(Phase.BACKWARD, index))
         self.stage.backward(index, loss)
+
+    def input(self, index: int, loss: torch.Tensor | None = None) -> None:
+        """A split backward's input pass of micro-batch ``index`` (see :meth:`Stage.input_backward`)."""
+        self._advance(Action(Phase.INPUT, index))
+        self.stage.input_backward(index, loss)
+
+    def weight(self, index: int) -> None:
+        """A split backward's weight pass of micro-batch ``index`` (see :meth:`Stage.weight_backward`)."""
+        self._advance(Action(Phase.WEIGHT, index))
+        self.stage.weight_backward(index)
 
     def end(self) -> None:
         """Finish the step once every action ran: wait for the sends, commit deferred BatchNorm statistics."""

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.build.sequence import find_sequence
+from lightning_gpipe.engine.schedule import SCHEDULES
 from lightning_gpipe.engine.tree import map_tensors
 from lightning_gpipe.plan import InfeasiblePlanError, plan
 
@@ -140,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to profile")
     parser.add_argument("--optimizer-slots", type=float, default=2.0, help="2 for Adam, 1 for RMSProp or momentum SGD")
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--flops-per-second", type=float, help="time layers from FLOPs instead of measuring them")
     args = parser.parse_args(argv)
 

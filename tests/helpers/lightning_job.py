@@ -111,6 +111,7 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
         "use_distributed_sampler": run.get("distributed_sampler", False),
         "num_sanity_val_steps": 0,
         "limit_val_batches": run.get("limit_val_batches", 0),
+        "val_check_interval": run.get("val_check_interval"),
     }
     options.update(overrides)
     return L.Trainer(**options)
@@ -132,7 +133,8 @@ def fit(run: dict[str, Any], root: Path) -> SequentialModule:
         module.trainable_only = True
     trainer = trainer_for(run, root)
     loader = DataLoader(dataset(), batch_size=run.get("batch", BATCH), shuffle=run.get("shuffle", False))
-    trainer.fit(module, loader, ckpt_path=run.get("resume"))
+    validation = loader if run.get("limit_val_batches") else None  # validation between steps, on the training data
+    trainer.fit(module, loader, validation, ckpt_path=run.get("resume"))
     if run.get("save"):
         trainer.save_checkpoint(run["save"])
     return module

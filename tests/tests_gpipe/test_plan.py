@@ -742,3 +742,19 @@ def test_auto_plan_is_exported_by_the_package() -> None:
 
     assert lightning_gpipe.AutoPlan is AutoPlan
     assert "AutoPlan" in lightning_gpipe.__all__
+
+
+def test_plan_predicts_zero_bubble_among_the_schedules_it_runs() -> None:
+    # ZB-H1 runs in the strategy, so plan="auto" weighs it with the others: its time from the split backward's
+    # simulation (a shorter drain than 1F1B's), its memory until each micro-batch's weight pass.
+    profile = synthetic()
+    layers = nn.Sequential(*[nn.Identity()] * 8)
+    result = plan(layers, None, devices=4, memory_per_device="1GB", batch_size=32, profile=profile, pipe_sizes=[4])
+    by_schedule = {
+        c.schedule: c for c in result.candidates if (c.chunks, c.checkpoint) == (8, "never") and c.balance == (2,) * 4
+    }
+    zero_bubble, fill_drain = by_schedule["zero_bubble"], by_schedule["gpipe"]  # 1F1B: fill-drain's bubble
+    assert zero_bubble.step_time < fill_drain.step_time
+    assert zero_bubble.bubble < fill_drain.bubble
+    assert all(m.peak > 0 for m in zero_bubble.stage_memory)
+    assert result.schedule == "zero_bubble"

@@ -84,7 +84,8 @@ def test_gradient_receives_are_posted_ahead_in_the_next_stages_backward_order(sc
     _threads(work, 2)
 
     events = list(_gradient_events(transports[0]))
-    backward_order = [a.microbatch for a in stage_actions(schedule, 1, 2, CHUNKS) if a.phase is Phase.BACKWARD]
+    sends = (Phase.BACKWARD, Phase.INPUT)  # a split backward sends its gradient after its input pass
+    backward_order = [a.microbatch for a in stage_actions(schedule, 1, 2, CHUNKS) if a.phase in sends]
     assert [i for kind, i in events if kind == "post"] == backward_order
     assert [i for kind, i in events if kind == "wait"] == backward_order
     posted: set[int] = set()
@@ -148,7 +149,8 @@ def test_a_step_that_failed_with_receives_posted_refuses_the_next_one() -> None:
 
 def _stage_on_demand_step(stage: Stage, microbatches: list[Any], schedule: str) -> None:
     """The stage's unchanged path: no gradient order, so each backward posts its receive when it starts."""
-    stage.begin_step([mb.size for mb in microbatches])
+    split = schedule == "zero_bubble"
+    stage.begin_step([mb.size for mb in microbatches], split_backward=split)
     losses: dict[int, torch.Tensor] = {}
     for action in stage_actions(schedule, stage.index, stage.num_stages, len(microbatches)):
         mb = microbatches[action.microbatch]
@@ -156,6 +158,10 @@ def _stage_on_demand_step(stage: Stage, microbatches: list[Any], schedule: str) 
             output = stage.forward(mb.index, first_element(mb.value) if stage.is_first else None)
             if stage.is_last:
                 losses[mb.index] = loss_fn(output, mb.value) * mb.weight
+        elif action.phase is Phase.INPUT:
+            stage.input_backward(mb.index, losses.get(mb.index))
+        elif action.phase is Phase.WEIGHT:
+            stage.weight_backward(mb.index)
         else:
             stage.backward(mb.index, losses.get(mb.index))
     stage.end_step()

@@ -13,7 +13,7 @@ from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss
 from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.microbatch import Microbatch
 from lightning_gpipe.engine.pipeline import Pipeline
-from lightning_gpipe.engine.schedule import SCHEDULES, Phase
+from lightning_gpipe.engine.schedule import SCHEDULES, Action, Phase
 from lightning_gpipe.engine.step import HeldGradients
 from lightning_gpipe.engine.transport import ThreadTransport
 
@@ -106,6 +106,14 @@ def strategy_split_step(stages: int, chunks: int, schedule: str) -> dict[str, to
         def loss_for(i: int) -> torch.Tensor | None:
             return losses.pop(i) if pipeline.stage.is_last else None
 
+        def backward(action: Action) -> None:  # a whole backward, or a split one's input or weight pass
+            if action.phase is Phase.WEIGHT:
+                run.weight(action.microbatch)
+            elif action.phase is Phase.INPUT:
+                run.input(action.microbatch, loss_for(action.microbatch))
+            else:
+                run.backward(action.microbatch, loss_for(action.microbatch))
+
         try:
             held = HeldGradients(cell.parameters()) if run.backward_before_last_forward else None
             for action in run.actions[: run.forward_span]:  # Lightning's training_step
@@ -115,7 +123,7 @@ def strategy_split_step(stages: int, chunks: int, schedule: str) -> dict[str, to
                     if pipeline.stage.is_last:
                         losses[mb.index] = loss_fn(output, mb.value) * mb.weight
                 else:
-                    run.backward(mb.index, loss_for(mb.index))
+                    backward(action)
             if held is not None:
                 held.hold()
             phase_one_done.wait(timeout=60)
@@ -123,7 +131,7 @@ def strategy_split_step(stages: int, chunks: int, schedule: str) -> dict[str, to
             if held is not None:  # Lightning's backward
                 held.release()
             for action in run.remaining():
-                run.backward(action.microbatch, loss_for(action.microbatch))
+                backward(action)
             run.end()
         except BaseException as error:
             errors.append(error)

@@ -50,6 +50,10 @@ _ACCUMULATE = {"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 3, "accumulat
 _CLIP = {"pipe_size": 2, "devices": 2, "chunks": 5, "steps": 4, "clip": 0.05, "logger": True, "log_every_n_steps": 1}
 _BN = {"pipe_size": 2, "devices": 2, "chunks": 5, "steps": 1, "batch_norm": True, "deferred_batch_norm": True}
 _REPLICAS = {"steps": 3, "chunks": 4, "distributed_sampler": True, "shuffle": True}
+# ZB-H1 with every flow at once: accumulation, clipping, validation every 2 steps, re-materialization (the input pass
+# recomputes, the weight pass reuses its graph), uneven micro-batches (5 of a batch of 16).
+_ZERO_BUBBLE = {"schedule": "zero_bubble", "chunks": 5, "steps": 4, "accumulate": 2, "clip": 0.05}
+_VALIDATION = {"limit_val_batches": 2, "val_check_interval": 2}
 FITS: dict[int, dict[str, dict[str, Any]]] = {  # world size -> name -> run: one job per world size
     1: {f"stages1-m{m}": {"pipe_size": 1, "devices": 1, "chunks": m, "steps": 4} for m in CHUNKS},
     2: {
@@ -61,10 +65,15 @@ FITS: dict[int, dict[str, dict[str, Any]]] = {  # world size -> name -> run: one
         "bn-second": {**_BN, "balance": [3, 3]},
         "ddp": {**_REPLICAS, "strategy": "ddp", "devices": 2},
         "selective": {"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 4, "checkpoint": "selective"},
+        "zero-bubble": {"pipe_size": 2, "devices": 2, **_ZERO_BUBBLE, **_VALIDATION, "checkpoint": "always"},
+        "zero-bubble-selective": {"pipe_size": 2, "devices": 2, **_ZERO_BUBBLE, "checkpoint": "selective"},
+        "zero-bubble-bn": {**_BN, "balance": [3, 3], "schedule": "zero_bubble"},
     },
     4: {
         **{f"stages4-m{m}": {"pipe_size": 4, "devices": 4, "chunks": m, "steps": 4} for m in CHUNKS},
         "gpipe-replicas": {**_REPLICAS, "pipe_size": 2, "devices": 4},
+        "zero-bubble-replicas": {**_REPLICAS, "pipe_size": 2, "devices": 4, "schedule": "zero_bubble"},
+        "zero-bubble-k4": {"pipe_size": 4, "devices": 4, **_ZERO_BUBBLE},
     },
 }
 
@@ -127,6 +136,23 @@ def test_accumulation_clipping_and_deferred_batch_norm(fits: SharedFits, tmp_pat
 def test_selective_rematerialization_trains_like_plain_lightning(fits: SharedFits, tmp_path: Path) -> None:
     # Two stages over gloo, three of four micro-batches replayed keeping their matrix multiplications' outputs.
     assert_same_parameters(fits(2)["selective"], plain(tmp_path, steps=4))
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(600)
+def test_zero_bubble_trains_like_plain_lightning(fits: SharedFits, tmp_path: Path) -> None:
+    # Split backwards under Lightning: input passes among the forwards in training_step, weight passes held past
+    # zero_grad like 1F1B's backwards, the rest in backward; replayed once per micro-batch; BatchNorm counted once.
+    shared = fits(2)
+    reference = plain(tmp_path, steps=4, accumulate=2, clip=0.05)
+    assert_same_parameters(shared["zero-bubble"], reference)
+    assert_same_parameters(shared["zero-bubble-selective"], reference)
+    assert_same_parameters(fits(4)["zero-bubble-k4"], reference)
+    stats = ["layers.3.running_mean", "layers.3.running_var", "layers.3.num_batches_tracked"]
+    batch_norm = plain(tmp_path, steps=1, batch_norm=True)
+    assert_same_parameters({k: shared["zero-bubble-bn"][k] for k in stats}, {k: batch_norm[k] for k in stats})
+    assert_same_parameters(shared["zero-bubble-bn"], shared["bn-second"])  # the same step as under fill-drain
+    assert_same_parameters(fits(4)["zero-bubble-replicas"], shared["ddp"])  # replicas average after the last W
 
 
 @RunIf(multiprocess=True)

@@ -1,0 +1,164 @@
+"""A backward pass in two: the input's gradient now, the parameters' gradients later, each computed once.
+
+Zero-bubble schedules (Qi et al., 2024) send a stage's input gradient upstream as soon as they can and compute the
+weight gradients later, when the stage would otherwise idle. :func:`input_pass` back-propagates from a stage's outputs
+to its inputs only, keeping the graph, and notes the gradient that reaches each *boundary node*: a node that depends on
+an input and feeds a parameter's gradient through nodes that do not. :meth:`WeightPass.run` starts from those nodes
+with those gradients and runs only the parameter side (a matrix multiplication's ``dW``, not its ``dX`` again); the
+nodes between the outputs and the boundary nodes are no longer referenced and freed at once. The outputs that do not
+depend on an input at all, and every parameter gradient when the stage has no input that requires one (the first
+stage), are back-propagated by the weight pass whole.
+
+The walk follows ``torch.distributed.pipelining._backward`` (``stage_backward_input`` and ``stage_backward_weight``,
+torch 2.13), which misses the parameters reached only through outputs that do not depend on an input; here the
+weight pass runs those outputs' backward whole. Gradients accumulate into ``.grad`` through autograd, as
+``loss.backward()`` would.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["WeightPass", "input_pass"]
+
+
+def _node(tensor: torch.Tensor) -> Node | None:
+    """The node that back-propagates into ``tensor``: its ``grad_fn``, or the gradient accumulator of a leaf."""
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    if not tensor.requires_grad:
+        return None
+    grad_fn = tensor.view_as(tensor).grad_fn  # a leaf's accumulator exists once a view of it is made
+    assert grad_fn is not None
+    return grad_fn.next_functions[0][0]
+
+
+class _Group:
+    """Parameters and the boundary nodes their gradients come through; groups share no boundary node."""
+
+    def __init__(self) -> None:
+        self.nodes: set[Node] = set()
+        self.parameters: list[torch.Tensor] = []
+
+
+class WeightPass:
+    """The parameters' half of a split backward, from what :func:`input_pass` kept; run it once."""
+
+    def __init__(
+        self,
+        groups: list[_Group],
+        kept: dict[Node, tuple[torch.Tensor | None, ...]],
+        whole: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        self._groups = groups
+        self._kept = kept
+        self._whole = whole
+
+    def run(self) -> None:
+        """Accumulate the parameters' gradients into ``.grad``; the graph is freed once this pass is dropped."""
+        groups, kept, whole = self._groups, self._kept, self._whole
+        self._groups, self._kept, self._whole = [], {}, []
+        for group in groups:  # one backward per group: none walks from its nodes down to another group's
+            edges: list[GradientEdge] = []
+            grads: list[torch.Tensor] = []
+            for node in group.nodes:
+                for k, grad in enumerate(kept.get(node, ())):
+                    if grad is not None:
+                        edges.append(GradientEdge(node, k))
+                        grads.append(grad)
+            if not edges:
+                continue
+            # A boundary node reached again from another one of its group gets the gradient it had, not a second share.
+            handles = [node.register_prehook(lambda _g, k=kept[node]: k) for node in group.nodes if node in kept]
+            try:
+                torch.autograd.backward(edges, grads, inputs=group.parameters, retain_graph=True)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        if whole:
+            torch.autograd.backward([t for t, _ in whole], [g for _, g in whole])
+
+
+def input_pass(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None, inputs: Sequence[torch.Tensor]
+) -> tuple[tuple[torch.Tensor | None, ...], WeightPass]:
+    """The gradients of ``inputs`` from ``outputs`` (given ``grads``, ones for a ``None``), and the weight pass.
+
+    ``inputs`` are leaves that require grad; their gradients are returned, not accumulated (``None`` where no
+    gradient reaches one). Every other leaf that requires grad is a parameter whose gradient the weight pass adds.
+    """
+    pairs = [
+        (t, torch.ones_like(t) if g is None else g)
+        for t, g in zip(outputs, grads if grads is not None else [None] * len(outputs), strict=True)
+        if t.requires_grad
+    ]
+    roots = {node for t, _ in pairs if (node := _node(t)) is not None}
+    # The graph below the outputs, with each node's consumers: the direction in which inputs feed the outputs.
+    consumers: dict[Node, list[Node]] = defaultdict(list)
+    seen, queue = set(roots), deque(roots)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            consumers[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    starts = {node for t in inputs if (node := _node(t)) is not None and node in seen}
+    dependent = _closure(starts, consumers)  # the nodes whose gradient depends on an input's
+    leaves = [node for node in seen if node not in starts and hasattr(node, "variable")]
+    group_of: dict[Node, _Group] = {}
+    for leaf in leaves:
+        met = _closure({leaf}, consumers, stop=dependent)
+        if not met:
+            continue  # reached only through outputs that do not depend on an input: the whole backward's
+        group = _Group()
+        for other in {id(g): g for node in met if (g := group_of.get(node)) is not None}.values():
+            group.nodes |= other.nodes
+            group.parameters += other.parameters
+        group.nodes |= met
+        group.parameters.append(leaf.variable)
+        for node in group.nodes:
+            group_of[node] = group
+    groups = list({id(g): g for g in group_of.values()}.values())
+    dependent_pairs = [(t, g) for t, g in pairs if _node(t) in dependent]
+    whole = [(t, g) for t, g in pairs if _node(t) not in dependent]
+
+    kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    handles = [
+        node.register_prehook(lambda node_grads, node=node: kept.__setitem__(node, tuple(node_grads)))
+        for node in group_of
+    ]
+    try:
+        dinputs: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
+        if dependent_pairs and inputs:
+            dinputs = torch.autograd.grad(
+                [t for t, _ in dependent_pairs],
+                list(inputs),
+                [g for _, g in dependent_pairs],
+                retain_graph=True,
+                allow_unused=True,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dinputs, WeightPass(groups, kept, whole)
+
+
+def _closure(starts: set[Node], consumers: dict[Node, list[Node]], stop: set[Node] | None = None) -> set[Node]:
+    """The nodes reached from ``starts`` through consumers; with ``stop``, only the first ones met in ``stop``."""
+    reached, queue, met = set(starts), deque(starts), set()
+    while queue:
+        node = queue.popleft()
+        for consumer in consumers.get(node, ()):
+            if stop is not None and consumer in stop:
+                met.add(consumer)
+            elif consumer not in reached:
+                reached.add(consumer)
+                queue.append(consumer)
+    return met if stop is not None else reached

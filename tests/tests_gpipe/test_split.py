@@ -1,0 +1,99 @@
+"""The split backward: the input pass and the weight pass sum to one ``backward``, and neither repeats the other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss_fn, relative_error
+from torch import nn
+
+from lightning_gpipe.engine.pipeline import run_in_threads
+from lightning_gpipe.engine.split import input_pass
+
+
+class Counted(torch.autograd.Function):
+    """The identity, counting its backward calls: it sits on the input's side only, which the weight pass skips."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        Counted.calls += 1
+        return grad
+
+
+class Stage(nn.Module):
+    """Two linears (the second tied twice), a parameter reached also without the input, one reached only so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 5)
+        self.second = nn.Linear(5, 5)
+        self.norm = nn.BatchNorm1d(5)
+        self.offset = nn.Parameter(torch.randn(5))
+        self.alone = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = Counted.apply(torch.tanh(self.first(x)))
+        h = self.norm(self.second(self.second(h)) + self.offset)
+        return h * 2, self.alone * 3 + self.offset.sum()  # the second output does not depend on x
+
+
+def reference(stage: Stage, x: torch.Tensor, grads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+    leaf = x.detach().requires_grad_()
+    torch.autograd.backward(stage(leaf), grads)
+    result = {name: p.grad.clone() for name, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    return leaf.grad, result
+
+
+@pytest.mark.parametrize("with_input", [True, False])
+def test_input_and_weight_passes_sum_to_one_backward_computing_the_input_side_once(with_input: bool) -> None:
+    stage, x = Stage(), torch.randn(6, 4)
+    grads = [torch.randn(6, 5), torch.randn(3)]
+    expected_input, expected = reference(stage, x, grads)
+
+    leaf = x.detach().requires_grad_(with_input)
+    Counted.calls = 0
+    dinputs, weights = input_pass(list(stage(leaf)), grads, [leaf] if with_input else [])
+    assert all(p.grad is None for p in stage.parameters())  # the input pass leaves the parameters alone
+    assert Counted.calls == (1 if with_input else 0)
+    weights.run()
+    assert Counted.calls == 1  # the weight pass starts below the input's side (the first stage: runs it whole)
+    if with_input:
+        torch.testing.assert_close(dinputs[0], expected_input)
+        assert leaf.grad is None
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
+def test_an_unused_input_gets_no_gradient() -> None:
+    layer, x, unused = nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True), torch.randn(2, requires_grad=True)
+    dinputs, weights = input_pass([layer(x)], [torch.ones(2, 3)], [x, unused])
+    weights.run()
+    assert dinputs[1] is None
+    assert layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "selective", "never"])
+def test_zero_bubble_recomputes_each_rematerialized_microbatch_once(mode: str) -> None:
+    # The input pass replays the forward; the weight pass must reuse that graph, not replay it again.
+    model = build("mlp")
+    stage_cells = cells(model, BALANCES["mlp"][2])
+    calls: list[int] = []
+    for cell in stage_cells:
+        cell[0].register_forward_hook(lambda module, args, out: calls.append(1))
+    reference = full_batch_grads(build("mlp"), batch())
+    model.zero_grad()
+    run_in_threads(stage_cells, batch(), loss_fn, chunks=4, checkpoint=mode, schedule="zero_bubble")
+    replayed = {"always": 4, "except_last": 3, "selective": 3, "never": 0}[mode]
+    assert len(calls) == 2 * (4 + replayed)  # two stages: each forward, plus one replay per re-materialized one
+    for name, p in model.named_parameters():
+        assert relative_error(p.grad, reference[name]) <= 1e-6, name
