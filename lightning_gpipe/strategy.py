@@ -90,9 +90,8 @@ class GPipeStrategy(ParallelStrategy):
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
         detect_anomalies: stop at the first NaN or Inf, naming its stage and micro-batch; off by default.
         verify_batches: check at every step that all stages of a pipeline read the same batch; on by default.
-        plan: ``"auto"`` or an :class:`~lightning_gpipe.AutoPlan`: rank 0 plans K, M, the balance, the checkpoint
-            mode and the schedule at setup and every rank follows it (docs/guide/planning.md); leave those five at
-            their defaults.
+        plan: ``"auto"`` or an :class:`~lightning_gpipe.AutoPlan`: rank 0 plans K, M, balance, checkpoint and schedule
+            at setup, every rank follows it (docs/guide/planning.md); leave those five at their defaults.
         compile: ``torch.compile`` each layer of each stage in place: ``True`` or a dict of its keyword arguments.
     """
 
