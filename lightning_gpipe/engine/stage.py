@@ -38,7 +38,13 @@ from lightning_gpipe.engine.boundary import ActivationLink, GradientLink
 from lightning_gpipe.engine.config import PipelineConfig, config_from
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.fingerprint import Fingerprint
-from lightning_gpipe.engine.rematerialization import CheckpointMode, _recomputing, checkpoint_stop, checkpointed
+from lightning_gpipe.engine.rematerialization import (
+    CheckpointMode,
+    _recomputing,
+    _selective_contexts,
+    checkpoint_stop,
+    checkpointed,
+)
 from lightning_gpipe.engine.split import WeightPass, input_pass
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import Transport
@@ -78,24 +84,46 @@ def _grad_tensors(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
 
 
-class _Replay:
-    """What a split backward needs to recompute a micro-batch's forward: its input and the random state it saw."""
+def _unsaved(tensor: torch.Tensor) -> None:
+    return None
 
-    def __init__(self, value: Any, copy_input: bool) -> None:
+
+def _never_unpacked(packed: None) -> torch.Tensor:
+    raise RuntimeError("a re-materialized forward's graph was back-propagated; its input pass replays it instead")
+
+
+class _Replay:
+    """A split backward's re-materialized micro-batch: its forward keeps its input and the random state it saw
+    (under ``selective``, the outputs of :data:`~lightning_gpipe.engine.rematerialization.KEPT_OPS` too), and the
+    input pass replays it once, building the graph that the weight pass then reuses."""
+
+    def __init__(self, value: Any, copy_input: bool, selective: bool) -> None:
         self.value = value
         self.copy_input = copy_input
         leaves, _spec = flatten(value)
         self.devices = sorted({t.device.index for t in leaves if isinstance(t, torch.Tensor) and t.is_cuda})
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(device) for device in self.devices]
+        self._first: AbstractContextManager[Any] = nullcontext()
+        self._replay: AbstractContextManager[Any] = nullcontext()
+        if selective:
+            self._first, self._replay = _selective_contexts()
+
+    def _call(self, cell: nn.Module) -> Any:
+        return cell(map_tensors(torch.clone, self.value) if self.copy_input else self.value)
+
+    def forward(self, cell: nn.Module) -> Any:
+        """The first forward: its graph says which outputs need a gradient but saves nothing for a backward."""
+        with self._first, torch.autograd.graph.saved_tensors_hooks(_unsaved, _never_unpacked):
+            return self._call(cell)
 
     def run(self, cell: nn.Module) -> Any:
         """``cell``'s forward again, as a replay (BatchNorm statistics left alone), with the same random numbers."""
-        with torch.random.fork_rng(devices=self.devices), _recomputing(cell):
+        with torch.random.fork_rng(devices=self.devices), _recomputing(cell), self._replay:
             torch.set_rng_state(self.cpu)
             for device, state in zip(self.devices, self.cuda, strict=True):
                 torch.cuda.set_rng_state(state, device)
-            return cell(map_tensors(torch.clone, self.value) if self.copy_input else self.value)
+            return self._call(cell)
 
 
 class Stage:
@@ -222,10 +250,12 @@ class Stage:
         received = grad_enabled and not self.is_first
         with self._guard(), self._record("forward", index):
             if rematerialize:
-                if self._split:  # recomputed by the input pass; kept alive from there until the weight pass
-                    self._replays[index] = _Replay(value, copy_input=received)
-                selective = self.checkpoint == "selective" and not self._split
-                output = checkpointed(self.cell, value, copy_input=received, selective=selective)
+                selective = self.checkpoint == "selective"
+                if self._split:  # replayed by the input pass, whose graph the weight pass reuses
+                    replay = self._replays[index] = _Replay(value, copy_input=received, selective=selective)
+                    output = replay.forward(self.cell)
+                else:
+                    output = checkpointed(self.cell, value, copy_input=received, selective=selective)
             else:
                 output = self.cell(map_tensors(_alias_leaf, value) if received else value)
         if self.detect_anomalies:

@@ -8,9 +8,12 @@ import pytest
 import torch
 from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss_fn, relative_error
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.split import input_pass
+from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.transport import ThreadTransport
 
 
 class Counted(torch.autograd.Function):
@@ -28,7 +31,7 @@ class Counted(torch.autograd.Function):
         return grad
 
 
-class Stage(nn.Module):
+class Cell(nn.Module):
     """Two linears (the second tied twice), a parameter reached also without the input, one reached only so."""
 
     def __init__(self) -> None:
@@ -46,7 +49,7 @@ class Stage(nn.Module):
         return h * 2, self.alone * 3 + self.offset.sum()  # the second output does not depend on x
 
 
-def reference(stage: Stage, x: torch.Tensor, grads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+def reference(stage: Cell, x: torch.Tensor, grads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
     leaf = x.detach().requires_grad_()
     torch.autograd.backward(stage(leaf), grads)
     result = {name: p.grad.clone() for name, p in stage.named_parameters()}
@@ -56,7 +59,7 @@ def reference(stage: Stage, x: torch.Tensor, grads: list[torch.Tensor]) -> tuple
 
 @pytest.mark.parametrize("with_input", [True, False])
 def test_input_and_weight_passes_sum_to_one_backward_computing_the_input_side_once(with_input: bool) -> None:
-    stage, x = Stage(), torch.randn(6, 4)
+    stage, x = Cell(), torch.randn(6, 4)
     grads = [torch.randn(6, 5), torch.randn(3)]
     expected_input, expected = reference(stage, x, grads)
 
@@ -97,3 +100,43 @@ def test_zero_bubble_recomputes_each_rematerialized_microbatch_once(mode: str) -
     assert len(calls) == 2 * (4 + replayed)  # two stages: each forward, plus one replay per re-materialized one
     for name, p in model.named_parameters():
         assert relative_error(p.grad, reference[name]) <= 1e-6, name
+
+
+class _CountAddmm(TorchDispatchMode):
+    """Counts the ``addmm`` calls that run (a linear layer's forward), below any mode that answers them from a cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += func is torch.ops.aten.addmm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("mode", "calls"), [("selective", 4), ("always", 8)])
+def test_a_selective_replay_reads_the_kept_matrix_multiplications(mode: str, calls: int) -> None:
+    # One stage, two micro-batches through two linears. "selective" re-materializes the first one and its replay
+    # reads the linears' outputs back (2 + 0, then 2 for the last); "always" replays both in full (2 + 2, twice).
+    cell = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    stage = Stage(cell, ThreadTransport.create(1)[0], checkpoint=mode)
+    x = torch.randn(6, 4)
+    expected = full_grads(cell, x)
+    with _CountAddmm() as counter:
+        stage.begin_step([3, 3], split_backward=True)
+        losses = [stage.forward(i, x[3 * i : 3 * i + 3]).square().sum() for i in range(2)]
+        for i in range(2):
+            stage.input_backward(i, losses[i])
+            stage.weight_backward(i)
+        stage.end_step()
+    assert counter.calls == calls
+    for name, p in cell.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
+def full_grads(cell: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    cell.zero_grad(set_to_none=True)
+    cell(x).square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in cell.named_parameters()}
+    cell.zero_grad(set_to_none=True)
+    return grads
