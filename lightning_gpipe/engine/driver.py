@@ -87,11 +87,13 @@ class StepDriver:
 
     # --- the forward phase
 
-    def forward_phase(self, step: StepFn) -> list[Any]:
+    def forward_phase(self, step: StepFn, *, keep_outputs: bool = True) -> list[Any]:
         """Run the schedule's actions up to its last forward, each forward a call of ``step``; its outputs in order.
 
         The backward passes among them (``"1f1b"``, ``"zero_bubble"``) run here, their gradients held when ``hold``
-        was given.
+        was given. ``keep_outputs=False`` drops each output once its loss is taken (``None`` in its place), for a
+        caller that needs only the step's loss (:meth:`weigh` without ``returns_weights``): a loss may hold a buffer the
+        size of the last stage's output (``mse_loss`` on the CPU), which would stay alive through the backward passes.
         """
         run = self.run
         outputs: list[Any] = []
@@ -105,9 +107,11 @@ class StepDriver:
                 if action.phase is not Phase.FORWARD:
                     self._backward(action)
                     continue
-                outputs.append(self._step(step, mb))
+                output = self._step(step, mb)
                 if run.training and self.stage.is_last:
-                    self._losses[mb.index] = self._loss_at_forward(mb, outputs[-1])
+                    self._losses[mb.index] = self._loss_at_forward(mb, output)
+                outputs.append(output if keep_outputs else None)
+                del output  # the weighted loss keeps what its backward needs
             if self._held is not None:
                 self._held.hold()
         except BaseException as error:

@@ -108,7 +108,8 @@ class Pipeline:
             with self._guard():
                 return loss_fn(output, mb.value)
 
-        outputs = driver.forward_phase(step)
+        # The driver keeps each loss weighted; the unweighted one (which may hold an output-sized buffer) is dropped.
+        outputs = driver.forward_phase(step, keep_outputs=False)
         total = driver.weigh(outputs) if self.stage.is_last else None
         driver.backward_phase()
         return total

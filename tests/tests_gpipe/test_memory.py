@@ -5,17 +5,24 @@ Linear(128, 128) + GELU on 8,192 samples: 512 MiB of saved activations, 4 MiB of
 re-materialization the stage keeps every layer's activations for all N samples, O(L * N); with it, each micro-batch's
 boundary input plus one micro-batch's activations during its recomputation, O(N + L * N / M). Each mode trains in a
 fresh process (``benchmarks/strategy_memory/measure.py``), which reports its peak memory growth two ways: exact live
-tensor bytes and peak RSS.
+tensor bytes and peak RSS. A fast check measures one in-process step of the engine the same way.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 from helpers.runif import RunIf
+from torch import nn
 
 from benchmarks.strategy_memory.measure import measure_runs
+from lightning_gpipe.build.profile import LiveTensorBytes
+from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.transport import ThreadTransport
 
 MIB = 2**20
 CHUNKS = 8
@@ -59,3 +66,31 @@ def test_peak_rss_drops_by_at_least_half_the_predicted_saving(measured: dict[str
     # RSS also counts allocator and interpreter memory (25-30 MiB here, more where glibc's caching is not pinned, as
     # measure.py does): half of the predicted 448 MiB still leaves ~200 MiB between the modes.
     assert saving >= 0.5 * predicted, (never["rss_growth"] / MIB, always["rss_growth"] / MIB, predicted / MIB)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+def test_a_steps_peak_holds_no_loss_past_its_weighting(schedule: str, mode: str) -> None:
+    # Regression: the step driver kept every micro-batch's unweighted loss (the step function's return) until the
+    # step's end. On the CPU mse_loss's scalar shares a buffer of the micro-batch's output size, so the backward passes
+    # ran with one more N x OUT alive than the formula. Wide outputs make that N x OUT stand out.
+    N, D, OUT, blocks, M = 1024, 32, 128, 4, 8
+    generator = torch.Generator().manual_seed(1)
+    batch = (torch.randn(N, D, generator=generator), torch.randn(N, OUT, generator=generator))
+    torch.manual_seed(0)
+    cell = nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(D, D), nn.GELU())], nn.Linear(D, OUT))
+    for parameter in cell.parameters():  # gradient buffers exist before the step: only activations are measured
+        parameter.grad = torch.zeros_like(parameter)
+    (transport,) = ThreadTransport.create(1)
+    pipeline = Pipeline(cell, transport, chunks=M, checkpoint=mode, schedule=schedule)
+    with LiveTensorBytes() as probe:
+        pipeline.train_step(batch, lambda output, microbatch: F.mse_loss(output, microbatch[1]))
+    # The GPipe formula: 2 saved tensors per block for the micro-batches in flight, the outputs of those whose backward
+    # has not run (all M under gpipe, one under 1f1b on one stage). Besides: one micro-batch's output gradient and a
+    # few of its hidden ones.
+    in_flight = M if schedule == "gpipe" else 1
+    samples = math.ceil(N / M)
+    rows = N if mode == "never" and schedule == "gpipe" else samples
+    predicted = (2 * blocks * rows * D + in_flight * samples * OUT) * 4
+    transient = (samples * OUT + 3 * samples * D) * 4
+    assert 0 <= probe.peak - predicted <= transient, (probe.peak, predicted, transient)
