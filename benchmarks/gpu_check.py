@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from benchmarks.launch import run_command
+from benchmarks.trainer import quiet_trainer
 
 __all__ = ["CHECKS", "main"]
 
@@ -80,20 +81,14 @@ def _module(precision: str, meta: bool = False) -> Any:
 
 
 def _fit(strategy: Any, precision: str, meta: bool = False) -> tuple[dict[str, torch.Tensor], float | None]:
-    import lightning as L
-
     module = _module(precision, meta)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator=DEVICE,
         devices=1,
         strategy=strategy,
-        precision=precision,  # type: ignore[arg-type]
+        precision=precision,
         max_steps=STEPS,
         use_distributed_sampler=False,  # one device: the plain loader's order for both strategies
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, _loader())
     scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -246,16 +241,12 @@ def check_zoo_bf16() -> str:
     tokens[:, 0], tokens[:, -1] = 1, 2
     from torch.utils.data import DataLoader
 
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator=DEVICE,
         devices=1,
         strategy=GPipeStrategy(pipe_size=1, chunks=2),
         precision="bf16-mixed",
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trained_on = set()
 

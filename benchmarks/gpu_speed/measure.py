@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 import zoo
 from benchmarks.gpu_speed.configs import Config, Workload
+from benchmarks.trainer import quiet_trainer
 from lightning_gpipe import GPipeStrategy
 from zoo import ZooModule
 from zoo.transformer.objective import sequence_cross_entropy
@@ -82,17 +83,13 @@ def _lightning_steps(module: ZooModule, config: Config, batches: list[Any], tota
         options = {"compile": True} if config.strategy_compile else {}
         strategy = GPipeStrategy(pipe_size=1, chunks=config.chunks, checkpoint=config.checkpoint, **options)  # type: ignore[arg-type]
     clock = _StepClock(device)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator=device,
         devices=1,
         strategy=strategy,
         precision="bf16-mixed",
         max_steps=total + 1,  # the last step's start closes the timed window; teardown is not timed
         callbacks=[clock],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
     )

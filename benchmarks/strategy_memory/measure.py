@@ -39,6 +39,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from benchmarks.trainer import quiet_trainer
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.build.cost import memory_cost
 from lightning_gpipe.build.profile import LiveTensorBytes
@@ -205,16 +206,12 @@ def measure(mode: str, chunks: int, root: str, accelerator: str = "cpu") -> dict
         # batch_size=None hands the prepared batch over as it is: no collation copy inside the measured window.
         loader: DataLoader[tuple[Tensor, Tensor]] = DataLoader([batch] * STEPS, batch_size=None)  # type: ignore[arg-type]
         probe = PeakMemory()
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
             accelerator=accelerator,
             devices=1,
             strategy=GPipeStrategy(pipe_size=1, chunks=chunks, checkpoint=mode),  # type: ignore[arg-type]
             max_steps=STEPS,
             callbacks=[probe],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             use_distributed_sampler=False,
             num_sanity_val_steps=0,
             default_root_dir=root,

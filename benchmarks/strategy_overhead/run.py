@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from benchmarks.engine_speed.cpuload import CpuSnapshot, foreign_cores, snapshot
 from benchmarks.launch import Launcher
 from benchmarks.machine import cpu_model
+from benchmarks.trainer import quiet_trainer
 from lightning_gpipe import GPipeStrategy
 
 __all__ = ["Plan", "main"]
@@ -141,16 +142,12 @@ def measure(config: str, warmup: int, steps: int, profile: bool = False) -> dict
     loader: DataLoader[tuple[Tensor, Tensor]] = DataLoader(sequence, batch_size=None)  # type: ignore[arg-type]
     profiler = cProfile.Profile() if profile else None
     clock = StepClock(warmup, steps, profiler)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         strategy=_strategy(config),
         max_steps=total,
         callbacks=[clock],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
         default_root_dir=os.getcwd(),

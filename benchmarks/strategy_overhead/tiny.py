@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from benchmarks.launch import Launcher, importing_package_from, run_command
+from benchmarks.trainer import quiet_trainer
 
 WARMUP, STEPS, BATCH = 20, 150, 16
 CONFIGS = ("ddp", "gpipe", "gpipe_never", "gpipe_m1")
@@ -87,15 +88,11 @@ def _rank(rank: int, world_size: int, config: str, profile: bool) -> tuple[float
         mode = "never" if config == "gpipe_never" else mode
         strategy = GPipeStrategy(pipe_size=2, chunks=chunks, checkpoint=mode)  # type: ignore[arg-type]
     clock = Clock()
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         max_steps=total,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=[clock],
     )
     trainer.fit(Classifier(), DataLoader(data, batch_size=BATCH))
