@@ -36,6 +36,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.fabric.strategies.launchers import subprocess_script
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -44,6 +45,7 @@ from helpers.lightning_job import SequentialModule, dataset, trainer_for
 __all__ = ["FaultyModule", "MemoryProbe", "listening_sockets", "main", "resident_bytes"]
 
 SAMPLES, BATCH = 64, 16
+OBSERVER_GRACE = 10.0  # seconds the surviving rank 0 has to report its error before Lightning's watcher kills it
 
 
 class FaultyModule(SequentialModule):
@@ -198,8 +200,21 @@ def _other_dataset(samples: int, seed: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, reference.tensors[1])
 
 
+class _ReportingFirstObserver(subprocess_script._ChildProcessObserver):
+    """Lightning's watcher of rank 0's children, which SIGKILLs rank 0 when a child dies, after a grace period.
+
+    Without it the watcher, polling every 5 s, may kill the surviving rank 0 before it has reported the error the test
+    reads: a race that failed the SIGKILL tests about once in ten runs under load.
+    """
+
+    def _terminate_all(self) -> None:
+        time.sleep(OBSERVER_GRACE)
+        super()._terminate_all()
+
+
 def main(config_path: str) -> None:
     """Every run of the config; a failure's traceback also goes to ``failure-rank{LOCAL_RANK}.txt`` beside it."""
+    subprocess_script._ChildProcessObserver = _ReportingFirstObserver
     try:
         _run_all(config_path)
     except BaseException:
