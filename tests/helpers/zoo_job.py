@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_gpipe
+from benchmarks.trainer import quiet_trainer
 from helpers.zoo_tiny import tiny_batch, tiny_model
 
 
@@ -70,28 +71,31 @@ def causal_lm(root: Path, lora: bool = False) -> tuple[L.LightningModule, dict[s
     return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def train_on_repeats(
+    model: L.LightningModule, batch: Any, strategy: Any, devices: int, root: Path, steps: int
+) -> L.Trainer:
+    """``steps`` steps of ``model`` on ``batch``, served again each step, on CPU with no validation, logger or bar."""
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        default_root_dir=str(root),
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, DataLoader(Repeated(batch, steps), batch_size=_size(batch)))
+    return trainer
+
+
 def fit(name: str, steps: int, strategy: Any, devices: int, root: Path) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
     if name in (CAUSAL_LM, CAUSAL_LM_LORA):
         model, batch = causal_lm(root, lora=name == CAUSAL_LM_LORA)
     else:
         model, batch = tiny_model(name), tiny_batch(name)
-    size = _size(batch)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(model, DataLoader(Repeated(batch, steps), batch_size=size))
+    trainer = train_on_repeats(model, batch, strategy, devices, root, steps)
     trainer.save_checkpoint(root / f"{name}.ckpt")  # a collective: every rank takes part, rank 0 writes
     return model
 

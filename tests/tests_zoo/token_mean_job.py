@@ -13,9 +13,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from helpers.zoo_job import Repeated
+from helpers.zoo_job import train_on_repeats
 from helpers.zoo_tiny import tiny_batch, tiny_model
-from torch.utils.data import DataLoader
 
 import lightning_gpipe
 import zoo
@@ -57,21 +56,7 @@ def fit(name: str, translator: Path, strategy: Any, devices: int, root: Path) ->
     """One step of SGD at lr 1 (a parameter moves by its gradient) on the padded batch."""
     model, batch = model_and_batch(name, translator)
     model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=1.0)  # type: ignore[method-assign]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(model, DataLoader(Repeated(batch, 1), batch_size=BATCH))
+    train_on_repeats(model, batch, strategy, devices, root, steps=1)
     return model
 
 
