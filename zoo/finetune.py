@@ -140,12 +140,14 @@ def _load_hf(
             f"num_classes={num_classes!r} does not apply to the Hugging Face language model {str(source)!r}: it keeps "
             "its vocabulary (fine-tune the whole model, its head with freeze_backbone=True, or LoRA adapters)"
         )
-    if architecture is not None and architecture != PretrainedCausalLM.zoo_name:
-        raise ValueError(
-            f"{str(source)!r} is a Hugging Face language model, which loads as {PretrainedCausalLM.zoo_name!r}, not "
-            f"the expected {architecture!r}"
-        )
+    _expect_architecture(source, "a Hugging Face language model", PretrainedCausalLM.zoo_name, architecture)
     return PretrainedCausalLM(str(source), pretrained=True, freeze_backbone=freeze_backbone, **overrides)
+
+
+def _expect_architecture(source: str | Path, kind: str, loads_as: str, architecture: str | None) -> None:
+    """Refuse a source of ``kind``, which loads as ``loads_as``, where the caller expected another ``architecture``."""
+    if architecture is not None and architecture != loads_as:
+        raise ValueError(f"{str(source)!r} is {kind}, which loads as {loads_as!r}, not the expected {architecture!r}")
 
 
 def _load_hf_translation(
@@ -159,9 +161,5 @@ def _load_hf_translation(
                 f"{key}={value!r} does not apply to the Hugging Face translation model {str(source)!r}: a translation "
                 "model keeps its vocabulary and trains every weight (its output projection is the shared embedding)"
             )
-    if architecture is not None and architecture != PretrainedTranslator.zoo_name:
-        raise ValueError(
-            f"{str(source)!r} is a Hugging Face model, which loads as {PretrainedTranslator.zoo_name!r}, not the "
-            f"expected {architecture!r}"
-        )
+    _expect_architecture(source, "a Hugging Face model", PretrainedTranslator.zoo_name, architecture)
     return PretrainedTranslator(str(source), pretrained=True, **overrides)
