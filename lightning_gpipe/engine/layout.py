@@ -11,11 +11,21 @@ Example, 4 ranks with K = 2::
     replica   0  0  1  1
     stage     1  0  1  0
 
-Besides the pipeline and data-parallel groups, every link between adjacent stages (j, j+1) of every pipeline gets a
-2-rank group of its own, which carries only that link's point-to-point messages. NCCL runs all operations of one group
-in issue order on one stream: on a group shared with collectives, a collective issued after a posted receive would
-wait for that receive (a deadlock when the peer sends only after the same collective), and a middle stage's sends
-would queue behind the receives it posted from the previous stage.
+With several stages per process (``schedule="interleaved"`` or ``"zbv"``,
+:func:`~lightning_gpipe.engine.schedule.stages_of`) a pipeline of K processes holds ``K·v`` stages: the process at
+position ``r`` of its pipeline holds ``stages_of(schedule, r, K, v)``, and the one holding the last stage sits on the
+pipeline's lowest rank, as above. Interleaved with v = 2, and ZB-V, whose V puts the first and the last stage on one
+process, for K = 2::
+
+    interleaved  rank      0     1          zbv  rank      0     1
+                 position  1     0               position  0     1
+                 stages    1, 3  0, 2            stages    0, 3  1, 2
+
+Besides the pipeline and data-parallel groups, every link between adjacent stages (s, s+1) of every pipeline that sit
+on two processes gets a 2-rank group of its own, which carries only that link's point-to-point messages. NCCL runs
+all operations of one group in issue order on one stream: on a group shared with collectives, a collective issued
+after a posted receive would wait for that receive (a deadlock when the peer sends only after the same collective),
+and a middle stage's sends would queue behind the receives it posted from the previous stage.
 """
 
 from __future__ import annotations
@@ -26,16 +36,24 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from lightning_gpipe.engine.schedule import stages_of
+
 __all__ = ["ProcessLayout", "StageGroups", "new_stage_groups"]
 
 
 @dataclass(frozen=True)
 class ProcessLayout:
-    """The place of ``rank`` in a job of ``world_size`` processes cut into pipelines of ``pipe_size`` stages."""
+    """The place of ``rank`` in a job of ``world_size`` processes cut into pipelines of ``pipe_size`` processes.
+
+    ``schedule`` and ``virtual_stages`` say how many stages each process holds (one, but for ``"interleaved"`` and
+    ``"zbv"``: :func:`~lightning_gpipe.engine.schedule.stages_of`, which checks them).
+    """
 
     world_size: int
     pipe_size: int
     rank: int
+    schedule: str = "gpipe"
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.pipe_size, bool) or not isinstance(self.pipe_size, int) or self.pipe_size < 1:
@@ -49,6 +67,7 @@ class ProcessLayout:
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size} processes")
+        stages_of(self.schedule, 0, self.pipe_size, self.virtual_stages)  # refuses a bad schedule or virtual_stages
 
     @property
     def num_replicas(self) -> int:
@@ -62,49 +81,81 @@ class ProcessLayout:
 
     @property
     def stage(self) -> int:
-        """This rank's stage within its pipeline."""
-        return self.pipe_size - 1 - self.rank % self.pipe_size
+        """This rank's position in its pipeline: its stage, where each process holds one (else see :attr:`stages`)."""
+        return self._position(self.rank % self.pipe_size)
+
+    def _position(self, local: int) -> int:
+        # The process holding the last stage sits on the pipeline's first rank: under ZB-V that is position 0.
+        return local if self.schedule == "zbv" else self.pipe_size - 1 - local
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages this rank holds, first to last in the model (``(stage,)`` with one stage per process)."""
+        return self.stages_at(self.stage)
+
+    def stages_at(self, position: int) -> tuple[int, ...]:
+        """The stages the process at ``position`` of a pipeline holds."""
+        return stages_of(self.schedule, position, self.pipe_size, self.virtual_stages)
+
+    @property
+    def num_stages(self) -> int:
+        """Stages per pipeline: ``pipe_size`` times the stages each process holds."""
+        return self.pipe_size * len(self.stages)
+
+    @property
+    def holds_last_stage(self) -> bool:
+        """Whether this rank holds its pipeline's last stage (the loss, the metrics, the logs)."""
+        return self.num_stages - 1 in self.stages
 
     def pipeline_ranks(self, replica: int | None = None) -> list[int]:
-        """Global ranks of a pipeline's stages, in stage order (stage 0 first)."""
+        """Global ranks of a pipeline's processes by position (with one stage per process: in stage order)."""
         first = (self.replica if replica is None else replica) * self.pipe_size
-        return [first + self.pipe_size - 1 - stage for stage in range(self.pipe_size)]
+        return [first + self._position(position) for position in range(self.pipe_size)]  # the map is its own inverse
+
+    def stage_ranks(self, replica: int | None = None) -> list[int]:
+        """Global rank of every stage of a pipeline, in stage order (``num_stages`` entries)."""
+        ranks = self.pipeline_ranks(replica)
+        by_stage = {stage: ranks[position] for position in range(self.pipe_size) for stage in self.stages_at(position)}
+        return [by_stage[stage] for stage in range(self.num_stages)]
 
     def replica_ranks(self, stage: int | None = None) -> list[int]:
-        """Global ranks that run the same stage in every replica (its data-parallel group)."""
-        stage = self.stage if stage is None else stage
-        return [replica * self.pipe_size + self.pipe_size - 1 - stage for replica in range(self.num_replicas)]
+        """Global ranks of the process at position ``stage`` (default: this rank's) in every replica: its
+        data-parallel group, which holds the same stages."""
+        position = self.stage if stage is None else stage
+        return [ranks[position] for ranks in map(self.pipeline_ranks, range(self.num_replicas))]
 
     @property
     def last_stage_rank(self) -> int:
-        """Global rank of this pipeline's last stage."""
-        return self.pipeline_ranks()[-1]
+        """Global rank of this pipeline's last stage: the pipeline's first rank."""
+        return self.stage_ranks()[-1]
 
     def new_groups(
         self, timeout: datetime.timedelta
-    ) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[dist.ProcessGroup]]:
+    ) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[dist.ProcessGroup | None]]:
         """Create (this rank's pipeline group, its data-parallel group, its pipeline's link groups).
 
-        The link groups are in stage order: entry ``j`` holds stages ``j`` and ``j + 1`` of this rank's pipeline. Every
-        group waits ``timeout`` for its peers, as the world group does. Every rank must call this, in the same order,
-        because ``new_group`` is collective over the world: each rank creates every group, also those it is not in.
+        The link groups are in stage order: entry ``s`` holds stages ``s`` and ``s + 1`` of this rank's pipeline, or is
+        ``None`` where one process holds both (its messages stay in the process). Every group waits ``timeout`` for
+        its peers, as the world group does. Every rank must call this, in the same order, because ``new_group`` is
+        collective over the world: each rank creates every group, also those it is not in.
         """
         pipeline_group = replica_group = None
-        links: list[dist.ProcessGroup] = []
+        links: list[dist.ProcessGroup | None] = []
         for replica in range(self.num_replicas):
             group = dist.new_group(self.pipeline_ranks(replica), timeout=timeout)
             if replica == self.replica:
                 pipeline_group = group
-        for stage in range(self.pipe_size):
-            group = dist.new_group(self.replica_ranks(stage), timeout=timeout)
-            if stage == self.stage:
+        for position in range(self.pipe_size):
+            group = dist.new_group(self.replica_ranks(position), timeout=timeout)
+            if position == self.stage:
                 replica_group = group
         for replica in range(self.num_replicas):
-            ranks = self.pipeline_ranks(replica)
-            for stage in range(self.pipe_size - 1):
-                group = dist.new_group([ranks[stage], ranks[stage + 1]], timeout=timeout)
+            ranks = self.stage_ranks(replica)
+            for stage in range(self.num_stages - 1):
+                pair = ranks[stage : stage + 2]
+                link = dist.new_group(pair, timeout=timeout) if pair[0] != pair[1] else None
                 if replica == self.replica:
-                    links.append(group)
+                    links.append(link)
         assert pipeline_group is not None
         assert replica_group is not None
         return pipeline_group, replica_group, links
@@ -115,7 +166,7 @@ class StageGroups(NamedTuple):
 
     pipeline: dist.ProcessGroup
     replicas: dist.ProcessGroup
-    links: list[dist.ProcessGroup]
+    links: list[dist.ProcessGroup | None]
     objects: dist.ProcessGroup | None
     control: dist.ProcessGroup | None
 

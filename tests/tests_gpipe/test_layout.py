@@ -1,6 +1,9 @@
 """Process layout: stages, replicas and groups of every rank."""
 
+import datetime
+
 import pytest
+import torch.distributed as dist
 
 from lightning_gpipe.engine.layout import ProcessLayout
 
@@ -31,3 +34,67 @@ def test_world_not_divisible_by_pipe_size() -> None:
 def test_pipe_size_must_be_a_positive_int(pipe_size: object) -> None:
     with pytest.raises(ValueError, match="must be a positive int"):
         ProcessLayout(4, pipe_size, 0)  # type: ignore[arg-type]
+
+
+def test_interleaved_ranks_hold_every_kth_stage_the_last_on_the_first_rank() -> None:
+    layouts = [ProcessLayout(4, 2, rank, "interleaved", 2) for rank in range(4)]
+    assert [lay.stages for lay in layouts] == [(1, 3), (0, 2), (1, 3), (0, 2)]
+    assert layouts[1].stage_ranks() == [1, 0, 1, 0]
+    assert layouts[3].stage_ranks() == [3, 2, 3, 2]
+    assert layouts[0].holds_last_stage
+    assert not layouts[1].holds_last_stage
+    assert layouts[3].last_stage_rank == 2
+    assert layouts[0].num_stages == 4
+    assert layouts[1].replica_ranks() == [1, 3]  # the same stages in every replica
+
+
+def test_zbv_puts_the_first_and_last_stage_on_the_first_rank() -> None:
+    layouts = [ProcessLayout(8, 4, rank, "zbv") for rank in range(8)]
+    assert [lay.stages for lay in layouts[:4]] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert layouts[5].stage_ranks() == [4, 5, 6, 7, 7, 6, 5, 4]
+    assert layouts[4].last_stage_rank == 4
+    assert layouts[4].holds_last_stage
+    assert layouts[6].replica_ranks() == [2, 6]
+    assert [lay.num_stages for lay in layouts] == [8] * 8
+
+
+def test_one_stage_per_process_is_unchanged_by_the_schedule() -> None:
+    for schedule in ("gpipe", "1f1b", "zero_bubble"):
+        layouts = [ProcessLayout(4, 2, rank, schedule) for rank in range(4)]
+        assert [lay.stages for lay in layouts] == [(1,), (0,), (1,), (0,)]
+        assert layouts[2].stage_ranks() == layouts[2].pipeline_ranks() == [3, 2]
+
+
+def test_virtual_stages_are_checked_with_the_schedule() -> None:
+    with pytest.raises(ValueError, match=r"virtual_stages=2 applies to schedule='interleaved' only"):
+        ProcessLayout(2, 2, 0, "1f1b", 2)
+    with pytest.raises(ValueError, match=r"needs virtual_stages >= 2"):
+        ProcessLayout(2, 2, 0, "interleaved", 1)
+
+
+class _Groups:
+    """Records dist.new_group's calls: the ranks of each group, in creation order."""
+
+    def __init__(self) -> None:
+        self.created: list[list[int]] = []
+
+    def __call__(self, ranks: list[int], timeout: object = None) -> str:
+        self.created.append(list(ranks))
+        return f"group{ranks}"
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("interleaved", 2), ("zbv", 1)])
+def test_links_join_adjacent_stages_on_two_processes_only(
+    monkeypatch: pytest.MonkeyPatch, schedule: str, v: int
+) -> None:
+    per_rank = []
+    for rank in range(4):
+        groups = _Groups()
+        monkeypatch.setattr(dist, "new_group", groups)
+        _, _, links = ProcessLayout(4, 2, rank, schedule, v).new_groups(datetime.timedelta(seconds=1))
+        per_rank.append((groups.created, links))
+    assert all(created == per_rank[0][0] for created, _ in per_rank)  # every rank, every group, the same order
+    if schedule == "interleaved":  # stages 0..3 on ranks 1, 0, 1, 0: three links, each its own group
+        assert per_rank[0][1] == ["group[1, 0]", "group[0, 1]", "group[1, 0]"]
+    else:  # stages 0..3 on ranks 0, 1, 1, 0: stages 1 and 2 share rank 1, no group between them
+        assert per_rank[2][1] == ["group[2, 3]", None, "group[3, 2]"]
