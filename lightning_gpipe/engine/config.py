@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning_gpipe.engine.microbatch import validate_chunks
 from lightning_gpipe.engine.rematerialization import CheckpointMode, validate_mode
-from lightning_gpipe.engine.schedule import validate_schedule
+from lightning_gpipe.engine.schedule import _check_virtual_stages, _interleaved_group, validate_schedule
 
 __all__ = ["PipelineConfig", "config_from", "validate_flag"]
 
@@ -21,12 +21,16 @@ class PipelineConfig:
     how the strategy starts its processes) extend this class: :class:`~lightning_gpipe.build.config.BuildConfig`,
     :class:`~lightning_gpipe.config.StrategyConfig`. ``chunks=None`` defers to the world size, as
     :meth:`~lightning_gpipe.build.config.BuildConfig.resolve` resolves it; a ``Pipeline`` needs it set.
+
+    ``virtual_stages`` is the number of stages each process holds under ``schedule="interleaved"`` (2 or more); ZB-V
+    always places two (``"zbv"`` takes 1 or 2); the other schedules one. :attr:`stages_per_process` says how many.
     """
 
     chunks: int | None = None
     checkpoint: CheckpointMode = "except_last"
     schedule: str = "gpipe"
     detect_anomalies: bool = False
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.chunks is not None:
@@ -34,6 +38,18 @@ class PipelineConfig:
         validate_mode(self.checkpoint)
         validate_schedule(self.schedule)
         validate_flag("detect_anomalies", self.detect_anomalies)
+        _check_virtual_stages(self.schedule, self.virtual_stages)
+
+    @property
+    def stages_per_process(self) -> int:
+        """How many stages each process holds: ``virtual_stages`` under ``"interleaved"``, 2 under ``"zbv"``, else 1."""
+        return _check_virtual_stages(self.schedule, self.virtual_stages)
+
+    def check_chunks(self, num_processes: int) -> None:
+        """Refuse ``chunks`` that ``schedule="interleaved"`` cannot split into rounds over ``num_processes`` processes
+        (the message says the rule and the values that fit); nothing to check for the other schedules."""
+        if self.schedule == "interleaved" and self.chunks is not None:
+            _interleaved_group(num_processes, self.chunks)
 
 
 def validate_flag(name: str, value: object) -> bool:

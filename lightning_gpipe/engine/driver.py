@@ -1,4 +1,4 @@
-"""The step driver: one stage's step, from its caller's per-micro-batch step function to the last backward pass.
+"""The step driver: one process's step, from its caller's per-micro-batch step function to the last backward pass.
 
 Both drivers of a pipeline run it: :meth:`Pipeline.train_step <lightning_gpipe.engine.pipeline.Pipeline.train_step>`
 with ``loss_fn(output, micro-batch)`` as the step function, the Lightning strategy with the user's ``training_step``.
@@ -10,7 +10,12 @@ A step runs in two phases, so that a caller may put something between them (Ligh
 :meth:`StepDriver.forward_phase` runs the schedule's actions up to its last forward, :meth:`StepDriver.backward_phase`
 (training) or :meth:`StepDriver.finish` (evaluation) the rest. The step function calls :meth:`StepDriver.call` with the
 stage's input once per micro-batch; every action goes through :class:`StepRun`, which refuses one out of the schedule's
-order, so the driver walks actions, whatever phase and micro-batch they name.
+order, so the driver walks actions, whatever phase, micro-batch and stage they name.
+
+A process that holds several stages (``"interleaved"``, ``"zbv"``) calls the step function once per micro-batch too, at
+the forward of its *call stage* (:attr:`StepRun.call_stage`: the last stage where it holds it, else its first); the
+driver runs its other stages' forwards itself. Where the process holds stage 0 but calls at another stage (ZB-V's
+first process, or one process holding every stage), stage 0's input comes from ``feed(micro-batch)``.
 
 The loss-weighting rule: micro-batch ``i`` weighs ``w_i``, declared from its batch before the step (a module's
 ``batch_loss_weight``), else the ``loss_weight`` its step returned where the schedule allows it, else its share of the
@@ -39,19 +44,23 @@ a training step, the loss or a mapping with a ``"loss"`` (and, where the schedul
 
 
 class StepDriver:
-    """One step of ``run.stage``: the step function per forward, the weighted losses, the backward passes.
+    """One step of ``run``'s stages: the step function per forward, the weighted losses, the backward passes.
 
     Args:
-        run: the step begun on the stage (:meth:`Pipeline.begin <lightning_gpipe.engine.pipeline.Pipeline.begin>`).
+        run: the step begun on the process's stages (:meth:`Pipeline.begin
+            <lightning_gpipe.engine.pipeline.Pipeline.begin>`).
         hook: what the step function is called in messages (``"training_step"``, ``"validation_step"``...).
         sequence: the pipelined sequence's name in messages.
         returns_weights: whether a step may return ``loss_weight``; without, every loss is weighed at its forward.
         declare: the module's ``batch_loss_weight(batch)``, which declares each micro-batch's weight before the step.
-        hold: the parameters whose gradients a backward pass among the forwards computes, held until
-            :meth:`backward_phase` (Lightning zeroes ``.grad`` in between); ``None`` to leave them in ``.grad``.
+        hold: the parameters whose gradients a backward pass among the forwards computes (those of every stage the
+            process holds), held until :meth:`backward_phase` (Lightning zeroes ``.grad`` in between); ``None`` to
+            leave them in ``.grad``.
         scale_loss: applied to a weighted loss before its backward pass (accumulation, a loss scaler).
         check_losses: check each loss for NaN and Inf at its forward.
-        relay: serves the sequence's further calls of an evaluation step (decoding).
+        relay: serves the sequence's further calls of an evaluation step (decoding); one stage per process only.
+        feed: stage 0's input for a micro-batch, where the process holds stage 0 and its call stage is another one;
+            required there, unused elsewhere.
     """
 
     def __init__(
@@ -66,9 +75,10 @@ class StepDriver:
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
         check_losses: bool = False,
         relay: CallRelay | None = None,
+        feed: StepFn | None = None,
     ) -> None:
         self.run = run
-        self.stage = run.stage
+        self.stage = run.call_stage  # where the step function is called: the loss, or the caller's input
         self.hook = hook
         self.sequence = sequence
         self.returns_weights = returns_weights
@@ -80,7 +90,15 @@ class StepDriver:
         self._held: HeldGradients | None = None
         self._scale_loss = scale_loss
         self._check_losses = check_losses
-        self._relay = relay
+        self._relay = relay if len(run.stages) == 1 else None
+        first = run.stages[0]
+        self._feed = feed if first.is_first and self.stage is not first else None
+        if first.is_first and self.stage is not first and feed is None:
+            raise TypeError(
+                f"this process holds stage 0 and calls its step at stage {self.stage.index} (stages "
+                f"{[stage.index for stage in run.stages]} under schedule={run.schedule!r}), so stage 0's input must "
+                "come from elsewhere: pass StepDriver(..., feed=fn), fn(micro-batch) -> stage 0's input"
+            )
         self._losses: dict[int, torch.Tensor] = {}  # the last stage's losses, weighted once their weight is known
         self._current: Microbatch | None = None
         self._calls = 0
@@ -106,6 +124,10 @@ class StepDriver:
                 mb = run.microbatches[action.microbatch]
                 if action.phase is not Phase.FORWARD:
                     self._backward(action)
+                    continue
+                if run.stage_of(action) is not self.stage:  # another held stage: its forward needs no step
+                    value = self._feed(mb) if self._feed is not None and action.stage == 0 else None
+                    run.forward(mb.index, value, action.stage)
                     continue
                 output = self._step(step, mb)
                 if run.training and self.stage.is_last:
@@ -143,7 +165,14 @@ class StepDriver:
             raise RuntimeError("the pipelined sequence was called outside a step of the pipeline")
         self._calls += 1
         if self._calls == 1:
-            return self.run.forward(mb.index, value if self.stage.is_first else None)
+            stage = None if len(self.run.stages) == 1 else self.stage.index
+            return self.run.forward(mb.index, value if self.stage.is_first else None, stage)
+        if len(self.run.stages) > 1:
+            raise RuntimeError(
+                f"the step called the pipelined sequence twice for one batch under schedule={self.run.schedule!r}, "
+                "whose processes hold several stages; further calls (decoding) are served with one stage per process "
+                "only: evaluate with schedule='gpipe' or '1f1b' (another Trainer, or a strategy of its own)"
+            )
         if self._relay is None:
             raise RuntimeError(
                 "the step called the pipelined sequence twice for one batch; under GPipeStrategy each step "
@@ -207,24 +236,27 @@ class StepDriver:
         losses = [output["loss"] if isinstance(output, Mapping) else output for output in outputs]
         self.step_weights = weights = self.weights(outputs, losses[0].device)
         weighted = [loss * weight.to(loss.dtype) for loss, weight in zip(losses, weights, strict=True)]
-        pending = {action.microbatch for action in self.run.remaining()}
+        last = self.stage
+        pending = {action.microbatch for action in self.run.remaining() if self.run.stage_of(action) is last}
         self._losses = {i: loss for i, loss in enumerate(weighted) if i in pending}
         return torch.stack([loss.detach() for loss in weighted]).sum()
 
     def _backward(self, action: Action) -> None:
         """Run one of the schedule's backward actions: a whole backward, or a split backward's input pass (both start
         from the loss on the last stage) or weight pass (which reuses the input pass's graph)."""
+        index, stage = action.microbatch, action.stage
         if action.phase is Phase.WEIGHT:
-            self.run.weight(action.microbatch)
+            self.run.weight(index, stage)
         elif action.phase is Phase.INPUT:
-            self.run.input(action.microbatch, self._backward_loss(action.microbatch))
+            self.run.input(index, self._backward_loss(action), stage)
         else:
-            self.run.backward(action.microbatch, self._backward_loss(action.microbatch))
+            self.run.backward(index, self._backward_loss(action), stage)
 
-    def _backward_loss(self, index: int) -> torch.Tensor | None:
-        """What the backward of micro-batch ``index`` starts from: its weighted loss on the last stage, scaled."""
-        if not self.stage.is_last:
+    def _backward_loss(self, action: Action) -> torch.Tensor | None:
+        """What the backward ``action`` starts from: its micro-batch's weighted loss on the last stage, scaled."""
+        if not self.run.stage_of(action).is_last:
             return None
+        index = action.microbatch
         loss = self._losses[index]
         return self._scale_loss(loss) if self._scale_loss is not None else loss
 

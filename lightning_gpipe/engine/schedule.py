@@ -1,8 +1,9 @@
 """Pipeline schedules: the ordered actions of each stage.
 
 A schedule says, for every stage of a pipeline, in which order it runs the forward and backward pass of each
-micro-batch. It is pure Python (no torch) so that it can be reasoned about and tested without devices; the stage
-executor walks :func:`stage_actions` and blocks on the transfers that :func:`dependencies` names.
+micro-batch. It is pure Python (no torch) so that it can be reasoned about and tested without devices; each process's
+step (:class:`~lightning_gpipe.engine.step.StepRun`) walks its actions and blocks on the transfers that
+:func:`dependencies` names.
 
 - ``"gpipe"``: fill-drain, as in the paper and torchgpipe. Every stage runs all forwards, then all backwards in
   reverse micro-batch order: the last micro-batch's backward can start as soon as its forward ends, which is why
@@ -11,10 +12,9 @@ executor walks :func:`stage_actions` and blocks on the transfers that :func:`dep
   every stage takes the same time per pass, but stage ``j`` holds at most ``min(K - j, M)`` micro-batches'
   activations at once instead of ``M``. Backwards run in micro-batch order.
 
-Three more schedules are generated here and simulated by the planner; a process may hold several stages, so their
-actions name their stage and come per process (:func:`process_actions`). ``"zero_bubble"`` holds one stage per
-process and runs (:func:`stage_actions` gives its actions too); the other two are planned only
-(:data:`PLANNED_SCHEDULES`):
+Three more schedules split the backward or place several stages on each process, so their actions name their stage
+and come per process (:func:`process_actions`, the stages of each process :func:`stages_of`); ``"zero_bubble"`` holds
+one stage per process (:func:`stage_actions` gives its actions too):
 
 - ``"interleaved"``: Megatron-LM's interleaved 1F1B (Narayanan et al., 2021). Each of the K processes holds
   ``v = virtual_stages`` stages, process ``r`` the stages ``r, r + K, r + 2K, ...``; the bubble shrinks ``v`` times
@@ -34,15 +34,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 __all__ = [
-    "PLANNED_SCHEDULES",
     "SCHEDULES",
     "Action",
     "Phase",
     "bubble_fraction",
+    "cached_process_actions",
     "cached_stage_actions",
     "clock_cycles",
     "dependencies",
     "process_actions",
+    "process_of",
     "stage_actions",
     "stages_of",
     "validate_schedule",
@@ -58,12 +59,11 @@ __all__ = [
 #   r: index of process (rank in the pipeline), 0 <= r < K; v: stages per process (``virtual_stages``)
 #   s: index of stage when a process holds several, 0 <= s < K·v
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble")
-"""The schedules: GPipe's fill-drain (all forwards, then all backwards), one-forward-one-backward, and ZB-H1."""
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv")
+"""The schedules: GPipe's fill-drain (all forwards, then all backwards), one-forward-one-backward, ZB-H1, and the two
+that place several stages on each process, interleaved 1F1B and ZB-V."""
 
-PLANNED_SCHEDULES: tuple[str, ...] = ("interleaved", "zbv")
-"""The schedules generated (:func:`process_actions`) and simulated by the planner, not yet run by the step driver,
-which refuses them."""
+_MULTI_STAGE = ("interleaved", "zbv")  # the schedules whose processes hold several stages
 
 
 class Phase(str, Enum):
@@ -143,6 +143,11 @@ def _check_stage(stage: object, num_stages: object) -> tuple[int, int]:
 def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
     """The ordered actions that stage ``stage`` of a ``num_stages``-stage pipeline runs for one mini-batch."""
     schedule = validate_schedule(schedule)
+    if schedule in _MULTI_STAGE:
+        raise ValueError(
+            f"schedule={schedule!r} places several stages on each process, so its actions come per process. "
+            "HINT: use process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages)."
+        )
     j, K = _check_stage(stage, num_stages)
     M = _check_count("num_microbatches", num_microbatches)
     if schedule == "zero_bubble":
@@ -219,9 +224,7 @@ def _check_virtual_stages(schedule: str, virtual_stages: object) -> int:
 def _check_process(
     schedule: object, rank: object, num_processes: object, virtual_stages: object
 ) -> tuple[str, int, int, int]:
-    if not (isinstance(schedule, str) and schedule in SCHEDULES + PLANNED_SCHEDULES):
-        valid = ", ".join(repr(s) for s in SCHEDULES + PLANNED_SCHEDULES)
-        raise ValueError(f"Unknown pipeline schedule {schedule!r}. HINT: use one of {valid}.")
+    schedule = validate_schedule(schedule)
     v = _check_virtual_stages(schedule, virtual_stages)
     K = _check_count("num_processes", num_processes)
     if isinstance(rank, bool) or not isinstance(rank, int):
@@ -355,11 +358,32 @@ def process_actions(
     """
     schedule, r, K, v = _check_process(schedule, rank, num_processes, virtual_stages)
     M = _check_count("num_microbatches", num_microbatches)
-    if schedule in SCHEDULES:
-        return [Action(a.phase, a.microbatch, r) for a in stage_actions(schedule, r, K, M)]
     if schedule == "interleaved":
         return _interleaved(r, K, M, v)
-    return _zbv(r, K, M)
+    if schedule == "zbv":
+        return _zbv(r, K, M)
+    return [Action(a.phase, a.microbatch, r) for a in stage_actions(schedule, r, K, M)]
+
+
+@functools.lru_cache(maxsize=None, typed=True)
+def cached_process_actions(
+    schedule: str, rank: int, num_processes: int, num_microbatches: int, virtual_stages: int = 1
+) -> tuple[Action, ...]:
+    """:func:`process_actions`, built and checked once per ``(schedule, rank, K, M, v)`` and shared by every step."""
+    return tuple(process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages))
+
+
+@functools.lru_cache(maxsize=None, typed=True)
+def process_of(schedule: str, stage: int, num_processes: int, virtual_stages: int = 1) -> int:
+    """The process that holds ``stage`` (of ``K·v``) under ``schedule``: the ``rank`` whose :func:`stages_of` has it."""
+    for rank in range(_check_count("num_processes", num_processes)):
+        if stage in stages_of(schedule, rank, num_processes, virtual_stages):
+            return rank
+    per_process = len(stages_of(schedule, 0, num_processes, virtual_stages))
+    raise ValueError(
+        f"stage={stage!r} is not a stage of a pipeline of {num_processes} processes holding {per_process} each under "
+        f"schedule={schedule!r}. HINT: stages count from 0 to {num_processes * per_process - 1}."
+    )
 
 
 def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[int, int]]]:

@@ -1,16 +1,19 @@
-"""One step of one stage in phases: begin, forward, backward, end or abort, in the order the schedule gives.
+"""One step of a process's stages in phases: begin, forward, backward, end or abort, in the order the schedule gives.
 
 :class:`StepRun` is the only place that turns a schedule into calls on a :class:`~lightning_gpipe.engine.stage.Stage`.
-Its drivers differ in who calls the cell: :meth:`Pipeline.train_step
+A process holds one stage, or several under ``"interleaved"`` and ``"zbv"``; the run holds them all and dispatches each
+action to the stage it names. Its drivers differ in who calls the cell: :meth:`Pipeline.train_step
 <lightning_gpipe.engine.pipeline.Pipeline.train_step>` walks :attr:`StepRun.actions` itself, while
 :class:`~lightning_gpipe.strategy.GPipeStrategy` lets the user's ``training_step`` call :meth:`StepRun.forward` once per
 micro-batch and runs the backward passes in Lightning's ``backward``. Every order comes from
-:func:`~lightning_gpipe.engine.schedule.stage_actions`, and :class:`StepRun` refuses an action out of that order, so no
-driver can run a schedule of its own.
+:func:`~lightning_gpipe.engine.schedule.stage_actions` (one stage per process) or
+:func:`~lightning_gpipe.engine.schedule.process_actions` (several), and :class:`StepRun` refuses an action out of that
+order, so no driver can run a schedule of its own.
 
 Lightning zeroes gradients between ``training_step`` and ``backward``. A schedule that runs a backward pass before its
-last forward (``"1f1b"``, ``"zero_bubble"``) therefore runs those passes in ``training_step``; :class:`HeldGradients`
-keeps what they computed out of the parameters' ``.grad`` until Lightning's ``backward``.
+last forward (``"1f1b"``, ``"zero_bubble"``, ``"interleaved"``, ``"zbv"``) therefore runs those passes in
+``training_step``; :class:`HeldGradients` keeps what they computed out of the parameters' ``.grad`` until Lightning's
+``backward``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ import torch
 
 from lightning_gpipe.engine.fingerprint import Fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch
-from lightning_gpipe.engine.schedule import Action, Phase, cached_stage_actions
+from lightning_gpipe.engine.schedule import (
+    Action,
+    Phase,
+    cached_process_actions,
+    cached_stage_actions,
+    process_of,
+    stages_of,
+)
 from lightning_gpipe.engine.stage import Stage
 
 __all__ = ["HeldGradients", "StepRun"]
@@ -31,51 +41,106 @@ _SENDS_GRADIENT = (Phase.BACKWARD, Phase.INPUT)  # the passes after which a stag
 
 
 class StepRun:
-    """One step of ``stage`` over ``microbatches``, driven through :meth:`forward` and :meth:`backward`.
+    """One step of ``stages``, a process's stages, over ``microbatches``, driven through :meth:`forward` and
+    :meth:`backward` (or :meth:`input` and :meth:`weight`).
 
-    Creating it begins the stage's step. A training step runs ``stage_actions(schedule, ...)``; an evaluation step
-    runs the forwards alone, in micro-batch order. End it with :meth:`end` once every action ran, or :meth:`abort` it
-    after a failure (the stage then tells its peers where the transport can, and refuses further steps if receives
-    were left posted).
+    Creating it begins the step on every stage. A training step runs the schedule's actions: ``stage_actions(schedule,
+    ...)`` for one stage, whose actions name no stage, ``process_actions(schedule, r, K, M, v)`` for several, whose
+    actions name theirs. An evaluation step runs the forwards alone: in micro-batch order for one stage, stage after
+    stage for several (an order that needs no backward to make room, so it cannot deadlock). End it with :meth:`end`
+    once every action ran, or :meth:`abort` it after a failure (the stages then tell their peers where the transport
+    can, and refuse further steps if receives were left posted).
 
     Args:
-        stage: the stage that runs the passes.
-        schedule: the schedule's name; its actions are built and checked once per (schedule, stage, K, M)
-            (:func:`~lightning_gpipe.engine.schedule.cached_stage_actions`), not each step.
+        stages: the stage that runs the passes, or every stage the process holds (:func:`stages_of` of the
+            schedule, in model order; ``r`` is the first one's index, ``v`` their number, ``K·v`` the pipeline's).
+        schedule: the schedule's name; its actions are built and checked once per (schedule, process, K, M), not
+            each step.
         microbatches: the step's micro-batches, the same on every stage.
         training: run the schedule's forward and backward passes; else forwards only.
-        fingerprint: this stage's copy of the batch, checked against the other stages' (see :class:`Stage`).
+        fingerprint: this process's copy of the batch, checked against the other stages' (see :class:`Stage`).
     """
 
     def __init__(
         self,
-        stage: Stage,
+        stages: Stage | Sequence[Stage],
         schedule: str,
         microbatches: Sequence[Microbatch],
         *,
         training: bool = True,
         fingerprint: Fingerprint | None = None,
     ) -> None:
-        self.stage = stage
+        self.stages: tuple[Stage, ...] = (stages,) if isinstance(stages, Stage) else tuple(stages)
         self.schedule = schedule
         self.training = training
         self.microbatches = list(microbatches)
-        K, M = stage.num_stages, len(self.microbatches)
+        self._by_index = {stage.index: stage for stage in self.stages}
+        M, v = len(self.microbatches), len(self.stages)
+        first = self.stages[0]
+        K = first.num_stages // v
         self.actions: tuple[Action, ...]
-        if training:
-            self.actions = cached_stage_actions(schedule, stage.index, K, M)
+        if v == 1:
+            self.actions = cached_stage_actions(schedule, first.index, K, M) if training else _forwards(M)
         else:
-            self.actions = tuple(Action(Phase.FORWARD, i) for i in range(M))
-        # The next stage sends gradients in its backward order; knowing it, this stage posts their receives early.
-        gradient_order = None
-        if training and not stage.is_last:
-            later = cached_stage_actions(schedule, stage.index + 1, K, M)
-            gradient_order = [action.microbatch for action in later if action.phase in _SENDS_GRADIENT]
+            held = stages_of(schedule, first.index % K, K, v)
+            if first.num_stages % v or tuple(self._by_index) != held:
+                raise ValueError(
+                    f"a process holds stages {list(self._by_index)} of {first.num_stages} under "
+                    f"schedule={schedule!r}, but the schedule gives a process {v} stages such as {list(held)}; pass "
+                    "a process's stages_of(schedule, rank, K, v), in model order"
+                )
+            if training:
+                self.actions = cached_process_actions(schedule, first.index % K, K, M, v)
+            else:
+                self.actions = tuple(Action(Phase.FORWARD, i, stage.index) for stage in self.stages for i in range(M))
         self._done = 0
         split = any(action.phase is Phase.INPUT for action in self.actions)
-        stage.begin_step(
-            [mb.size for mb in self.microbatches], fingerprint, gradient_order=gradient_order, split_backward=split
-        )
+        for stage in self.stages:
+            stage.begin_step(
+                [mb.size for mb in self.microbatches],
+                fingerprint,
+                gradient_order=self._gradient_order(stage, K, v) if training else None,
+                split_backward=split,
+            )
+
+    def _gradient_order(self, stage: Stage, K: int, v: int) -> list[int] | None:
+        """The order in which the next stage sends gradients (its backward order): this stage posts their receives
+        early knowing it."""
+        if stage.is_last:
+            return None
+        M, nxt = len(self.microbatches), stage.index + 1
+        if v == 1:
+            later = cached_stage_actions(self.schedule, nxt, K, M)
+        else:
+            later = tuple(
+                a
+                for a in cached_process_actions(self.schedule, process_of(self.schedule, nxt, K, v), K, M, v)
+                if a.stage == nxt
+            )
+        return [action.microbatch for action in later if action.phase in _SENDS_GRADIENT]
+
+    @property
+    def stage(self) -> Stage:
+        """The process's one stage; a process holding several has :attr:`stages` and :attr:`call_stage` instead."""
+        if len(self.stages) > 1:
+            raise AttributeError(
+                f"this process holds stages {[s.index for s in self.stages]}, so a step has no one stage: use "
+                "StepRun.stages (model order), StepRun.call_stage or StepRun.stage_of(action)"
+            )
+        return self.stages[0]
+
+    @property
+    def call_stage(self) -> Stage:
+        """The stage whose forward calls the step function: the last stage where the process holds it, else its first.
+
+        The process's loss (on the last stage) or its input from the caller (on stage 0) belongs to it.
+        """
+        last = self.stages[-1]
+        return last if last.is_last else self.stages[0]
+
+    def stage_of(self, action: Action) -> Stage:
+        """The stage that runs ``action``: the one it names, or the process's one stage."""
+        return self.stages[0] if action.stage is None else self._by_index[action.stage]
 
     @property
     def forward_span(self) -> int:
@@ -85,63 +150,71 @@ class StepRun:
 
     @property
     def backward_before_last_forward(self) -> bool:
-        """Whether a backward pass runs before the last forward (``"1f1b"``, ``"zero_bubble"``), hence in the forward
+        """Whether a backward pass runs before the last forward (all schedules but ``"gpipe"``), hence in the forward
         phase's driver."""
         return any(action.phase is not Phase.FORWARD for action in self.actions[: self.forward_span])
 
     @property
     def next_action(self) -> Action | None:
-        """The action the schedule runs next on this stage; ``None`` once all ran."""
+        """The action the schedule runs next on this process; ``None`` once all ran."""
         return self.actions[self._done] if self._done < len(self.actions) else None
 
     def remaining(self) -> list[Action]:
         """The actions that have not run yet, in order."""
         return list(self.actions[self._done :])
 
-    def _advance(self, action: Action) -> None:
+    def _advance(self, action: Action) -> Stage:
         expected = self.next_action
         if action != expected:
+            who = f"stage {self.stages[0].index}" if len(self.stages) == 1 else f"the process of stages {self._held}"
             raise RuntimeError(
-                f"stage {self.stage.index} was asked for {action} but its schedule runs {expected or 'nothing more'} "
-                f"next (its actions: {' '.join(map(str, self.actions))})"
+                f"{who} was asked for {action} but its schedule runs {expected or 'nothing more'} next (its actions: "
+                f"{' '.join(map(str, self.actions))})"
             )
         self._done += 1
+        return self.stage_of(action)
 
-    def forward(self, index: int, value: Any = None) -> Any:
-        """Forward of micro-batch ``index``: stage 0 is given ``value``, later stages receive theirs.
+    @property
+    def _held(self) -> list[int]:
+        return [stage.index for stage in self.stages]
+
+    def forward(self, index: int, value: Any = None, stage: int | None = None) -> Any:
+        """Forward of micro-batch ``index`` on ``stage`` (the one stage by default): stage 0 is given ``value``, later
+        stages receive theirs.
 
         Returns the cell's output (the loss is computed from it on the last stage).
         """
-        self._advance(Action(Phase.FORWARD, index))
-        return self.stage.forward(index, value)
+        return self._advance(Action(Phase.FORWARD, index, stage)).forward(index, value)
 
-    def backward(self, index: int, loss: torch.Tensor | None = None) -> None:
-        """Backward of micro-batch ``index``; the last stage is given its loss, already weighted."""
-        self._advance(Action(Phase.BACKWARD, index))
-        self.stage.backward(index, loss)
+    def backward(self, index: int, loss: torch.Tensor | None = None, stage: int | None = None) -> None:
+        """Backward of micro-batch ``index`` on ``stage``; the last stage is given its loss, already weighted."""
+        self._advance(Action(Phase.BACKWARD, index, stage)).backward(index, loss)
 
-    def input(self, index: int, loss: torch.Tensor | None = None) -> None:
-        """A split backward's input pass of micro-batch ``index`` (see :meth:`Stage.input_backward`)."""
-        self._advance(Action(Phase.INPUT, index))
-        self.stage.input_backward(index, loss)
+    def input(self, index: int, loss: torch.Tensor | None = None, stage: int | None = None) -> None:
+        """A split backward's input pass of micro-batch ``index`` on ``stage`` (see :meth:`Stage.input_backward`)."""
+        self._advance(Action(Phase.INPUT, index, stage)).input_backward(index, loss)
 
-    def weight(self, index: int) -> None:
-        """A split backward's weight pass of micro-batch ``index`` (see :meth:`Stage.weight_backward`)."""
-        self._advance(Action(Phase.WEIGHT, index))
-        self.stage.weight_backward(index)
+    def weight(self, index: int, stage: int | None = None) -> None:
+        """A split backward's weight pass of micro-batch ``index`` on ``stage`` (see :meth:`Stage.weight_backward`)."""
+        self._advance(Action(Phase.WEIGHT, index, stage)).weight_backward(index)
 
     def end(self) -> None:
         """Finish the step once every action ran: wait for the sends, commit deferred BatchNorm statistics."""
         if self.next_action is not None:
-            raise RuntimeError(
-                f"stage {self.stage.index} ended its step with actions left: {' '.join(map(str, self.remaining()))}"
-            )
-        self.stage.end_step()
+            who = f"stage {self.stages[0].index}" if len(self.stages) == 1 else f"the process of stages {self._held}"
+            raise RuntimeError(f"{who} ended its step with actions left: {' '.join(map(str, self.remaining()))}")
+        for stage in self.stages:
+            stage.end_step()
 
     def abort(self, reason: str) -> None:
         """Drop the step after a failure and tell the other stages (see :meth:`Stage.abort`)."""
         self._done = len(self.actions)
-        self.stage.abort(reason)
+        for stage in self.stages:
+            stage.abort(reason)
+
+
+def _forwards(num_microbatches: int) -> tuple[Action, ...]:
+    return tuple(Action(Phase.FORWARD, i) for i in range(num_microbatches))
 
 
 class HeldGradients:

@@ -3,8 +3,10 @@
 A transport moves plain tensors between neighbouring stages; what the tensors mean (which structure, which
 micro-batch) is :mod:`lightning_gpipe.engine.boundary`'s business. Two implementations share one interface:
 
-- :class:`ProcessGroupTransport`: one process per stage, ``torch.distributed`` P2P (gloo on CPU, NCCL on GPU). This is
-  what lets a pipeline span processes and nodes.
+- :class:`ProcessGroupTransport`: ``torch.distributed`` P2P (gloo on CPU, NCCL on GPU). This is what lets a pipeline
+  span processes and nodes. A process may hold several stages (:meth:`ProcessGroupTransport.for_stages`, one transport
+  per stage): each link between stages on two processes has a process group of its own, and two adjacent stages on
+  one process exchange copies through an in-process loopback.
 - :class:`ThreadTransport`: every stage in one process, one thread each, linked by in-memory queues; fast to start,
   for tests and notebooks.
 
@@ -26,7 +28,7 @@ import queue
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,13 +108,17 @@ class Transport(abc.ABC):
 class ProcessGroupTransport(Transport):
     """P2P over ``torch.distributed``: ``ranks[j]`` is the global rank of stage ``j`` of this pipeline.
 
+    This constructor makes the transport of a process's one stage; :meth:`for_stages` makes one per stage of a process
+    that holds several.
+
     Args:
         ranks: the global rank of every stage, in stage order.
         device: where received tensors are allocated; a CUDA device means NCCL (see below).
         timeout: how long a CPU receive or send may take before it raises.
         links: one process group per link, ``links[j]`` holding stages ``j`` and ``j + 1`` (as
-            :meth:`~lightning_gpipe.engine.layout.ProcessLayout.new_groups` creates them); ``None`` sends on the default
-            group. On NCCL give them: the default group runs its collectives and P2P on one stream, in issue order.
+            :func:`~lightning_gpipe.engine.layout.new_stage_groups` creates them), ``None`` for a link within one
+            process; ``links=None`` sends on the default group. On NCCL give them: the default group runs its
+            collectives and P2P on one stream, in issue order.
 
     On CPU (gloo) a wait blocks the host, for at most ``timeout``. On a device (NCCL) a wait only makes the current
     stream wait for the message, so the host keeps launching work; a stuck peer is then caught by the process
@@ -125,22 +131,38 @@ class ProcessGroupTransport(Transport):
         ranks: Sequence[int],
         device: torch.device | str = "cpu",
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-        links: Sequence[dist.ProcessGroup] | None = None,
+        links: Sequence[dist.ProcessGroup | None] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ProcessGroupTransport needs torch.distributed.init_process_group() to have run first")
         rank = dist.get_rank()
-        if rank not in ranks:
-            raise ValueError(f"this process (global rank {rank}) is not one of the pipeline's ranks {list(ranks)}")
-        super().__init__(list(ranks).index(rank), len(ranks), timeout)
-        self.ranks = list(ranks)
+        ranks = list(ranks)
+        if ranks.count(rank) != 1:
+            held = "is not one of" if rank not in ranks else "holds several stages of"
+            raise ValueError(
+                f"this process (global rank {rank}) {held} the pipeline's ranks {ranks}"
+                + ("; make one transport per stage with ProcessGroupTransport.for_stages" if rank in ranks else "")
+            )
+        self._setup(ranks, ranks.index(rank), device, timeout, links)
+
+    def _setup(
+        self,
+        ranks: list[int],
+        stage: int,
+        device: torch.device | str,
+        timeout: datetime.timedelta,
+        links: Sequence[dist.ProcessGroup | None] | None,
+    ) -> None:
+        super().__init__(stage, len(ranks), timeout)
+        self.ranks = ranks
         if links is not None and len(links) != len(self.ranks) - 1:
             raise ValueError(
                 f"links has {len(links)} process groups for a pipeline of {len(self.ranks)} stages; give one per pair "
-                "of adjacent stages (ProcessLayout.new_groups creates them)"
+                "of adjacent stages (new_stage_groups creates them)"
             )
         self._links = list(links) if links is not None else None
-        self._routes: dict[int, tuple[dist.ProcessGroup, int]] = {}
+        self._routes: dict[int, tuple[dist.ProcessGroup | None, int]] = {}
+        self._loopbacks: dict[int, _Loopback] = {}  # the links to adjacent stages this process holds too
         self._aborted = False
         self._device = torch.device(device)
         # Device waits are stream waits; CPU waits block the host with a deadline.
@@ -158,17 +180,70 @@ class ProcessGroupTransport(Transport):
     def peer_name(self, peer: int) -> str:
         return f"stage {peer} (global rank {self.ranks[peer]})"
 
-    def _route(self, peer: int) -> tuple[dist.ProcessGroup | None, int]:
-        """The group that carries messages between this stage and ``peer``, and the peer's rank in it."""
+    @classmethod
+    def for_stages(
+        cls,
+        ranks: Sequence[int],
+        stages: Sequence[int],
+        device: torch.device | str = "cpu",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        links: Sequence[dist.ProcessGroup | None] | Mapping[int, dist.ProcessGroup | None] | None = None,
+    ) -> dict[int, ProcessGroupTransport]:
+        """One transport per stage this process holds, by stage, for a pipeline whose stage ``s`` runs on ``ranks[s]``.
+
+        Args:
+            ranks: the global rank of every stage, in stage order; a rank holding several stages repeats.
+            stages: the stages this process holds (those ``ranks`` gives to its rank).
+            device: where received tensors are allocated (see the class).
+            timeout: how long a CPU receive or send may take before it raises.
+            links: per stage ``s``, the process group that carries only the messages between stages ``s`` and
+                ``s + 1`` (a sequence of one per link, or a mapping), ``None`` or absent where one process holds both:
+                those two exchange copies in the process. ``links=None`` sends on the default group, which works only
+                while no two links join the same two processes (their messages would mix).
+
+        Raises:
+            ValueError: ``stages`` that are not this rank's in ``ranks``, or links missing where messages would mix.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessGroupTransport needs torch.distributed.init_process_group() to have run first")
+        rank, ranks = dist.get_rank(), list(ranks)
+        own = [stage for stage, holder in enumerate(ranks) if holder == rank]
+        if sorted(stages) != own or len(set(stages)) != len(own):
+            raise ValueError(
+                f"stages={list(stages)}, but this process (global rank {rank}) holds stages {own} of a pipeline whose "
+                f"stages run on ranks {ranks}; give the stages ranks assigns to this rank"
+            )
+        per_link = _link_groups(ranks, links)
+        transports = {}
+        for stage in own:
+            transport = cls.__new__(cls)
+            transport._setup(ranks, stage, device, timeout, per_link)
+            transports[stage] = transport
+        for stage in own:
+            if stage + 1 in transports:  # both ends here: the messages stay in the process
+                loopback = _Loopback()
+                transports[stage]._loopbacks[stage + 1] = transports[stage + 1]._loopbacks[stage] = loopback
+        return transports
+
+    def _check_peer(self, peer: int) -> None:
         if abs(peer - self.stage) != 1:
             raise ValueError(f"stage {self.stage} has no link to stage {peer}: only adjacent stages exchange messages")
         if self._aborted:
             raise RuntimeError(f"stage {self.stage}'s links were aborted after a failure; the transport is closed")
+
+    def _route(self, peer: int) -> tuple[dist.ProcessGroup | None, int]:
+        """The group that carries messages between this stage and ``peer``, and the peer's rank in it."""
+        self._check_peer(peer)
         if self._links is None:
             return None, self.ranks[peer]
         route = self._routes.get(peer)
         if route is None:  # looked up once: get_group_rank walks the group's rank map on every call
             group = self._links[min(peer, self.stage)]
+            if group is None:
+                raise ValueError(
+                    f"stage {self.stage} has no process group to stage {peer} (links[{min(peer, self.stage)}] is None) "
+                    "and does not hold it; make the transports with ProcessGroupTransport.for_stages"
+                )
             route = self._routes[peer] = (group, dist.get_group_rank(group, self.ranks[peer]))
         return route
 
@@ -194,6 +269,11 @@ class ProcessGroupTransport(Transport):
                 work.wait(self.timeout)
 
     def send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        loopback = self._loopbacks.get(peer)
+        if loopback is not None:
+            self._check_peer(peer)
+            loopback.send(peer, tensor)
+            return
         tensor = tensor.detach().contiguous()
         group, group_peer = self._route(peer)
         with self._link_errors(peer, what, sending=True):
@@ -208,6 +288,10 @@ class ProcessGroupTransport(Transport):
             self._pending.popleft()
 
     def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
+        loopback = self._loopbacks.get(peer)
+        if loopback is not None:
+            self._check_peer(peer)
+            return loopback.post_recv(self.stage, peer, buffer, what)
         group, group_peer = self._route(peer)
         with self._link_errors(peer, what, sending=False):
             work = dist.irecv(buffer, group=group, group_src=group_peer)
@@ -231,11 +315,102 @@ class ProcessGroupTransport(Transport):
         self._aborted = True
         links = self._links
         self._pending.clear()
+        for loopback in self._loopbacks.values():
+            loopback.clear()
         for group in links:
+            if group is None:  # a link within this process
+                continue
             try:
                 abort_process_group(group)
             except (RuntimeError, ValueError) as error:  # already destroyed, or a backend that cannot abort
                 log.debug(f"aborting a link group failed: {error}")
+
+
+def _link_groups(
+    ranks: list[int],
+    links: Sequence[dist.ProcessGroup | None] | Mapping[int, dist.ProcessGroup | None] | None,
+) -> list[dist.ProcessGroup | None] | None:
+    """``links`` as one entry per link (``None`` within a process), checked to carry every link across processes; for
+    ``links=None``, ``None`` if no two links join the same two processes (the default group then keeps them apart)."""
+    across = [s for s in range(len(ranks) - 1) if ranks[s] != ranks[s + 1]]
+    if links is None:
+        pairs = [frozenset(ranks[s : s + 2]) for s in across]
+        shared = [s for s in across if pairs.count(frozenset(ranks[s : s + 2])) > 1]
+        if shared:
+            raise ValueError(
+                f"the links after stages {shared} join the same two processes (ranks {ranks}), so their messages would "
+                "mix on the default group; give links, a 2-rank process group per link (new_stage_groups creates them)"
+            )
+        return None
+    if isinstance(links, Mapping):
+        per_link = [links.get(s) for s in range(len(ranks) - 1)]
+    else:
+        per_link = list(links)
+        if len(per_link) != len(ranks) - 1:
+            raise ValueError(
+                f"links has {len(per_link)} entries for a pipeline of {len(ranks)} stages; give one per pair of "
+                "adjacent stages (None where one process holds both)"
+            )
+    missing = [s for s in across if per_link[s] is None]
+    if missing:
+        raise ValueError(
+            f"links has no process group for the links after stages {missing}, whose two stages run on two processes "
+            f"(ranks {ranks}); give each a 2-rank group (new_stage_groups creates them)"
+        )
+    return per_link
+
+
+class _Loopback:
+    """The link between two adjacent stages that one process holds: each send queues a copy, as a process group would
+    deliver one, and the receives posted for a stage take the copies sent to it in posting order.
+
+    The process runs its stages' actions one at a time in an order that respects their dependencies, so a message is
+    always sent before its receive is waited for; a wait that finds nothing is that order broken, not a slow peer.
+    """
+
+    def __init__(self) -> None:
+        self._sent: defaultdict[int, deque[torch.Tensor]] = defaultdict(deque)  # by receiving stage
+        self._posted: defaultdict[int, deque[_PostedReceive]] = defaultdict(deque)  # by receiving stage
+
+    def send(self, receiver: int, tensor: torch.Tensor) -> None:
+        # A copy, as across processes: the receiver may modify its input in place while the sender still holds it.
+        self._sent[receiver].append(tensor.detach().clone())
+
+    def post_recv(self, receiver: int, sender: int, buffer: torch.Tensor, what: str) -> Callable[[], None]:
+        receive = _PostedReceive(buffer, what)
+        posted, sent = self._posted[receiver], self._sent[receiver]
+        posted.append(receive)
+
+        def wait() -> None:
+            while not receive.done:
+                oldest = posted[0]
+                if not sent:
+                    raise PipelineError(
+                        receiver,
+                        f"waited for {oldest.what} from stage {sender}, which this process holds too and has not sent "
+                        "it: the process ran its stages' actions out of the schedule's order",
+                    )
+                _fill(receiver, sender, oldest.buffer, sent.popleft(), oldest.what)
+                oldest.done = True
+                posted.popleft()
+
+        return wait
+
+    def clear(self) -> None:
+        """Forget every message and posted receive (after a failed step)."""
+        self._sent.clear()
+        self._posted.clear()
+
+
+def _fill(stage: int, peer: int, buffer: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    """Copy a message from stage ``peer`` into the receive ``buffer`` of ``stage``, refusing another shape or dtype."""
+    if tensor.shape != buffer.shape or tensor.dtype != buffer.dtype:
+        raise PipelineError(
+            stage,
+            f"received {what} from stage {peer} as {tuple(tensor.shape)} {tensor.dtype}, "
+            f"expected {tuple(buffer.shape)} {buffer.dtype}",
+        )
+    buffer.copy_(tensor)
 
 
 class _Mailboxes:
@@ -320,13 +495,7 @@ class ThreadTransport(Transport):
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise self._failure(peer, what, "timed out") from None
-        if tensor.shape != buffer.shape or tensor.dtype != buffer.dtype:
-            raise PipelineError(
-                self.stage,
-                f"received {what} from stage {peer} as {tuple(tensor.shape)} {tensor.dtype}, "
-                f"expected {tuple(buffer.shape)} {buffer.dtype}",
-            )
-        buffer.copy_(tensor)
+        _fill(self.stage, peer, buffer, tensor, what)
 
     def wait_sends(self) -> None:
         pass  # puts complete immediately

@@ -28,6 +28,7 @@ from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransp
 NESTED_BALANCE = [2, 1, 2]  # three stages; every boundary is a tuple with a bool mask and a None leaf
 CHUNKS = 4
 BATCH_SIZE = 10  # micro-batches of 3, 3, 2, 2 samples: gradient buffers must follow each one's shape
+ONE_STAGE = [s for s in SCHEDULES if s not in ("interleaved", "zbv")]  # the schedules of one stage per process
 
 
 class RecordingTransport(ThreadTransport):
@@ -70,7 +71,7 @@ def _gradient_events(transport: RecordingTransport) -> Iterator[tuple[str, int]]
             yield kind, int(what.rsplit(" ", 1)[1])
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_STAGE)
 def test_gradient_receives_are_posted_ahead_in_the_next_stages_backward_order(schedule: str) -> None:
     transports = RecordingTransport.create(2, timeout=datetime.timedelta(seconds=60))
     for transport in transports:
@@ -171,7 +172,7 @@ def _gloo_worker(rank: int, world_size: int) -> dict[str, Any]:
     data = batch(BATCH_SIZE)
     transport: Transport = ProcessGroupTransport(range(world_size))
     grads = {}
-    for schedule in SCHEDULES:
+    for schedule in ONE_STAGE:
         for posted_ahead in (True, False):
             model = build("nested")
             cell = cells(model, NESTED_BALANCE)[rank]
@@ -203,7 +204,7 @@ def gloo_runs() -> list[dict[str, Any]]:
 
 
 @RunIf(multiprocess=True)
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_STAGE)
 def test_gradients_posted_ahead_over_gloo_are_bit_identical_to_the_unchanged_path(
     gloo_runs: list[dict[str, Any]], schedule: str
 ) -> None:

@@ -18,6 +18,7 @@ from lightning_gpipe.engine.step import HeldGradients
 from lightning_gpipe.engine.transport import ThreadTransport
 
 TOLERANCE = 1e-6
+ONE_STAGE = [s for s in SCHEDULES if s not in ("interleaved", "zbv")]  # the schedules of one stage per process
 
 
 def one_stage(schedule: str = "gpipe", chunks: int = 4) -> Pipeline:
@@ -148,7 +149,7 @@ def strategy_split_step(stages: int, chunks: int, schedule: str) -> dict[str, to
     return {key: p.grad.clone() for key, p in model.named_parameters()}  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_STAGE)
 @pytest.mark.parametrize(("stages", "chunks"), [(1, 4), (2, 5), (4, 8)])
 def test_the_strategys_split_of_a_step_gives_the_whole_batch_gradients(stages: int, chunks: int, schedule: str) -> None:
     reference = full_batch_grads(build("mlp"), batch())
