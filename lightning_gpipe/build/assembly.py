@@ -1,12 +1,16 @@
-"""Stage assembly: one rank's stage of a pipeline built from the user's module, and the whole module put back.
+"""Stage assembly: one rank's stages of a pipeline built from the user's module, and the whole module put back.
 
 :func:`assemble_stage` does on one rank what the strategy's ``setup`` needs before the first step, in an order every
 rank follows (several steps are collectives): find the ``nn.Sequential``, record the whole module's names for
 checkpoints, resolve the balance (measured on rank 0 and broadcast), cut the module down to this stage's layers,
 allocate and initialize layers built on the meta device, convert BatchNorm to :class:`DeferredBatchNorm` when asked,
 compile each layer in place when asked (:mod:`lightning_gpipe.build.compile`), give the replicas of the stage the
-same weights, set up the copies of tensors tied across stages, and wrap the cell in a
-:class:`~lightning_gpipe.engine.pipeline.Pipeline` over the given transport. It needs no Trainer: a test builds every
+same weights, set up the copies of tensors tied across processes, and wrap the cell in a
+:class:`~lightning_gpipe.engine.pipeline.Pipeline` over the given transport.
+
+A process may hold several stages (``schedule="interleaved"`` or ``"zbv"``): its module then holds the layers of each,
+still under their original names, one cell per stage (each a slice of the sequence, the same layer objects), and a
+tensor that two of its stages share is one tensor, with one gradient. It needs no Trainer: a test builds every
 stage of a pipeline in one process over a :class:`~lightning_gpipe.engine.transport.ThreadTransport`.
 
 :meth:`AssembledStage.reassemble` is the inverse at the end of training: every stage's part, gathered over the
@@ -16,7 +20,7 @@ pipeline, restores the whole module on every rank.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,7 +34,7 @@ from lightning_gpipe.build.config import ResolvedPipeline
 from lightning_gpipe.build.cost import layer_costs
 from lightning_gpipe.build.sequence import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.build.state_dict import ModelNames
-from lightning_gpipe.build.tied import TiedCopies, retie
+from lightning_gpipe.build.tied import TiedCopies, retie, ties_between_processes
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.collectives import broadcast_tensors, to_device
 from lightning_gpipe.engine.errors import collective_errors
@@ -54,6 +58,7 @@ class AssembledStage:
         names: the whole module's state-dict keys, shapes and parameter names, recorded before the cut.
         whole_parameters: (all, trainable) parameter counts of the whole module, each tied tensor once.
         compiled: this stage's layers compiled in place (none unless ``settings.compile``), undone by reassembly.
+        processes: the processes of the pipeline (K), among which reassembly gathers the parts.
     """
 
     partition: Partition
@@ -62,6 +67,7 @@ class AssembledStage:
     names: ModelNames
     whole_parameters: tuple[int, int]
     compiled: CompiledLayers = field(default_factory=CompiledLayers)
+    processes: int = 1
 
     @property
     def stage(self) -> Stage:
@@ -70,13 +76,13 @@ class AssembledStage:
 
     @property
     def layers(self) -> list[int]:
-        """The indices, in the whole sequence, of the layers this stage holds."""
-        return list(self.partition.bounds[self.partition.stage])
+        """The indices, in the whole sequence, of the layers this process holds."""
+        return self.partition.layers
 
     @property
     def stage_parameters(self) -> tuple[int, int]:
-        """(all, trainable) parameter counts of this stage's layers."""
-        return parameter_counts(self.stage.cell.parameters())
+        """(all, trainable) parameter counts of this process's layers, a tensor its stages share once."""
+        return parameter_counts(self.partition.stand_in.parameters())
 
     def reassemble(self, group: dist.ProcessGroup | None = None) -> None:
         """Put the whole module back, on the CPU, from every stage's layers: a collective over the pipeline.
@@ -88,10 +94,9 @@ class AssembledStage:
         """
         self.compiled.restore()
         local = self.partition.stage_state()
-        num_stages = self.stage.num_stages
         parts: list[Any] = [local]
-        if num_stages > 1:
-            parts = [None] * num_stages
+        if self.processes > 1:
+            parts = [None] * self.processes
             dist.all_gather_object(parts, local, group=group)
         self.partition.reassemble(parts, self.ties.values())
 
@@ -100,13 +105,13 @@ def assemble_stage(
     module: nn.Module,
     settings: ResolvedPipeline,
     device: torch.device,
-    transport: Transport,
+    transport: Transport | Mapping[int, Transport],
     *,
     sample: Any = None,
     replica_group: dist.ProcessGroup | None = None,
     timeline: Timeline | None = None,
 ) -> AssembledStage:
-    """Cut ``module`` down to this process's stage (``settings.layout``) and build its pipeline over ``transport``.
+    """Cut ``module`` down to this process's stages (``settings.layout``) and build its pipeline over ``transport``.
 
     Every rank of the job calls it at the same point: resolving a measured balance, the replicas' weights and the
     tied copies are collectives (each only where the job has more than one process that takes part).
@@ -117,23 +122,29 @@ def assemble_stage(
         settings: the settings resolved for this process
             (:meth:`BuildConfig.resolve <lightning_gpipe.build.config.BuildConfig.resolve>`): K, M, this rank's place.
         device: where this stage's layers are allocated and run.
-        transport: the links to this pipeline's other stages.
+        transport: the links to this pipeline's other stages; with several stages per process, one per held stage.
         sample: one input of the sequence, for a balance measured on it (``"flops"``, ``"time"``, ``"memory"``).
         replica_group: the ranks running this stage in every replica: they start from replica 0's weights.
         timeline: records the pipeline's actions when given.
     """
     layout = settings.layout
     path, sequence = find_sequence(module, settings.module_name)
-    if len(sequence) < layout.pipe_size:
+    if len(sequence) < layout.num_stages:
+        per = len(layout.stages)
+        fix = (
+            f"pipe_size <= {len(sequence)}"
+            if per == 1
+            else f"pipe_size x {per} stages per process (schedule={layout.schedule!r}) <= {len(sequence)}"
+        )
         raise ValueError(
-            f"cannot split the {len(sequence)} layers of {path!r} into {layout.pipe_size} stages: every stage "
-            f"needs at least one layer; use pipe_size <= {len(sequence)} or split the model into more layers"
+            f"cannot split the {len(sequence)} layers of {path!r} into {layout.num_stages} stages: every stage "
+            f"needs at least one layer; use {fix} or split the model into more layers"
         )
     names = ModelNames.of(module)
     whole = parameter_counts(module.parameters())  # before the split: each tied tensor once
     balance = resolve_balance(settings, sequence, sample, device)
-    partition = partition_module(module, path, sequence, balance, layout.stage)
-    own = [(i, sequence[i]) for i in partition.bounds[layout.stage]]
+    partition = partition_module(module, path, sequence, balance, layout.stages)
+    own = [(i, sequence[i]) for i in partition.layers]
     materialize(own, device, seed=torch.initial_seed() % 2**62)
     retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
     if settings.deferred_batch_norm:
@@ -144,11 +155,11 @@ def assemble_stage(
     selective = settings.compile is not None and settings.checkpoint == "selective"
     compiled = compile_layers(partition.stand_in.children(), settings.compile, selective=selective)
     engine = replace(settings.pipeline, checkpoint="never") if selective else settings.pipeline
-    cell = partition.stand_in.cell()
+    cells = {stage: partition.stand_in.cell(partition.bounds[stage]) for stage in layout.stages}
     _broadcast_replica_weights(module, layout, device, replica_group)
     with collective_errors(layout.stage, "creating the groups of stages that share tied weights and broadcasting them"):
         ties = TiedCopies(
-            partition.ties,
+            ties_between_processes(partition.ties, layout.position_of),  # a tie within one process is one tensor
             partition.stand_in,
             layout.stage,
             [layout.pipeline_ranks(replica) for replica in range(layout.num_replicas)],
@@ -156,14 +167,19 @@ def assemble_stage(
             settings.timeout,
         )
         ties.broadcast(device)
-    pipeline = Pipeline(cell, transport, engine, timeline=timeline)
-    return AssembledStage(partition, pipeline, ties, names, whole, compiled)
+    held: nn.Module | dict[int, nn.Sequential] = cells
+    if len(cells) == 1:  # one stage per process: its cell, and its transport
+        (stage,) = layout.stages
+        held, transport = cells[stage], transport[stage] if isinstance(transport, Mapping) else transport
+    pipeline = Pipeline(held, transport, engine, timeline=timeline)
+    return AssembledStage(partition, pipeline, ties, names, whole, compiled, layout.pipe_size)
 
 
 def resolve_balance(
     settings: ResolvedPipeline, sequence: nn.Sequential, sample: Any, device: torch.device
 ) -> list[int]:
-    """Layers per stage: ``settings.balance`` if it is a list (checked against the sequence), else found from costs.
+    """Layers per stage (``K·v`` of them): ``settings.balance`` if it is a list (checked against the sequence), else
+    found from costs.
 
     A measured balance is decided on global rank 0 and broadcast over the world, since measured costs differ between
     processes; without a process group (one process building every stage), each call measures for itself. The
@@ -183,7 +199,7 @@ def resolve_balance(
     balance: list[int] | None = None
     if not distributed or settings.layout.rank == 0:
         costs = measured_costs(sequence, how, sample, device)
-        balance = balance_by_cost(costs, settings.pipe_size, avoid_cuts=in_place_starts(sequence))
+        balance = balance_by_cost(costs, settings.num_stages, avoid_cuts=in_place_starts(sequence))
     if distributed:
         box = [balance]
         dist.broadcast_object_list(box, src=0)

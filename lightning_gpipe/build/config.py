@@ -24,7 +24,7 @@ from lightning_gpipe.engine.transport import DEFAULT_TIMEOUT
 __all__ = ["Balance", "BuildConfig", "ResolvedPipeline"]
 
 Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
-"""Layers per stage (a list of K ints), or how to find them: a cost name of
+"""Layers per stage (a list of ``K·v`` ints: one per stage of the pipeline), or how to find them: a cost name of
 :data:`~lightning_gpipe.build.cost.COST_SOURCES`, a callable ``cost(layer)``, or ``None``."""
 
 
@@ -51,7 +51,10 @@ class BuildConfig(PipelineConfig):
             raise ValueError(
                 f"pipe_size={pipe_size!r} must be a positive int (stages per pipeline) or None (all ranks)"
             )
-        object.__setattr__(self, "balance", _check_balance(self.balance, pipe_size))
+        stages = None if pipe_size is None else pipe_size * self.stages_per_process
+        object.__setattr__(self, "balance", _check_balance(self.balance, stages, self.stages_per_process))
+        if pipe_size is not None:
+            self.check_chunks(pipe_size)
         _check_module_name(self.module_name)
         validate_flag("deferred_batch_norm", self.deferred_batch_norm)
         _check_timeout(self.timeout)
@@ -62,20 +65,25 @@ class BuildConfig(PipelineConfig):
 
         ``pipe_size=None`` becomes the world size and ``chunks=None`` ``4 * pipe_size``. ``chosen`` holds settings made
         for the user, which take the place of these: under ``plan="auto"`` the planner's ``pipe_size``, ``chunks``,
-        ``balance``, ``checkpoint`` and ``schedule`` (the strategy refuses a plan beside them).
+        ``balance``, ``checkpoint``, ``schedule`` and ``virtual_stages`` (the strategy refuses a plan beside them).
 
         Raises:
-            ValueError: the world cannot be cut into pipelines of ``pipe_size`` stages, or a list balance has
-                another number of stages than the pipelines.
+            ValueError: the world cannot be cut into pipelines of ``pipe_size`` processes, a list balance has
+                another number of stages than the pipelines (``pipe_size`` times the stages per process), or
+                ``schedule="interleaved"`` cannot run ``chunks`` in rounds.
         """
         chosen = dict(chosen or {})
         K = chosen.get("pipe_size", self.pipe_size) or world_size
-        layout = ProcessLayout(world_size, K, rank)  # refuses a world that K does not divide
+        schedule = chosen.get("schedule", self.schedule)
+        # A planned schedule comes with its own virtual_stages (1 where it takes none).
+        virtual_stages = chosen.get("virtual_stages", 1) if "schedule" in chosen else self.virtual_stages
+        layout = ProcessLayout(world_size, K, rank, schedule, virtual_stages)  # refuses a world that K does not divide
         balance = chosen.get("balance", self.balance)
-        if isinstance(balance, list) and len(balance) != K:
+        if isinstance(balance, list) and len(balance) != layout.num_stages:
+            per = f" ({K} processes x {len(layout.stages)} stages each)" if layout.num_stages != K else ""
             raise ValueError(
-                f"balance={balance} has {len(balance)} stages but the pipelines have {K} (world_size={world_size}, "
-                f"pipe_size={self.pipe_size}); give one number of layers per stage"
+                f"balance={balance} has {len(balance)} stages but the pipelines have {layout.num_stages}{per} "
+                f"(world_size={world_size}, pipe_size={self.pipe_size}); give one number of layers per stage"
             )
         M = chosen.get("chunks", self.chunks) or 4 * K
         if M < K:
@@ -87,9 +95,11 @@ class BuildConfig(PipelineConfig):
         engine = PipelineConfig(
             chunks=M,
             checkpoint=chosen.get("checkpoint", self.checkpoint),
-            schedule=chosen.get("schedule", self.schedule),
+            schedule=schedule,
             detect_anomalies=self.detect_anomalies,
+            virtual_stages=virtual_stages,
         )
+        engine.check_chunks(K)
         return ResolvedPipeline(
             layout,
             engine,
@@ -109,9 +119,9 @@ class ResolvedPipeline:
     reads these checks them again.
 
     Attributes:
-        layout: this process's place: K (``layout.pipe_size``), its stage and its replica.
-        pipeline: what :class:`~lightning_gpipe.engine.pipeline.Pipeline` and its stage run by; ``chunks`` is M.
-        balance: layers per stage (K ints), or how assembly finds them from the sequence (``resolve_balance``).
+        layout: this process's place: K (``layout.pipe_size``), its stages and its replica.
+        pipeline: what :class:`~lightning_gpipe.engine.pipeline.Pipeline` and its stages run by; ``chunks`` is M.
+        balance: layers per stage (``K·v`` ints), or how assembly finds them from the sequence (``resolve_balance``).
         module_name, deferred_batch_norm, timeout: as given (see :class:`BuildConfig`).
         compile: ``torch.compile``'s keyword arguments for each layer of the stage, or ``None``: not compiled.
     """
@@ -130,6 +140,11 @@ class ResolvedPipeline:
         return self.layout.pipe_size
 
     @property
+    def num_stages(self) -> int:
+        """The stages of a pipeline: K times the stages each process holds."""
+        return self.layout.num_stages
+
+    @property
     def chunks(self) -> int:
         """M, the number of micro-batches per mini-batch."""
         return cast(int, self.pipeline.chunks)  # set by resolve
@@ -145,7 +160,7 @@ class ResolvedPipeline:
         return self.pipeline.schedule
 
 
-def _check_balance(balance: Any, pipe_size: int | None) -> Balance:
+def _check_balance(balance: Any, num_stages: int | None, per_process: int = 1) -> Balance:
     if balance is None or callable(balance):
         return balance
     if isinstance(balance, str):
@@ -157,9 +172,15 @@ def _check_balance(balance: Any, pipe_size: int | None) -> Balance:
         return balance  # type: ignore[return-value]
     if isinstance(balance, (list, tuple)):
         entries = list(balance)
-        if pipe_size is not None and len(entries) != pipe_size:
+        if num_stages is not None and len(entries) != num_stages:
+            if per_process == 1:
+                raise ValueError(
+                    f"balance={entries} has {len(entries)} stages but pipe_size={num_stages}; give one number of "
+                    "layers per stage"
+                )
             raise ValueError(
-                f"balance={entries} has {len(entries)} stages but pipe_size={pipe_size}; give one number of "
+                f"balance={entries} has {len(entries)} stages but the pipeline has {num_stages}: pipe_size="
+                f"{num_stages // per_process} processes holding {per_process} stages each; give one number of "
                 "layers per stage"
             )
         return checked_entries(entries)  # the sequence's length is checked once it is known: assembly

@@ -1,10 +1,11 @@
-"""The user's LightningModule cut down to this rank's cell, and put back together after training.
+"""The user's LightningModule cut down to this rank's cells, and put back together after training.
 
 The module keeps its shape: its ``nn.Sequential`` attribute is replaced by a :class:`PipelinedSequential` that holds
-only this stage's layers, registered under their original indices. Parameter names, ``state_dict`` keys and therefore
-checkpoints stay those of the unpartitioned model, and ``configure_optimizers`` sees only this stage's parameters.
-The other stages' layers are kept aside on the ``meta`` device, which holds their structure but no memory, so that the
-whole model can be reassembled when training ends; a tensor they share with this stage's layers (tied weights) stays.
+only this process's layers (of its one stage, or of each of its stages), registered under their original indices.
+Parameter names, ``state_dict`` keys and therefore checkpoints stay those of the unpartitioned model, and
+``configure_optimizers`` sees only this process's parameters. The other stages' layers are kept aside on the ``meta``
+device, which holds their structure but no memory, so that the whole model can be reassembled when training ends; a
+tensor they share with this process's layers (tied weights) stays.
 """
 
 from __future__ import annotations
@@ -152,36 +153,47 @@ def _not_one_sequence(module: nn.Module, candidates: Sequence[tuple[str, nn.Sequ
 class PipelinedSequential(nn.Module):
     """Stands in for the user's ``nn.Sequential`` on one stage.
 
-    It holds this stage's layers under their original indices. Calling it runs ``runner`` (set by the strategy for the
-    duration of a step), which pipelines the call; outside a step it refuses to run, since most layers live elsewhere.
+    It holds the layers of this process's stages (one, or several: ``schedule="interleaved"`` or ``"zbv"``) under
+    their original indices. Calling it runs ``runner`` (set by the strategy for the duration of a step), which
+    pipelines the call; outside a step it refuses to run, since most layers live elsewhere.
     """
 
     holds_all_layers = False  # model code reads this (duck typing) to call the whole sequence, never its parts
 
-    def __init__(self, layers: Mapping[str, nn.Module], num_layers: int, stage: int, num_stages: int) -> None:
+    def __init__(
+        self, layers: Mapping[str, nn.Module], num_layers: int, stages: int | Sequence[int], num_stages: int
+    ) -> None:
         super().__init__()
         for name, layer in layers.items():
             self.add_module(name, layer)
         self.num_layers = num_layers
-        self.stage = stage
+        self.stages = (stages,) if isinstance(stages, int) else tuple(stages)
         self.num_stages = num_stages
         self.runner: Callable[[Any], Any] | None = None
 
-    def cell(self) -> nn.Sequential:
-        """This stage's layers as a plain ``nn.Sequential`` (the same module objects)."""
-        return nn.Sequential(OrderedDict(self._modules.items()))  # type: ignore[arg-type]
+    @property
+    def stage(self) -> int:
+        """The first stage this process holds (its only one, but under ``"interleaved"`` and ``"zbv"``)."""
+        return self.stages[0]
+
+    def cell(self, layers: Sequence[int] | None = None) -> nn.Sequential:
+        """The held layers as a plain ``nn.Sequential`` (the same module objects); ``layers``: only those (indices in
+        the whole sequence), e.g. one stage's."""
+        chosen = self._modules.items() if layers is None else [(str(i), self._modules[str(i)]) for i in layers]
+        return nn.Sequential(OrderedDict(chosen))  # type: ignore[arg-type]
 
     def forward(self, value: Any) -> Any:
         if self.runner is None:
             raise RuntimeError(
-                f"this pipelined sequence holds stage {self.stage} of {self.num_stages} only (layers "
+                f"this pipelined sequence holds {_stages(self.stages)} of {self.num_stages} only (layers "
                 f"{', '.join(dict(self.named_children()))} of {self.num_layers}); it runs inside the Trainer's "
                 "steps. After trainer.fit() returns, the module holds the whole sequence again."
             )
         return self.runner(value)
 
     def extra_repr(self) -> str:
-        return f"stage={self.stage}/{self.num_stages}, layers of {self.num_layers}"
+        held = ",".join(map(str, self.stages))
+        return f"stage{'s' if len(self.stages) > 1 else ''}={held}/{self.num_stages}, layers of {self.num_layers}"
 
     def __len__(self) -> int:
         return self.num_layers  # the whole sequence's length, as ``len(self.layers)`` is in the user's code
@@ -206,6 +218,10 @@ class PipelinedSequential(nn.Module):
         name = str(index % self.num_layers)
         layer = self._modules.get(name)
         return layer if layer is not None else RemoteLayers({}, [name])
+
+
+def _stages(stages: Sequence[int]) -> str:
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
 
 
 class RemoteLayers(nn.Module):
@@ -245,8 +261,18 @@ class Partition:
 
     @property
     def stage(self) -> int:
-        """The pipeline stage this process runs."""
+        """The pipeline stage this process runs (the first, when it runs several)."""
         return self.stand_in.stage
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The pipeline stages this process runs."""
+        return self.stand_in.stages
+
+    @property
+    def layers(self) -> list[int]:
+        """The indices, in the whole sequence, of the layers this process holds."""
+        return [index for stage in self.stages for index in self.bounds[stage]]
 
     def owner_of(self, key: str) -> int | None:
         """The stage holding state-dict ``key`` (a key of the whole module); None if it is outside the sequence."""
@@ -283,7 +309,9 @@ class Partition:
         """Put the whole sequence back, its layers loaded from ``sequence_state`` (the stages' :meth:`stage_state`
         merged, keys relative to the sequence)."""
         others = [
-            layer for index, layer in enumerate(self.original) if self.owner_of(f"{self.path}.{index}") != self.stage
+            layer
+            for index, layer in enumerate(self.original)
+            if self.owner_of(f"{self.path}.{index}") not in self.stages
         ]
         for layer in others:
             layer.to_empty(device=device)
@@ -339,9 +367,10 @@ def _has_state(module: nn.Module) -> bool:
 
 
 def partition_module(
-    module: nn.Module, path: str, sequence: nn.Sequential, balance: Sequence[int], stage: int
+    module: nn.Module, path: str, sequence: nn.Sequential, balance: Sequence[int], stage: int | Sequence[int]
 ) -> Partition:
-    """Replace ``sequence`` (the attribute ``path`` of ``module``) by this stage's stand-in.
+    """Replace ``sequence`` (the attribute ``path`` of ``module``) by the stand-in of this process's ``stage`` (an
+    index of ``balance``, or several: the stages one process holds under ``"interleaved"`` or ``"zbv"``).
 
     Refuses trainable parameters outside the sequence, which one stage alone would update. A tensor (or module) that
     layers of several stages share stays on every stage that uses it; :mod:`lightning_gpipe.build.tied` keeps its copies
@@ -361,10 +390,12 @@ def partition_module(
     bounds = cell_bounds(balance)
     layers = list(sequence._modules.items())  # not named_children(), which drops a module used twice
     ties = find_ties(sequence, balance)
-    own = OrderedDict(layers[i] for i in bounds[stage])
+    stages = (stage,) if isinstance(stage, int) else tuple(sorted(stage))
+    held = {index for s in stages for index in bounds[s]}
+    own = OrderedDict(layers[i] for i in sorted(held))
     # The other stages' layers keep their structure for reassembly, on meta: no memory.
-    set_aside([layer for index, (_, layer) in enumerate(layers) if index not in bounds[stage]], list(own.values()))
-    stand_in = PipelinedSequential(own, len(layers), stage, len(bounds))
+    set_aside([layer for index, (_, layer) in enumerate(layers) if index not in held], list(own.values()))
+    stand_in = PipelinedSequential(own, len(layers), stages, len(bounds))
     _assign(module, path, stand_in)
     return Partition(module, path, sequence, stand_in, bounds, ties)
 

@@ -18,8 +18,8 @@ replicas is DDP's gradient.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.engine.torch_compat import BatchNormBase, flatten_dense_tensors, unflatten_dense_tensors
 
-__all__ = ["Tie", "TiedCopies", "find_ties", "retie", "set_aside"]
+__all__ = ["Tie", "TiedCopies", "find_ties", "retie", "set_aside", "ties_between_processes"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,16 @@ def find_ties(sequence: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
             if len(group) > 1:
                 ties.append(Tie(tuple(group), tuple(stage(name) for name in group), is_parameter))
     return ties
+
+
+def ties_between_processes(ties: Sequence[Tie], position_of: Callable[[int], int]) -> list[Tie]:
+    """``ties`` seen by process: each name's stage replaced by ``position_of(stage)``, the process holding it.
+
+    With several stages per process (``"interleaved"``, ``"zbv"``) a tie whose names all sit on one process is one
+    tensor there, used by both stages' layers (one gradient, accumulated by both): it then holds one place and needs no
+    copies. :class:`TiedCopies` takes these ties with positions for stages and the pipelines' ranks by position.
+    """
+    return [replace(tie, name_stages=tuple(position_of(stage) for stage in tie.name_stages)) for tie in ties]
 
 
 def set_aside(layers: Sequence[nn.Module], own: Sequence[nn.Module]) -> None:

@@ -97,6 +97,10 @@ class ProcessLayout:
         """The stages the process at ``position`` of a pipeline holds."""
         return stages_of(self.schedule, position, self.pipe_size, self.virtual_stages)
 
+    def position_of(self, stage: int) -> int:
+        """The position in a pipeline of the process that holds ``stage``."""
+        return next(position for position in range(self.pipe_size) if stage in self.stages_at(position))
+
     @property
     def num_stages(self) -> int:
         """Stages per pipeline: ``pipe_size`` times the stages each process holds."""

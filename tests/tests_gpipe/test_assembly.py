@@ -6,6 +6,7 @@ import copy
 import datetime
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from helpers.models import IN, batch, build, loss_fn
 from torch import nn
 
-from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
+from lightning_gpipe.build.assembly import AssembledStage, assemble_stage, resolve_balance
 from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.engine.transport import ThreadTransport
 
@@ -122,3 +123,51 @@ def test_assembly_takes_the_resolved_settings_and_hands_their_engine_part_down()
     assert assembled.layers == [0, 1, 2]
     assert assembled.pipeline.config is settings.pipeline  # not rebuilt, nor checked again
     assert assembled.stage.config is settings.pipeline
+
+
+# ------------------------------------------------------------------ several stages per process
+
+
+def test_a_zbv_process_holds_two_slices_that_share_one_tied_parameter() -> None:
+    from helpers.tied_job import tied_lm
+
+    from lightning_gpipe.build.sequence import partition_module
+    from lightning_gpipe.build.tied import ties_between_processes
+    from lightning_gpipe.engine.layout import ProcessLayout
+
+    layout = ProcessLayout(2, 2, 0, "zbv")  # rank 0: stages 0 and 3, the embedding and the head tied to it
+    lm = tied_lm()
+    partition = partition_module(Net(lm), "layers", lm, [2, 2, 2, 2], layout.stages)
+    assert partition.stages == (0, 3)
+    assert partition.layers == [0, 1, 6, 7]
+    # The plain module's names, the tied weight under both (so a checkpoint's merged parts are the plain state dict).
+    held = ["layers.0.weight", "layers.1.weight", "layers.1.bias", "layers.7.weight", "layers.7.bias"]
+    assert list(partition.module.state_dict()) == ["scale", *held]
+    first, last = (partition.stand_in.cell(partition.bounds[stage]) for stage in partition.stages)
+    assert [name for name, _ in first.named_children()] == ["0", "1"]
+    assert first[0].weight is last[1].weight  # one Parameter: one gradient, no collective
+    (tie,) = ties_between_processes(partition.ties, layout.position_of)
+    assert tie.stages == (0,)  # one place: TiedCopies keeps no copy of it
+    (across,) = ties_between_processes(partition.ties, ProcessLayout(2, 2, 0, "interleaved", 2).position_of)
+    assert across.stages == (0, 1)  # interleaved puts stage 3 on the other process: two copies, summed
+
+
+def test_balance_counts_every_stage_of_every_process() -> None:
+    config = BuildConfig(pipe_size=2, chunks=4, schedule="interleaved", virtual_stages=2)
+    settings = config.resolve(world_size=2, rank=0)
+    assert settings.num_stages == 4
+    assert settings.layout.stages == (1, 3)
+    balance = resolve_balance(replace(settings, balance="params"), build("mlp"), None, CPU)
+    assert len(balance) == 4  # one entry per stage, K * v
+    assert sum(balance) == 8
+    with pytest.raises(ValueError, match=r"balance=\[4, 4\] has 2 stages but the pipeline has 4: pipe_size=2 "):
+        BuildConfig(pipe_size=2, chunks=4, schedule="interleaved", virtual_stages=2, balance=[4, 4])
+    with pytest.raises(ValueError, match=r"has 2 stages but the pipelines have 4 \(2 processes x 2 stages each\)"):
+        BuildConfig(chunks=4, schedule="zbv", balance=[4, 4]).resolve(world_size=2, rank=0)
+
+
+def test_more_stages_than_layers_names_the_schedule() -> None:
+    config = BuildConfig(pipe_size=2, chunks=4, schedule="interleaved", virtual_stages=3)
+    with pytest.raises(ValueError, match=r"3 layers of 'layers' into 6 stages.*pipe_size x 3 stages per process "
+                                         r"\(schedule='interleaved'\) <= 3"):  # fmt: skip
+        assemble_stage(Net(build("mlp")[:3]), config.resolve(2, 0), CPU, {1: ThreadTransport.create(2)[0]})
