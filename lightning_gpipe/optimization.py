@@ -100,11 +100,12 @@ class StageGradients:
 
 
 def setup_stage_optimizers(
-    setup: Callable[[Trainer], None], trainer: Trainer, module: LightningModule, partition: Partition, stage: int
+    setup: Callable[[Trainer], None], trainer: Trainer, module: LightningModule, partition: Partition
 ) -> None:
-    """Run Lightning's ``setup_optimizers`` on this stage, its errors explained for a pipeline.
+    """Run Lightning's ``setup_optimizers`` on this process, its errors explained for a pipeline.
 
-    ``configure_optimizers`` runs on every stage with that stage's layers only. A stage whose layers are all frozen (a
+    ``configure_optimizers`` runs on every process with its stages' layers only (each of them once, a tensor its
+    stages share too). A stage whose layers are all frozen (a
     frozen backbone split over several stages) gives an optimizer built from trainable parameters nothing, and
     torch's error would not say which stage or why.
     """
@@ -122,6 +123,7 @@ def setup_stage_optimizers(
     except ValueError as error:
         if "empty parameter list" not in str(error):
             raise
+        stage = ", ".join(map(str, partition.stages))
         if any(p.requires_grad for p in module.parameters()):
             raise ValueError(
                 f"an optimizer of `configure_optimizers` got no parameters on stage {stage} ({error}): "
@@ -130,10 +132,10 @@ def setup_stage_optimizers(
                 f"[{{'params': self.{partition.path}[-1].parameters(), 'lr': 1e-3}}, ...]): a group may be "
                 "empty on a stage."
             ) from error
-        layers = partition.bounds[stage]
+        layers = ", ".join(f"{bound[0]}-{bound[-1]}" for bound in (partition.bounds[s] for s in partition.stages))
         sizes = [len(bound) for bound in partition.bounds]
         raise ValueError(
-            f"stage {stage} (layers {layers[0]}-{layers[-1]} of {partition.path!r}) has no "
+            f"stage {stage} (layers {layers} of {partition.path!r}) has no "
             f"trainable parameters, so `configure_optimizers` gave its optimizer none ({error}). Give every stage "
             f"a trainable layer with `balance=[...]` (layers per stage; now {sizes}), use fewer stages, or build "
             "the optimizer from all parameters (frozen ones are then simply not updated)."

@@ -1,4 +1,4 @@
-"""GPipeStrategy: Lightning's lifecycle around the GPipe engine, one process per pipeline stage.
+"""GPipeStrategy: Lightning's lifecycle around the GPipe engine, one process per pipeline stage (or per few stages).
 
 The engine's step driver (:class:`~lightning_gpipe.engine.driver.StepDriver`) runs the step: its forward phase (each
 forward the user's ``training_step`` on one micro-batch, :mod:`lightning_gpipe.user_step`) in ``training_step``, its
@@ -81,10 +81,13 @@ class GPipeStrategy(ParallelStrategy):
         balance: layers per stage (K ints), or ``"params"``, ``"flops"``, ``"time"``, ``"memory"`` or a callable
             ``cost(layer) -> float``; default ``"flops"`` with an ``example_input_array``, else ``"params"``.
         checkpoint: re-materialization: ``"always"``, ``"except_last"`` (default), ``"selective"`` or ``"never"``.
-        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (the same gradients in less activation memory) or
-            ``"zero_bubble"`` (ZB-H1: 1F1B with each backward split, its weight gradients deferred into the bubble).
+        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (the same gradients in less activation memory),
+            ``"zero_bubble"`` (ZB-H1: 1F1B with each backward split, its weight gradients deferred into the bubble),
+            ``"interleaved"`` (``virtual_stages`` stages per process) or ``"zbv"`` (two stages per process in a V).
         module_name: attribute (dotted path) of the ``nn.Sequential`` to pipeline; default: found automatically.
         deferred_batch_norm: move BatchNorm running statistics once per mini-batch, from all of its samples.
+        virtual_stages: v, the stages each process holds under ``schedule="interleaved"`` (2 or more; process ``r``
+            the stages ``r, r + K, ...``); ``balance`` then counts ``K * v`` stages.
         timeout: how long a stage waits for a peer before it gives up (default 30 minutes).
         start_method: ``"popen"`` (default, as DDP), or ``"fork"`` / ``"spawn"``; use ``"fork"`` in notebooks.
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
@@ -108,6 +111,7 @@ class GPipeStrategy(ParallelStrategy):
         module_name: str | None = None,
         deferred_batch_norm: bool = False,
         *,
+        virtual_stages: int = 1,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -136,6 +140,7 @@ class GPipeStrategy(ParallelStrategy):
             schedule=schedule,
             module_name=module_name,
             deferred_batch_norm=deferred_batch_norm,
+            virtual_stages=virtual_stages,
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
@@ -154,10 +159,10 @@ class GPipeStrategy(ParallelStrategy):
         self._pipeline_group: dist.ProcessGroup | None = None
         self._replica_group: dist.ProcessGroup | None = None
         self._object_group: dist.ProcessGroup | None = None
-        self._links: list[dist.ProcessGroup] = []  # one group per pair of adjacent stages of this pipeline
+        self._links: list[dist.ProcessGroup | None] = []  # per adjacent stage pair (None: in-process)
         self._control_group: dist.ProcessGroup | None = None
         self._assembled: AssembledStage | None = None  # this process's stage of the module, its partition and ties
-        self._stage: Stage | None = None
+        self._stages: tuple[Stage, ...] = ()  # this process's stages, in model order
         self._steps: UserSteps | None = None  # the user's step hooks over micro-batches
         self._driver: StepDriver | None = None  # the step in progress
         self._gradients: StageGradients | None = None
@@ -296,7 +301,7 @@ class GPipeStrategy(ParallelStrategy):
         self.timeline.device = self.root_device  # on a GPU, spans are timed with CUDA events
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            setup_stage_optimizers(self.setup_optimizers, trainer, module, assembled.partition, self.layout.stage)
+            setup_stage_optimizers(self.setup_optimizers, trainer, module, assembled.partition)
         self.setup_precision_plugin()
         self._gradients = StageGradients(self.layout, self._pipeline_group, self._replica_group, assembled.ties)
         self._gradients.install(self.precision_plugin, self.root_device, fitting)
@@ -322,20 +327,20 @@ class GPipeStrategy(ParallelStrategy):
         if self._assembled is not None:
             return self._assembled
         links = None if self._links_on_world else self._links
-        ranks, timeout = self.layout.pipeline_ranks(), self.settings.timeout
-        transport = ProcessGroupTransport(ranks, self.root_device, timeout, links=links)
+        ranks, timeout = self.layout.stage_ranks(), self.settings.timeout
+        transport = ProcessGroupTransport.for_stages(ranks, self.layout.stages, self.root_device, timeout, links=links)
         self._assembled = assembled = assemble_stage(
             module, self.settings, self.root_device, transport, sample=module.example_input_array,
             replica_group=self._replica_group, timeline=self.timeline,
         )  # fmt: skip
         if self._replica_group is not None:
             sync_metrics_over(module, self._replica_group)
-        self._stage, self._names = assembled.stage, assembled.names
+        self._stages, self._names = assembled.pipeline.stages, assembled.names
         # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
         # which a partitioned module cannot do; it is set aside until teardown (the summary then omits sizes).
         self._example_input, module.example_input_array = module.example_input_array, None
         self._steps = UserSteps(
-            module, assembled.pipeline, assembled.partition, CallRelay(assembled.stage), self._batches,
+            module, assembled.pipeline, assembled.partition, CallRelay(self._stages[-1]), self._batches,
             verify_batches=self.config.verify_batches, detect_anomalies=self.config.detect_anomalies,
         )  # fmt: skip
         describe_pipeline(self.layout, self.chunks, assembled)
@@ -370,14 +375,13 @@ class GPipeStrategy(ParallelStrategy):
     ) -> tuple[dict[str, Tensor], Any]:
         """The last stage's logs logged on every stage, with ``scalars`` and ``other`` (see :func:`mirror_logs`)."""
         share = sharing_from_last_stage(self.layout, self._object_group, self.root_device)
-        return mirror_logs(recorder, self.layout.stage == self.layout.pipe_size - 1, share, scalars, other)
+        return mirror_logs(recorder, self.layout.holds_last_stage, share, scalars, other)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._stage is not None
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         outputs, recorder = self._forward_phase("training_step", args, kwargs, self.precision_plugin.train_step_context)
-        if not self._stage.is_last:
+        if not self.layout.holds_last_stage:
             scalars, extras = self._mirror_logs(recorder)
             return _with_extras(scalars["loss"].to(self.root_device, torch.float32), extras)
         assert self._driver is not None
@@ -403,7 +407,6 @@ class GPipeStrategy(ParallelStrategy):
         return super().optimizer_step(optimizer, self._gradients.after_closure(optimizer, closure), model, **kwargs)
 
     def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        assert self._stage is not None
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         context = {
             "validation_step": self.precision_plugin.val_step_context,
@@ -514,8 +517,9 @@ class GPipeStrategy(ParallelStrategy):
         # The other stages may be dead or blocked: teardown must not wait for them in a collective. Receives this stage
         # left posted would hold up the process group's destruction at exit (NCCL): abort the links that carry them.
         self._failed = True
-        if self._stage is not None and isinstance(self._stage.transport, ProcessGroupTransport):
-            self._stage.transport.abort_links()
+        for stage in self._stages:
+            if isinstance(stage.transport, ProcessGroupTransport):
+                stage.transport.abort_links()
 
     @override
     def teardown(self) -> None:
@@ -528,7 +532,8 @@ class GPipeStrategy(ParallelStrategy):
             assert module is not None
             self._assembled.reassemble(self._object_group)
             module.example_input_array = self._example_input
-            self._assembled = self._stage = self._steps = self._driver = None
+            self._assembled = self._steps = self._driver = None
+            self._stages = ()
         super().teardown()
 
     @classmethod

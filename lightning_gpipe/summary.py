@@ -1,4 +1,4 @@
-"""The pipeline's summary: which stage holds which layers and parameters, printed once on global rank 0.
+"""The pipeline's summary: which process holds which stages, layers and parameters, printed once on global rank 0.
 
 Lightning's model summary runs on rank 0 and sees only its own stage; this table shows the whole pipeline.
 """
@@ -21,21 +21,24 @@ def describe_pipeline(layout: ProcessLayout, chunks: int, assembled: AssembledSt
     logger, with the (all, trainable) parameter counts of each stage and of the unsplit module."""
     path, num_layers = assembled.partition.path, len(assembled.partition.original)
     rows: list[Any] = [None] * layout.world_size
-    own = (layout.replica, layout.stage, layout.rank, assembled.layers, assembled.stage_parameters)
+    bounds = assembled.partition.bounds
+    held = [(stage, list(bounds[stage])) for stage in layout.stages]
+    own = (layout.replica, min(layout.stages), layout.rank, held, assembled.stage_parameters)
     dist.all_gather_object(rows, own)
     pipelines = "pipeline" if layout.num_replicas == 1 else "data-parallel pipelines"
+    per = len(layout.stages)
+    stages = f"{layout.pipe_size} stages" if per == 1 else f"{layout.num_stages} stages ({per} per process)"
     lines = [
-        f"GPipe: {layout.num_replicas} {pipelines} of {layout.pipe_size} stages, up to chunks={chunks} "
+        f"GPipe: {layout.num_replicas} {pipelines} of {stages}, up to chunks={chunks} "
         f"micro-batches per batch (a batch of N < {chunks} samples runs N); {path!r} has {num_layers} layers"
     ]
-    for _replica, stage, rank, layers, (count, trainable) in sorted(row for row in rows if row[0] == 0):
-        lines.append(
-            f"  stage {stage} (rank {rank}): layers {layers[0]}-{layers[-1]}, {count:,} parameters ({trainable:,} "
-            "trainable)"
-        )
+    for _replica, _first, rank, held, (count, trainable) in sorted(row for row in rows if row[0] == 0):
+        parts = [f"stage {stage} (rank {rank}): layers {layers[0]}-{layers[-1]}" for stage, layers in held]
+        lines.append(f"  {'; '.join(parts)}, {count:,} parameters ({trainable:,} trainable)")
     whole = assembled.whole_parameters
     lines.append(
         f"  whole model: {whole[0]:,} parameters ({whole[1]:,} trainable); Lightning's model summary counts only "
-        f"stage {layout.stage}, the one on rank {layout.rank}"
+        f"stage{'s' if per > 1 else ''} {', '.join(map(str, layout.stages))}, the one{'s' if per > 1 else ''} on "
+        f"rank {layout.rank}"
     )
     rank_zero_info("\n".join(lines))

@@ -3,6 +3,12 @@
 Every stage runs the user's ``training_step`` (or validation, test, predict step) for each micro-batch up to its call of
 the sequence, which the step driver turns into this stage's forward. On a stage that is not the last the user's step
 ends there; on the last stage it goes on with the output, as in a plain step (a decoder may call the sequence again).
+
+A process holding several stages (``schedule="interleaved"`` or ``"zbv"``) runs the user's step once per micro-batch,
+at its call stage (the last stage where it holds it, else its first held stage); the driver runs its other stages.
+Where it holds stage 0 but calls at the last stage (ZB-V's first process), stage 0's input comes from a run of the
+user's step up to its call of the sequence, which then ends: the code before the call runs twice per micro-batch
+there, the second time with its ``self.log`` calls recorded.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpipe.build.sequence import Partition, PipelinedSequential
+from lightning_gpipe.compat import recording_log
 from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.fingerprint import batch_fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch, batch_size, gather, step_extras
@@ -51,11 +58,11 @@ class _StageDone(BaseException):
 
 
 class UserSteps:
-    """One stage's runs of the user's step hooks, each over the micro-batches of a batch through the step driver.
+    """One process's runs of the user's step hooks, each over the micro-batches of a batch through the step driver.
 
     Args:
         module: the LightningModule whose hooks run.
-        pipeline: this stage's pipeline.
+        pipeline: this process's pipeline (its stage, or its stages).
         partition: how the module was cut; its stand-in sequence is routed to the driver during a step.
         relay: serves an evaluation step's further calls of the sequence (decoding).
         batches: the checks of each step's batch.
@@ -95,12 +102,12 @@ class UserSteps:
         Returns the step's driver (for its backward phase or its end), the user's step outputs in micro-batch order
         (``None`` on a stage that is not the last) and the recorded logs.
         """
-        module, stage = self.module, self.pipeline.stage
+        module, num_stages = self.module, self.pipeline.stages[0].num_stages
         batch, rest = args[0], args[1:]
         training = hook == "training_step"
-        self.batches.check(hook, batch_size(batch), module.training, self.pipeline.chunks, stage.num_stages)
+        self.batches.check(hook, batch_size(batch), module.training, self.pipeline.chunks, num_stages)
         # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
-        fingerprint = batch_fingerprint(batch) if self.verify_batches and stage.num_stages > 1 else None
+        fingerprint = batch_fingerprint(batch) if self.verify_batches and num_stages > 1 else None
         driver = StepDriver(
             self.pipeline.begin(batch, training=training, fingerprint=fingerprint),
             hook=hook,
@@ -111,6 +118,7 @@ class UserSteps:
             scale_loss=scale_loss,
             check_losses=self.detect_anomalies,
             relay=None if training else self.relay,
+            feed=lambda mb: self._stage_input(hook, mb, rest, kwargs, context),
         )
         recorder = LogRecorder(module, step_values=training)
 
@@ -124,6 +132,42 @@ class UserSteps:
         with _routed(self.partition.stand_in, driver):
             outputs = driver.forward_phase(step)
         return driver, outputs, recorder
+
+    def _stage_input(
+        self,
+        hook: str,
+        mb: Microbatch,
+        rest: tuple,
+        kwargs: dict,
+        context: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> Any:
+        """Stage 0's input for ``mb`` on a process that calls the user's step at a later stage: the value the step
+        passes to the pipelined sequence, its ``self.log`` calls dropped (the step's second run records them)."""
+        stand_in, runner = self.partition.stand_in, self.partition.stand_in.runner
+        captured: list[Any] = []
+
+        def capture(value: Any) -> Any:
+            captured.append(value)
+            raise _StageDone
+
+        stand_in.runner = capture
+        try:
+            with context(), recording_log(self.module, _ignore):
+                getattr(self.module, hook)(mb.value, *rest, **kwargs)
+        except _StageDone:
+            pass
+        finally:
+            stand_in.runner = runner
+        if not captured:
+            raise RuntimeError(
+                f"{hook} returned without calling the pipelined sequence {self.partition.path!r} for micro-batch "
+                f"{mb.index}; under GPipeStrategy each step calls it once"
+            )
+        return captured[0]
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` while stage 0's input is taken: the step's second run records the values."""
 
 
 def training_result(driver: StepDriver, outputs: list[Any], recorder: LogRecorder) -> tuple[torch.Tensor, Any]:
