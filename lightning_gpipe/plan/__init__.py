@@ -2,7 +2,8 @@
 
 :func:`plan` profiles the model's layers (:func:`~lightning_gpipe.build.profile.profile_layers`), then, for every
 pipeline size K that divides the device count, every M, both balances (by time and by memory), every checkpoint mode
-and schedule, predicts each stage's peak memory (:func:`~lightning_gpipe.plan.memory.stage_memory`) and the step time
+and schedule (``"interleaved"`` with each of a few ``virtual_stages``), predicts each process's peak memory
+(:func:`~lightning_gpipe.plan.memory.process_memory`, its stages together) and the step time
 (:func:`~lightning_gpipe.plan.simulate.simulate_step`), and keeps the fastest configuration that fits. The
 :class:`Plan` says what to set, what to expect and why; a request that nothing fits raises
 :class:`InfeasiblePlanError` naming the smallest device count and the smallest memory per device that would work.
@@ -22,10 +23,10 @@ from torch import Tensor, nn
 from lightning_gpipe.build.balance import balance_by_cost, cell_bounds
 from lightning_gpipe.build.profile import LayerProfile, ModelProfile, OptimizerFactory, profile_layers
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
-from lightning_gpipe.engine.schedule import SCHEDULES, validate_schedule
+from lightning_gpipe.engine.schedule import SCHEDULES, stages_of, validate_schedule
 from lightning_gpipe.engine.torch_compat import BatchNormBase
 from lightning_gpipe.plan.auto import AutoPlan
-from lightning_gpipe.plan.memory import StageMemory, stage_memory
+from lightning_gpipe.plan.memory import StageMemory, process_memory, stage_memory
 from lightning_gpipe.plan.simulate import simulate_step
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "DEFAULT_LATENCY",
     "DEFAULT_MICROBATCH_OVERHEAD",
     "DEFAULT_REMATERIALIZATION_OVERHEAD",
+    "DEFAULT_VIRTUAL_STAGES",
     "AutoPlan",
     "Candidate",
     "InfeasiblePlanError",
@@ -66,6 +68,9 @@ DEFAULT_BOUNDARY_OVERHEAD = {"cuda": 1.1e-3, "cpu": 1.1e-3, "meta": 0.0}
 """Seconds a stage's own thread spends per micro-batch and stage boundary beyond the link (describing, posting,
 sending and receiving), which the one-stage overhead leaves out; measured on the CPU by
 ``benchmarks.plan_calibration.link`` and used for CUDA until measured there (see docs/benchmarks/plan.md)."""
+DEFAULT_VIRTUAL_STAGES = (2, 3, 4)
+"""The stages per process :func:`plan` weighs for ``"interleaved"``: each divides the bubble by ``v`` for ``v`` times
+the boundary messages, which past four costs more than it saves on any link the planner knows."""
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
 _UNITS.update({"g": GiB, "gb": GiB, "gib": GiB, "t": 2**40, "tb": 2**40, "tib": 2**40})
 
@@ -103,9 +108,10 @@ class Candidate:
     schedule: str
     step_time: float  # seconds per optimizer step (all replicas in parallel)
     bubble: float
-    stage_memory: tuple[StageMemory, ...]
-    stage_busy: tuple[float, ...]  # seconds each stage computes per step
+    stage_memory: tuple[StageMemory, ...]  # per process: its stages together
+    stage_busy: tuple[float, ...]  # seconds each process computes per step
     samples: int = 0  # samples per optimizer step over all replicas
+    virtual_stages: int = 1  # v, the stages per process of "interleaved" (1 for the other schedules)
 
     @property
     def time_per_sample(self) -> float:
@@ -114,13 +120,19 @@ class Candidate:
 
     @property
     def peak(self) -> float:
-        """The largest stage's predicted peak bytes."""
+        """The largest process's predicted peak bytes."""
         return max(memory.peak for memory in self.stage_memory)
+
+    @property
+    def schedule_label(self) -> str:
+        """The schedule as the strategy takes it: ``schedule='1f1b'``, ``schedule='interleaved', virtual_stages=2``."""
+        v = f", virtual_stages={self.virtual_stages}" if self.schedule == "interleaved" else ""
+        return f"schedule={self.schedule!r}{v}"
 
     def label(self) -> str:
         """The settings in one line, as the reasons and messages quote them."""
         return (
-            f"K={self.pipe_size}, M={self.chunks}, checkpoint={self.checkpoint!r}, schedule={self.schedule!r}, "
+            f"K={self.pipe_size}, M={self.chunks}, checkpoint={self.checkpoint!r}, {self.schedule_label}, "
             f"balance={list(self.balance)}"
         )
 
@@ -150,7 +162,7 @@ class Plan:
 
     @property
     def balance(self) -> list[int]:
-        """Layers per stage."""
+        """Layers per stage: K entries, or ``K·v`` when each process holds ``v`` stages (interleaved, ZB-V)."""
         return list(self.best.balance)
 
     @property
@@ -164,6 +176,11 @@ class Plan:
         return self.best.schedule
 
     @property
+    def virtual_stages(self) -> int:
+        """Stages per process under ``"interleaved"``; 1 for the other schedules (``"zbv"`` always holds two)."""
+        return self.best.virtual_stages
+
+    @property
     def step_time(self) -> float:
         """Predicted seconds per optimizer step."""
         return self.best.step_time
@@ -175,18 +192,22 @@ class Plan:
 
     @property
     def stage_peaks(self) -> list[float]:
-        """Predicted peak bytes per stage."""
+        """Predicted peak bytes per process (its stages together when it holds several)."""
         return [memory.peak for memory in self.best.stage_memory]
 
     def strategy_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :class:`~lightning_gpipe.GPipeStrategy` that carry out this plan."""
-        return {
+        """The keyword arguments of :class:`~lightning_gpipe.GPipeStrategy` that carry out this plan
+        (``virtual_stages`` only under ``"interleaved"``)."""
+        settings: dict[str, Any] = {
             "pipe_size": self.pipe_size,
             "chunks": self.chunks,
             "balance": self.balance,
             "checkpoint": self.checkpoint,
             "schedule": self.schedule,
         }
+        if self.schedule == "interleaved":
+            settings["virtual_stages"] = self.virtual_stages
+        return settings
 
     def strategy_code(self) -> str:
         """The :class:`~lightning_gpipe.GPipeStrategy` that carries out this plan, as code to paste.
@@ -208,19 +229,20 @@ class Plan:
             f"{self.devices} device(s) x {_gib(self.memory_per_device)}, batch {self.batch_size}"
             f"{' per pipeline' if self.per_pipeline_batch else ''}: "
             f"K={best.pipe_size} stages x {best.replicas} replica(s), M={best.chunks} micro-batches of "
-            f"{best.microbatch_size}, checkpoint={best.checkpoint!r}, schedule={best.schedule!r}\n"
+            f"{best.microbatch_size}, checkpoint={best.checkpoint!r}, {best.schedule_label}\n"
             f"predicted step {best.step_time * 1e3:.1f} ms for {best.samples} samples, bubble {best.bubble:.0%}, "
             f"peak {_gib(best.peak)} ({best.peak / self.memory_per_device:.0%} of the budget)"
         )
-        stages = Table(title="per stage")
-        for column in ("stage", "layers", "state", "batch", "activations", "peak", "busy"):
+        several = len(best.balance) > best.pipe_size  # each process holds several stages
+        stages = Table(title="per process (its stages' layers)" if several else "per stage")
+        for column in ("process" if several else "stage", "layers", "state", "batch", "activations", "peak", "busy"):
             stages.add_column(column, justify="right")
-        for j, (bounds, memory, busy) in enumerate(
-            zip(cell_bounds(best.balance), best.stage_memory, best.stage_busy, strict=True)
-        ):
+        cells = cell_bounds(best.balance)
+        for r, (memory, busy) in enumerate(zip(best.stage_memory, best.stage_busy, strict=True)):
+            held = stages_of(best.schedule, r, best.pipe_size, best.virtual_stages)
             stages.add_row(
-                str(j),
-                f"{bounds.start}-{bounds.stop - 1}",
+                str(r),
+                ", ".join(f"{cells[s].start}-{cells[s].stop - 1}" for s in held),
                 _gib(memory.state),
                 _gib(memory.batch),
                 _gib(memory.activations),
@@ -275,29 +297,47 @@ def evaluate(
     boundary_overhead: float | None = None,
     first_send_parked: bool | None = None,
     compiled: bool = False,
+    virtual_stages: int = 1,
 ) -> Candidate:
-    """Predict one configuration: step time, bubble and per-stage memory for a mini-batch of ``batch_size`` samples.
+    """Predict one configuration: step time, bubble and per-process memory for a mini-batch of ``batch_size`` samples.
 
-    ``batch_size`` is the whole mini-batch; each of ``replicas`` pipelines gets its share. ``balance`` defaults to the
-    one that best balances the stages' pass times. ``overhead`` is the engine's seconds per micro-batch and stage
-    (default by device type: :data:`DEFAULT_MICROBATCH_OVERHEAD`), split evenly between forward and backward; a
-    re-materialized micro-batch adds :data:`DEFAULT_REMATERIALIZATION_OVERHEAD` (scaled alike when ``overhead`` is
-    given). ``boundary_overhead`` is what a stage adds per micro-batch and stage boundary (default by device type:
-    :data:`DEFAULT_BOUNDARY_OVERHEAD`), split alike. ``first_send_parked`` holds each stage's first message of the step
-    until its next forward (see :func:`~lightning_gpipe.plan.simulate.simulate_step`); by default on CPU stages, whose
-    transport is gloo. ``compiled`` layers (``compile=True``) re-materialize every micro-batch under
-    ``checkpoint="selective"``, the last included (:func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`).
+    ``batch_size`` is the whole mini-batch; each of ``replicas`` pipelines gets its share. ``pipe_size`` is K, the
+    processes of a pipeline; under ``"interleaved"`` (``virtual_stages=v``) and ``"zbv"`` (two) each holds several
+    stages (:func:`~lightning_gpipe.engine.schedule.stages_of`), and ``balance``, the layers per stage, has that many
+    entries per process. It defaults to the one that best balances the stages' pass times. ``overhead`` is the
+    engine's seconds per micro-batch and stage (default by device type: :data:`DEFAULT_MICROBATCH_OVERHEAD`), split
+    evenly between forward and backward; a re-materialized micro-batch adds :data:`DEFAULT_REMATERIALIZATION_OVERHEAD`
+    (scaled alike when ``overhead`` is given). ``boundary_overhead`` is what a stage adds per micro-batch and stage
+    boundary to another process (default by device type: :data:`DEFAULT_BOUNDARY_OVERHEAD`), split alike.
+    ``first_send_parked`` holds each stage's first message of the step until its next forward (see
+    :func:`~lightning_gpipe.plan.simulate.simulate_step`); by default on CPU stages, whose transport is gloo.
+    ``compiled`` layers (``compile=True``) re-materialize every micro-batch under ``checkpoint="selective"``, the
+    last included (:func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`). The zero-bubble schedules'
+    weight gradient W is taken as half the backward of each layer with trainable parameters, none of the others'
+    (a linear layer's input and weight gradients are one matrix product each).
+
+    Raises:
+        ValueError: ``virtual_stages`` that the schedule does not take, a ``balance`` of another number of stages, or
+            (``"interleaved"``) ``chunks`` its rounds cannot split.
     """
     K, M = pipe_size, chunks
+    per_process = len(stages_of(schedule, 0, K, virtual_stages))  # refuses a virtual_stages the schedule does not take
+    owner = {s: r for r in range(K) for s in stages_of(schedule, r, K, virtual_stages)}
+    S = K * per_process
     per_replica = math.ceil(batch_size / replicas)
     n = math.ceil(per_replica / M)
-    M = math.ceil(per_replica / n)  # what scatter makes of it: no empty micro-batches
+    M = _scattered(per_replica, M)
     forward, backward = profile.pass_times(n)
     stop = checkpoint_stop(checkpoint, M, compiled=compiled)
     if balance is None:
         share = stop / M
         costs = [f + b + share * f for f, b in zip(forward, backward, strict=True)]
-        balance = balance_by_cost(costs, K)
+        balance = balance_by_cost(costs, S)
+    if len(balance) != S:
+        raise ValueError(
+            f"balance={list(balance)} has {len(balance)} stages, but schedule={schedule!r} on K={K} processes has {S} "
+            f"({per_process} per process); give one number of layers per stage"
+        )
     kind = profile.device.split(":")[0]
     rate = bandwidth if bandwidth is not None else DEFAULT_BANDWIDTH.get(kind, 2e9)
     delay = latency if latency is not None else DEFAULT_LATENCY.get(kind, 1e-4)
@@ -307,15 +347,18 @@ def evaluate(
     base = DEFAULT_MICROBATCH_OVERHEAD.get(kind, 0.0)
     replay = DEFAULT_REMATERIALIZATION_OVERHEAD.get(kind, 0.0) * (engine / base if base > 0 else 0.0)
     bounds = cell_bounds(balance)
-    # Per micro-batch, each stage pays the engine's own cost and that of each of its boundaries (a middle stage two).
-    host = [engine + boundary * ((j > 0) + (j < K - 1)) for j in range(K)]
+    # Per micro-batch, each stage pays the engine's own cost and that of each boundary to another process (a middle
+    # stage two; two neighbouring stages on one process pass their values in memory).
+    remote = [sum(0 <= t < S and owner[t] != owner[s] for t in (s - 1, s + 1)) for s in range(S)]
+    host = [engine + boundary * links for links in remote]
     stage_f = [sum(forward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
     stage_b = [sum(backward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
+    weight = [sum(backward[i] / 2 for i in cell if profile.layers[i].trainable_bytes) for cell in bounds]
     transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
     # Selective re-materialization as measured under its own wrapper; unmeasured, it is charged as the whole replay.
     selective = checkpoint == "selective" and bool(profile.selective_recompute)
     extra = profile.recompute_times(n, selective=selective)
-    wrapped = [0.0] * K
+    wrapped = [0.0] * S
     if extra is not None:  # measured: the replayed forward and the checkpoint's hooks on every saved tensor
         first = profile.recompute_forward_times(n, selective=selective)  # the hooks' share in the first forward
         wrapped = [sum(first[i] for i in cell) for cell in bounds]
@@ -337,26 +380,30 @@ def evaluate(
         update=update,
         checkpoint_forward=wrapped,
         first_send_parked=kind == "cpu" if first_send_parked is None else first_send_parked,
+        weight=weight,
+        virtual_stages=virtual_stages,
     )
     memory = tuple(
-        stage_memory(
+        process_memory(
             profile,
-            cell,
-            stage=j,
-            num_stages=K,
+            bounds,
+            rank=r,
+            num_processes=K,
             num_microbatches=M,
             microbatch_size=n,
             batch_size=per_replica,
             checkpoint=checkpoint,
             schedule=schedule,
+            virtual_stages=virtual_stages,
             optimizer_slots=optimizer_slots,
             compiled=compiled,
         )
-        for j, cell in enumerate(bounds)
+        for r in range(K)
     )
     allreduce = 0.0
     if replicas > 1:
-        grads = max(sum(profile.layers[i].trainable_bytes for i in cell) for cell in bounds)
+        held = [[i for s, cell in enumerate(bounds) if owner[s] == r for i in cell] for r in range(K)]
+        grads = max(sum(profile.layers[i].trainable_bytes for i in layers) for layers in held)
         allreduce = 2 * (replicas - 1) / replicas * grads / rate
     return Candidate(
         K,
@@ -371,6 +418,7 @@ def evaluate(
         memory,
         step.busy,
         batch_size,
+        virtual_stages if schedule == "interleaved" else 1,
     )
 
 
@@ -384,6 +432,7 @@ def _search(
     schedules: Sequence[str],
     smallest: int = 1,
     per_pipeline: bool = False,
+    virtual_stages: Sequence[int] = DEFAULT_VIRTUAL_STAGES,
     **options: Any,
 ) -> list[Candidate]:
     found: list[Candidate] = []
@@ -395,26 +444,45 @@ def _search(
         for M in _microbatch_counts(per_replica, chunks, smallest):
             for mode in checkpoints:
                 for schedule in schedules:
-                    by_time = evaluate(
-                        profile,
-                        pipe_size=K,
-                        chunks=M,
-                        batch_size=total,
-                        checkpoint=mode,
-                        schedule=schedule,
-                        replicas=replicas,
-                        **options,
-                    )
-                    found.append(by_time)
-                    if K > 1:
-                        found.append(_memory_balanced(profile, by_time, total, options))
+                    for v in _virtual_stages(schedule, K, _scattered(per_replica, M), len(profile), virtual_stages):
+                        by_time = evaluate(
+                            profile,
+                            pipe_size=K,
+                            chunks=M,
+                            batch_size=total,
+                            checkpoint=mode,
+                            schedule=schedule,
+                            replicas=replicas,
+                            virtual_stages=v,
+                            **options,
+                        )
+                        found.append(by_time)
+                        if K > 1:
+                            found.append(_memory_balanced(profile, by_time, total, options))
     return found
+
+
+def _scattered(per_replica: int, chunks: int) -> int:
+    """The micro-batches scatter makes of ``per_replica`` samples asked into ``chunks``: no empty micro-batches."""
+    return math.ceil(per_replica / math.ceil(per_replica / chunks))
+
+
+def _virtual_stages(schedule: str, K: int, M: int, layers: int, weighed: Sequence[int]) -> list[int]:
+    """The ``virtual_stages`` to weigh for ``schedule`` on K processes and M micro-batches: ``[1]`` for the schedules
+    of one stage per process; for ``"interleaved"`` each of ``weighed`` whose K·v stages the layers fill and whose
+    rounds split M (Megatron-Core's rule, relaxed as torch's), for ``"zbv"`` ``[1]`` if 2K stages fit; none at K = 1,
+    where stages on one process only add the engine's cost per stage."""
+    if schedule == "interleaved":
+        return [v for v in weighed if K > 1 and K * v <= layers and M % max(1, M // K) == 0]
+    if schedule == "zbv":
+        return [1] if K > 1 and layers >= 2 * K else []
+    return [1]
 
 
 def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, options: dict[str, Any]) -> Candidate:
     """The same configuration with the layers balanced by the bytes each holds instead of by time."""
     n, slots = like.microbatch_size, options.get("optimizer_slots", 2.0)
-    held = like.chunks if like.schedule == "gpipe" else like.pipe_size
+    held = like.chunks if like.schedule == "gpipe" else like.pipe_size  # micro-batches in flight, about
     costs = [
         layer.param_bytes
         + layer.buffer_bytes
@@ -431,8 +499,9 @@ def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, op
         batch_size=batch_size,
         checkpoint=like.checkpoint,
         schedule=like.schedule,
-        balance=balance_by_cost(costs, like.pipe_size),
+        balance=balance_by_cost(costs, len(like.balance)),
         replicas=like.replicas,
+        virtual_stages=like.virtual_stages,
         **options,
     )
 
@@ -453,6 +522,20 @@ def _speed(candidate: Candidate, per_sample: bool) -> str:
     pipelines = f"{candidate.replicas} pipelines of {candidate.samples // candidate.replicas}"
     shape = f", {pipelines}" if candidate.replicas > 1 else ""
     return f"{candidate.time_per_sample * 1e3:.3g} ms per sample ({step} of {candidate.samples} samples{shape})"
+
+
+def _not_weighed(schedule: str, K: int, layers: int) -> str:
+    """Why ``schedule``, several stages per process, was not weighed at the chosen K (see :func:`_virtual_stages`)."""
+    if K == 1:
+        why = "at K=1 its stages would share one process, which only adds the engine's cost per stage"
+    elif schedule == "zbv":
+        why = f"its {2 * K} stages need at least as many layers, and the model has {layers}"
+    else:
+        why = (
+            f"it needs K·v stages of at least one layer each ({layers} layers) and M in rounds of about K "
+            f"micro-batches (M <= {K} or a multiple of {K}), which no weighed M and virtual_stages gave"
+        )
+    return f"schedule={schedule!r} is not weighed at K={K}: {why}"
 
 
 def _reasons(
@@ -479,7 +562,29 @@ def _reasons(
             )
         else:
             reasons.append(f"K={K} fits but is slower: {_speed(fits, per_sample)}, at best with {fits.label()}")
-    same_k = [c for c in every if c.pipe_size == best.pipe_size and c.schedule == best.schedule]
+    same_pipe = [c for c in every if c.pipe_size == best.pipe_size]
+    variants = sorted({(c.schedule, c.virtual_stages) for c in same_pipe}, key=lambda s: (SCHEDULES.index(s[0]), s[1]))
+    for variant in variants:
+        if variant == (best.schedule, best.virtual_stages):
+            continue
+        pool = [c for c in same_pipe if (c.schedule, c.virtual_stages) == variant]
+        name, fits = pool[0].schedule_label, best_of([c for c in pool if c.peak <= budget])
+        if fits is None:
+            least = min(pool, key=lambda c: c.peak)
+            reasons.append(
+                f"{name} does not fit: at best {_gib(least.peak)} with M={least.chunks}, "
+                f"checkpoint={least.checkpoint!r}"
+            )
+        elif _key(fits)[0] == _key(best)[0]:
+            reasons.append(
+                f"{name} is as fast, peaking at {_gib(fits.peak)} with M={fits.chunks}, checkpoint={fits.checkpoint!r}"
+            )
+        else:
+            reasons.append(
+                f"{name} is slower: {_speed(fits, per_sample)}, bubble {fits.bubble:.0%}, at best with "
+                f"M={fits.chunks}, checkpoint={fits.checkpoint!r}"
+            )
+    same_k = [c for c in same_pipe if (c.schedule, c.virtual_stages) == (best.schedule, best.virtual_stages)]
     for mode in CHECKPOINT_MODES:
         if mode == best.checkpoint:
             continue
@@ -584,6 +689,7 @@ def plan(
     per_pipeline_batch: bool = False,
     optimizer: OptimizerFactory | None = torch.optim.Adam,
     compiled: bool = False,
+    virtual_stages: Sequence[int] = DEFAULT_VIRTUAL_STAGES,
 ) -> Plan:
     """Choose K, M, balance, checkpoint mode and schedule for training ``model`` on ``devices`` devices.
 
@@ -601,7 +707,8 @@ def plan(
             leave the step out of the predicted step time.
         chunks: the M values to consider; default the powers of two up to the per-replica batch.
         checkpoints: the re-materialization modes to consider.
-        schedules: the schedules to consider (``GPipeStrategy`` runs ``"gpipe"``; the engine runs both).
+        schedules: the schedules to consider; default all five
+            (:data:`~lightning_gpipe.engine.schedule.SCHEDULES`).
         bandwidth: bytes per second across a stage boundary (default by device type: ``DEFAULT_BANDWIDTH``).
         latency: seconds per boundary message (default by device type: ``DEFAULT_LATENCY``).
         overhead: the engine's seconds per micro-batch and stage (default: ``DEFAULT_MICROBATCH_OVERHEAD``).
@@ -614,6 +721,8 @@ def plan(
             whole step's; configurations are then ranked by time per sample.
         compiled: the stages' layers will be compiled (``compile=True``): ``"selective"`` then re-materializes
             every micro-batch, the last included.
+        virtual_stages: the stages per process to weigh for ``"interleaved"`` (each v with K·v at most the layers and
+            M in rounds that split it; none at K = 1).
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the smallest device count and memory that would.
@@ -626,6 +735,13 @@ def plan(
         raise ValueError(f"batch_size={batch_size!r} must be an int >= 1: the samples of one optimizer step")
     modes = [validate_mode(mode) for mode in checkpoints]
     kinds = [validate_schedule(name) for name in schedules]
+    if isinstance(virtual_stages, (str, int)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 2 for v in virtual_stages
+    ):
+        raise ValueError(
+            f"virtual_stages={virtual_stages!r} must be a list of ints >= 2: the stages per process to weigh for "
+            "schedule='interleaved'"
+        )
     layers = _layers_of(model)
     L = len(layers)
     divisors = [K for K in range(1, min(devices, L) + 1) if devices % K == 0]
@@ -656,13 +772,14 @@ def plan(
             optimizer=optimizer,
             selective="selective" in modes,
         )
-    options = {
+    options: dict[str, Any] = {
         "optimizer_slots": optimizer_slots,
         "bandwidth": bandwidth,
         "latency": latency,
         "overhead": overhead,
         "boundary_overhead": boundary_overhead,
         "compiled": compiled,
+        "virtual_stages": tuple(virtual_stages),  # weighed by _search, which passes the others on to evaluate
     }
     every = _search(
         profile, divisors, devices, batch_size, chunks, modes, kinds, smallest, per_pipeline_batch, **options
@@ -671,6 +788,8 @@ def plan(
     if not fitting:
         raise _infeasible(profile, devices, budget, batch_size, chunks, modes, kinds, every, smallest, options)
     best = min(fitting, key=_key)
+    unweighed = [name for name in kinds if name not in {c.schedule for c in every if c.pipe_size == best.pipe_size}]
+    skipped += [_not_weighed(name, best.pipe_size, len(profile)) for name in unweighed]
     reasons = _reasons(best, fitting, every, budget, skipped)
     ranked = tuple(sorted(fitting, key=_key)[:10])
     return Plan(best, devices, budget, batch_size, tuple(reasons), ranked, profile, per_pipeline_batch)

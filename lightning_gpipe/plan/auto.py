@@ -48,7 +48,7 @@ DEVICE_MEMORY_SHARE = 0.9
 """The share of a CUDA device's total memory a plan may fill when no budget is given: the CUDA context, the caching
 allocator's rounding and the communication buffers take the rest."""
 
-_PLANNED = ("pipe_size", "chunks", "balance", "checkpoint", "schedule")
+_PLANNED = ("pipe_size", "chunks", "balance", "checkpoint", "schedule", "virtual_stages")
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(BuildConfig) if f.name in _PLANNED}
 
 
@@ -67,6 +67,8 @@ class AutoPlan:
         optimizer_slots: parameter-sized optimizer tensors per parameter: 2 for Adam, 1 for SGD with momentum.
         pipe_sizes, chunks, checkpoints, schedules: restrict the search to these K, M, re-materialization modes and
             schedules (default: all of them). This is how to fix one setting and plan the others.
+        virtual_stages: the stages per process to weigh for ``schedule="interleaved"`` (default:
+            :data:`~lightning_gpipe.plan.DEFAULT_VIRTUAL_STAGES`).
     """
 
     memory_per_device: float | str | None = None
@@ -77,6 +79,7 @@ class AutoPlan:
     chunks: Sequence[int] | None = None
     checkpoints: Sequence[str] | None = None
     schedules: Sequence[str] | None = None
+    virtual_stages: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         from lightning_gpipe.plan import parse_bytes
@@ -97,6 +100,14 @@ class AutoPlan:
                 isinstance(values, (str, int)) or not values or not all(_positive_int(v) for v in values)
             ):
                 raise ValueError(f"AutoPlan({name}={values!r}) must be a non-empty list of ints >= 1, or None")
+        stages = self.virtual_stages
+        if stages is not None and (
+            isinstance(stages, (str, int)) or not stages or not all(_positive_int(v) and v >= 2 for v in stages)
+        ):
+            raise ValueError(
+                f"AutoPlan(virtual_stages={stages!r}) must be a non-empty list of ints >= 2 (stages per process for "
+                "schedule='interleaved'), or None"
+            )
         for mode in self.checkpoints or ():
             validate_mode(mode)
         for name in self.schedules or ():
@@ -110,8 +121,8 @@ def _positive_int(value: object) -> bool:
 def auto_plan(value: object, **explicit: Any) -> AutoPlan | None:
     """The request behind the strategy's ``plan=`` argument, refusing it beside settings it would choose itself.
 
-    ``explicit`` holds the strategy's ``pipe_size``, ``chunks``, ``balance``, ``checkpoint`` and ``schedule``
-    arguments; with a plan each must be left at its default.
+    ``explicit`` holds the strategy's ``pipe_size``, ``chunks``, ``balance``, ``checkpoint``, ``schedule`` and
+    ``virtual_stages`` arguments; with a plan each must be left at its default.
 
     Raises:
         TypeError: ``value`` is neither ``None``, ``"auto"`` nor an :class:`AutoPlan`.
@@ -127,14 +138,21 @@ def auto_plan(value: object, **explicit: Any) -> AutoPlan | None:
         raise TypeError(
             f"plan={value!r} must be 'auto' or a lightning_gpipe.plan.AutoPlan(...), not {type(value).__name__}"
         )
-    given = {name: explicit[name] for name in _PLANNED if name in explicit and explicit[name] != _DEFAULTS[name]}
+    named = [name for name in _PLANNED if name in _DEFAULTS and name in explicit]  # as the strategy has them
+    given = {name: explicit[name] for name in named if explicit[name] != _DEFAULTS[name]}
     if given:
         settings = ", ".join(f"{name}={setting!r}" for name, setting in given.items())
-        restrict = {"pipe_size": "pipe_sizes", "chunks": "chunks", "checkpoint": "checkpoints", "schedule": "schedules"}
+        restrict = {
+            "pipe_size": "pipe_sizes",
+            "chunks": "chunks",
+            "checkpoint": "checkpoints",
+            "schedule": "schedules",
+            "virtual_stages": "virtual_stages",
+        }
         hints = [f"{restrict[name]}=[{setting!r}]" for name, setting in given.items() if name in restrict]
         how = f"plan=AutoPlan({', '.join(hints)})" if hints else "the balance the plan finds"
         raise ValueError(
-            f"plan chooses pipe_size, chunks, balance, checkpoint and schedule, but {settings} "
+            f"plan chooses pipe_size, chunks, balance, checkpoint, schedule and virtual_stages, but {settings} "
             f"{'was' if len(given) == 1 else 'were'} given as well. "
             f"HINT: drop {settings} to let the plan choose, restrict the plan instead ({how}), or drop plan= and set "
             "them all yourself."
@@ -245,6 +263,8 @@ def plan_for_module(
         options["checkpoints"] = list(request.checkpoints)
     if request.schedules is not None:
         options["schedules"] = list(request.schedules)
+    if request.virtual_stages is not None:
+        options["virtual_stages"] = list(request.virtual_stages)
     chosen = plan(
         sequence,
         sample,

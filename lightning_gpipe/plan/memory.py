@@ -207,6 +207,7 @@ def process_memory(
     schedule: str = "gpipe",
     virtual_stages: int = 1,
     optimizer_slots: float = 2.0,
+    compiled: bool = False,
 ) -> StageMemory:
     """Predict the memory of process ``rank``, which holds the stages :func:`~lightning_gpipe.engine.schedule.stages_of`
     gives, stage ``s`` with the layers ``cells[s]``.
@@ -232,7 +233,7 @@ def process_memory(
     actions = process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages)
     return _walk(
         profile, {s: cells[s] for s in held}, actions, len(cells), num_microbatches, microbatch_size, batch_size,
-        checkpoint, optimizer_slots,
+        checkpoint, optimizer_slots, compiled,
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ With equal stages and free transfers the fill-drain makespan is ``(M + K - 1)·(
 planner needs to know.
 
 The same replay runs the schedules whose processes hold several stages or split the backward pass
-(:data:`~lightning_gpipe.engine.schedule.PLANNED_SCHEDULES`): times are then given per stage, a process runs its
+(``"interleaved"``, ``"zero_bubble"``, ``"zbv"``): times are then given per stage, a process runs its
 stages' actions (:func:`~lightning_gpipe.engine.schedule.process_actions`) one at a time, and a zero-bubble backward
 takes ``backward - weight`` seconds for its input gradient and ``weight`` for its weight gradient.
 """
@@ -116,8 +116,7 @@ def simulate_step(
     """Simulate one training step of a ``len(forward)``-stage pipeline.
 
     Args:
-        schedule: ``"gpipe"`` or ``"1f1b"``, or one of
-            :data:`~lightning_gpipe.engine.schedule.PLANNED_SCHEDULES`.
+        schedule: one of :data:`~lightning_gpipe.engine.schedule.SCHEDULES`.
         forward: seconds of one micro-batch's forward pass, per stage.
         backward: seconds of one micro-batch's backward pass, per stage (without recomputation).
         num_microbatches: M.
@@ -181,12 +180,14 @@ def simulate_step(
         return own + (extra[s] if rematerialized else 0.0)
 
     def released_by(stage: int, dep: Action) -> Action | None:
-        # The sender's action whose end lets a parked first send go forward: its next forward, if it has one.
+        # The sender's action whose end lets a parked first send go forward: its next forward on the same stage, if
+        # it has one (a forward on another of its stages may wait for the very value that is parked).
         assert dep.stage is not None
         sender = orders[owner[dep.stage]]
         if not first_send_parked or dep.stage >= stage or sender[0] != dep or len(sender) < 2:
             return None
-        return sender[1] if sender[1].phase is Phase.FORWARD else None
+        following = sender[1]
+        return following if following.phase is Phase.FORWARD and following.stage == dep.stage else None
 
     def arrival(stage: int, dep: Action, end: float) -> float:
         # A value produced on another process crosses the link between the two stages before it can be used.

@@ -182,7 +182,8 @@ def test_plan_rematerializes_or_pipelines_when_memory_is_short() -> None:
     assert any(reason.startswith("K=1 does not fit") for reason in two.reasons)
     assert sum(two.balance) == 8
     assert "why:" in str(two)
-    assert "per stage" in str(two)
+    # One row per process; a process holding several stages (interleaved, ZB-V) lists each one's layers.
+    assert ("per process" if len(two.balance) > two.pipe_size else "per stage") in str(two)
 
 
 def test_infeasible_request_names_the_smallest_device_count_and_memory() -> None:
@@ -744,12 +745,15 @@ def test_auto_plan_is_exported_by_the_package() -> None:
     assert "AutoPlan" in lightning_gpipe.__all__
 
 
-def test_plan_predicts_zero_bubble_among_the_schedules_it_runs() -> None:
+def test_plan_predicts_zero_bubble_among_the_schedules_of_one_stage_per_process() -> None:
     # ZB-H1 runs in the strategy, so plan="auto" weighs it with the others: its time from the split backward's
     # simulation (a shorter drain than 1F1B's), its memory until each micro-batch's weight pass.
     profile = synthetic()
     layers = nn.Sequential(*[nn.Identity()] * 8)
-    result = plan(layers, None, devices=4, memory_per_device="1GB", batch_size=32, profile=profile, pipe_sizes=[4])
+    result = plan(
+        layers, None, devices=4, memory_per_device="1GB", batch_size=32, profile=profile, pipe_sizes=[4],
+        schedules=["gpipe", "1f1b", "zero_bubble"],
+    )  # fmt: skip
     by_schedule = {
         c.schedule: c for c in result.candidates if (c.chunks, c.checkpoint) == (8, "never") and c.balance == (2,) * 4
     }
@@ -758,3 +762,134 @@ def test_plan_predicts_zero_bubble_among_the_schedules_it_runs() -> None:
     assert zero_bubble.bubble < fill_drain.bubble
     assert all(m.peak > 0 for m in zero_bubble.stage_memory)
     assert result.schedule == "zero_bubble"
+
+
+# Issue 31: the planner weighs all five schedules. Free links and no engine cost (a meta profile) leave the schedules'
+# own bubbles; synthetic layers all have weights, so W is half of each backward: F = I = W.
+FREE_LINKS: dict[str, Any] = {"bandwidth": 1e30, "latency": 0.0}
+
+
+def meta(layers: int = 16, **kwargs: Any) -> ModelProfile:
+    return replace(synthetic(layers, **kwargs), device="meta")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "bubble"),
+    [
+        ("gpipe", 1, 3 / 11),  # (K-1)/(M+K-1)
+        ("1f1b", 1, 3 / 11),
+        ("interleaved", 2, 3 / 19),  # (K-1)/(v·M+K-1)
+        ("interleaved", 4, 3 / 35),
+        ("zero_bubble", 1, 3 / 27),  # ZB-H1, F = I = W: (K-1)/(3M+K-1)
+        ("zbv", 1, 3 / 51),  # ZB-V, F = I = W, M >= 2K: (K-1)/(6M+K-1)
+    ],
+)
+def test_evaluate_predicts_each_schedules_formula_on_balanced_stages(schedule: str, v: int, bubble: float) -> None:
+    # K=4, M=8 over 16 equal layers: K·v stages of equal layers, each process's stages simulated together.
+    candidate = evaluate(
+        meta(), pipe_size=4, chunks=8, batch_size=32, checkpoint="never", schedule=schedule, virtual_stages=v,
+        **FREE_LINKS,
+    )  # fmt: skip
+    per_process = {"interleaved": v, "zbv": 2}.get(schedule, 1)
+    assert len(candidate.balance) == 4 * per_process
+    assert len(candidate.stage_memory) == len(candidate.stage_busy) == 4
+    assert candidate.bubble == pytest.approx(bubble)
+
+
+def test_evaluate_takes_the_weight_gradient_from_the_layers_with_weights_only() -> None:
+    # Without trainable parameters a backward has no W: ZB-H1 has nothing to move into the drain, so it predicts
+    # 1F1B's step; with them (W = B/2) it predicts less.
+    settings: dict[str, Any] = {"pipe_size": 4, "chunks": 8, "batch_size": 32, "checkpoint": "never", **FREE_LINKS}
+    frozen = replace(meta(), layers=tuple(replace(layer, trainable_bytes=0) for layer in meta().layers))
+    assert evaluate(frozen, schedule="zero_bubble", **settings).step_time == pytest.approx(
+        evaluate(frozen, schedule="1f1b", **settings).step_time
+    )
+    assert evaluate(meta(), schedule="zero_bubble", **settings).step_time < (
+        evaluate(meta(), schedule="1f1b", **settings).step_time
+    )
+
+
+@pytest.mark.parametrize(("schedule", "v", "remote"), [("1f1b", 1, 2), ("interleaved", 2, 6), ("zbv", 1, 4)])
+def test_a_boundary_costs_its_stages_only_between_two_processes(schedule: str, v: int, remote: int) -> None:
+    # K=2: 1F1B has one boundary (two stage ends); interleaved v=2 three, all between processes (v times 1F1B's
+    # messages, less one); ZB-V three, but its middle one (stages 1 and 2) lies on process 1 and costs nothing.
+    stages = 2 * {"interleaved": v, "zbv": 2}.get(schedule, 1)
+    settings: dict[str, Any] = {"pipe_size": 2, "chunks": 4, "batch_size": 16, "checkpoint": "never"}
+    settings |= {"schedule": schedule, "virtual_stages": v, "balance": [16 // stages] * stages}
+    base = evaluate(meta(), boundary_overhead=0.0, **settings, **FREE_LINKS)
+    charged = evaluate(meta(), boundary_overhead=1e-3, **settings, **FREE_LINKS)
+    assert sum(charged.stage_busy) - sum(base.stage_busy) == pytest.approx(4 * remote * 1e-3)
+
+
+def test_a_process_holds_the_state_of_each_of_its_stages() -> None:
+    # ZB-V on K=2 with balance [1, 3, 3, 1]: process 0 holds stages 0 and 3 (2 layers), process 1 stages 1 and 2 (6);
+    # a layer's state is its parameters, gradients and Adam's two slots: 4 MiB.
+    candidate = evaluate(
+        meta(8), pipe_size=2, chunks=4, batch_size=16, checkpoint="never", schedule="zbv", balance=[1, 3, 3, 1]
+    )
+    assert [memory.state for memory in candidate.stage_memory] == [2 * 4 * MiB, 6 * 4 * MiB]
+    with pytest.raises(ValueError, match=r"balance=\[4, 4\] has 2 stages, but schedule='zbv' on K=2 processes has 4"):
+        evaluate(meta(8), pipe_size=2, chunks=4, batch_size=16, checkpoint="never", schedule="zbv", balance=[4, 4])
+
+
+def test_plan_interleaves_when_the_bubble_dominates_and_memory_allows() -> None:
+    # M = K: 1F1B idles 3/7 of the step. Interleaving 16 layers on K=4 divides the bubble by v (4 is the most the
+    # layers allow); it keeps more micro-batches in flight, so a budget of 1F1B's peak leaves it out, and the plan
+    # falls back to a schedule of one stage per process (at M = K fill-drain keeps as much as 1F1B).
+    layers = nn.Sequential(*[nn.Identity()] * 16)
+    asked: dict[str, Any] = {"devices": 4, "batch_size": 16, "profile": meta(), "pipe_sizes": [4], "chunks": [4]}
+    asked |= {"checkpoints": ["never"], "schedules": ["gpipe", "1f1b", "interleaved"], **FREE_LINKS}
+    roomy = plan(layers, None, memory_per_device="1GB", **asked)
+    assert (roomy.schedule, roomy.virtual_stages, len(roomy.balance)) == ("interleaved", 4, 16)
+    assert roomy.bubble == pytest.approx(3 / 19)
+    assert "schedule='1f1b' is slower" in "\n".join(roomy.reasons)
+    one_f_one_b = evaluate(meta(), pipe_size=4, chunks=4, batch_size=16, checkpoint="never", schedule="1f1b")
+    assert one_f_one_b.peak < roomy.best.peak
+    tight = plan(layers, None, memory_per_device=one_f_one_b.peak, **asked)
+    assert tight.schedule in ("gpipe", "1f1b")
+    assert "schedule='interleaved', virtual_stages=4 does not fit" in "\n".join(tight.reasons)
+
+
+def test_plan_chooses_zbv_among_all_five_when_f_i_and_w_are_equal() -> None:
+    layers = nn.Sequential(*[nn.Identity()] * 16)
+    asked: dict[str, Any] = {"devices": 4, "batch_size": 32, "profile": meta(), "pipe_sizes": [4], "chunks": [8]}
+    result = plan(layers, None, memory_per_device="1GB", checkpoints=["never"], **asked, **FREE_LINKS)
+    assert (result.schedule, len(result.balance)) == ("zbv", 8)
+    assert result.bubble == pytest.approx(3 / 51)
+    why = "\n".join(result.reasons)
+    for other in ("'gpipe'", "'1f1b'", "'zero_bubble'", "'interleaved', virtual_stages=2"):
+        assert f"schedule={other} is slower" in why
+    # The plan is the strategy's arguments: ZB-V's two stages per process take no virtual_stages.
+    assert result.strategy_code() == (
+        "GPipeStrategy(pipe_size=4, chunks=8, balance=[2, 2, 2, 2, 2, 2, 2, 2], checkpoint='never', schedule='zbv')"
+    )
+
+
+def test_strategy_code_of_an_interleaved_plan_round_trips() -> None:
+    layers = nn.Sequential(*[nn.Identity()] * 16)
+    result = plan(
+        layers, None, devices=4, memory_per_device="1GB", batch_size=16, profile=meta(), pipe_sizes=[4], chunks=[4],
+        checkpoints=["never"], schedules=["1f1b", "interleaved"], virtual_stages=[2], **FREE_LINKS,
+    )  # fmt: skip
+    code = result.strategy_code()
+    assert code.endswith("schedule='interleaved', virtual_stages=2)")
+    assert eval(code, {"GPipeStrategy": dict}) == result.strategy_kwargs()
+    assert result.strategy_kwargs()["balance"] == [2] * 8
+
+
+def test_plan_says_why_it_did_not_weigh_a_schedule_of_several_stages_per_process() -> None:
+    # At K=1 stages sharing one process only add the engine's cost; at K=4, 6 layers cannot make ZB-V's 8 stages.
+    one = plan(
+        nn.Sequential(*[nn.Identity()] * 6), None, devices=1, memory_per_device="1GB", batch_size=16,
+        profile=meta(6), chunks=[4],
+    )  # fmt: skip
+    assert any(r.startswith("schedule='zbv' is not weighed at K=1") for r in one.reasons)
+    four = plan(
+        nn.Sequential(*[nn.Identity()] * 6), None, devices=4, memory_per_device="1GB", batch_size=16,
+        profile=meta(6), chunks=[4], pipe_sizes=[4],
+    )  # fmt: skip
+    assert any(r.startswith("schedule='zbv' is not weighed at K=4: its 8 stages need") for r in four.reasons)
+    assert any(r.startswith("schedule='interleaved' is not weighed at K=4") for r in four.reasons)
+    with pytest.raises(ValueError, match=r"virtual_stages=\[1\] must be a list of ints >= 2"):
+        plan(nn.Sequential(nn.Identity()), None, devices=1, memory_per_device="1GB", batch_size=4, profile=meta(1),
+             virtual_stages=[1])  # fmt: skip

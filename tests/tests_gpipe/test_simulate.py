@@ -202,3 +202,12 @@ def test_in_flight_of_the_new_schedules(K: int, M: int) -> None:
     # Interleaved: (v-1) rounds more on each process, plus 1F1B's warm-up, in stage units.
     if M % K == 0:
         assert [in_flight("interleaved", r, K, M, 2) for r in range(K)] == [K + 2 * (K - 1 - r) + 1 for r in range(K)]
+
+
+@pytest.mark.parametrize(("schedule", "M"), [("interleaved", 1), ("interleaved", 2), ("zbv", 1), ("zbv", 3)])
+def test_a_parked_first_send_waits_only_for_a_forward_of_its_own_stage(schedule: str, M: int) -> None:
+    # Regression: the parked first send was released by the sender's next action whatever its stage. An interleaved
+    # process's next forward can be on its later stage, which waits for the very value parked: the planner's
+    # simulation of CPU stages deadlocked ("schedule 'interleaved' deadlocks with K=2, M=1").
+    step = simulate_step(schedule, [1.0] * 4, [2.0] * 4, M, transfer=0.1, first_send_parked=True, virtual_stages=2)
+    assert step.makespan >= simulate_step(schedule, [1.0] * 4, [2.0] * 4, M, transfer=0.1, virtual_stages=2).makespan
