@@ -171,3 +171,55 @@ def test_more_stages_than_layers_names_the_schedule() -> None:
     with pytest.raises(ValueError, match=r"3 layers of 'layers' into 6 stages.*pipe_size x 3 stages per process "
                                          r"\(schedule='interleaved'\) <= 3"):  # fmt: skip
         assemble_stage(Net(build("mlp")[:3]), config.resolve(2, 0), CPU, {1: ThreadTransport.create(2)[0]})
+
+
+@pytest.mark.parametrize(("schedule", "virtual_stages"), [("zbv", 1), ("interleaved", 2)])
+def test_processes_of_several_stages_assembled_in_threads_train_as_the_plain_model(
+    schedule: str, virtual_stages: int
+) -> None:
+    # K=2 processes of two stages each, every process a thread over the ThreadTransports of its stages. The tied
+    # language model's embedding (layer 0) and head (layer 7) share one weight: under ZB-V both sit on process 0, as
+    # two stages whose cells use one Parameter, which gets both stages' gradients with no collective at all.
+    from helpers.tied_job import VOCAB, tied_lm, tokens
+
+    def lm_loss(output: torch.Tensor, microbatch: Any) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(output.reshape(-1, VOCAB), microbatch[1].reshape(-1))
+
+    torch.manual_seed(0)
+    model = Net(tied_lm() if schedule == "zbv" else build("mlp"))
+    loss = lm_loss if schedule == "zbv" else loss_fn
+    data = tokens(16).tensors if schedule == "zbv" else batch(16)
+    config = BuildConfig(pipe_size=2, chunks=4, balance=[2, 2, 2, 2], schedule=schedule, virtual_stages=virtual_stages)
+    transports = ThreadTransport.create(4, timeout=datetime.timedelta(seconds=60))
+    processes = []
+    for rank in range(2):
+        settings = config.resolve(2, rank)
+        links = {stage: transports[stage] for stage in settings.layout.stages}
+        processes.append(assemble_stage(copy.deepcopy(model), settings, CPU, links))
+    if schedule == "zbv":
+        first, last = (processes[0].pipeline.stages[i].cell for i in (0, 1))
+        assert first[0].weight is last[1].weight
+        assert not processes[0].ties.ties  # nothing to keep equal across processes
+    model.zero_grad()
+    loss(model.layers(data[0]), data).backward()
+    errors: list[BaseException] = []
+
+    def work(process: AssembledStage) -> None:
+        try:
+            process.pipeline.train_step(data, loss)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(process,)) for process in processes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    for process in processes:
+        for name, parameter in process.partition.module.named_parameters():
+            torch.testing.assert_close(parameter.grad, model.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+    parts = [process.partition.stage_state() for process in processes]
+    for process in processes:
+        process.partition.reassemble(parts, process.ties.values())
+        torch.testing.assert_close(process.partition.module.layers(data[0]), model.layers(data[0]))
