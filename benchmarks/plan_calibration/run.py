@@ -1,9 +1,10 @@
 """Calibrate :func:`lightning_gpipe.plan`: predicted against measured peak memory per stage and step time.
 
-``python -m benchmarks.plan_calibration.run [--quick] [--memory-only] [--no-docs] [--device cuda]``
+``python -m benchmarks.plan_calibration.run [--quick] [--memory-only] [--no-docs] [--device cuda] [--schedules ...]``
 
 For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm ResNet) and each configuration (K in
-{1, 2}, M in {1, 4}, checkpoint modes, both schedules), one job of two processes (one thread each, gloo on loopback):
+{1, 2}, M in {1, 4, 8}, checkpoint modes, the five schedules: interleaved with two stages per process, and ZB-V's two,
+over two processes), one job of two processes (one thread each, gloo on loopback):
 
 1. rank 0 profiles the model with :func:`~lightning_gpipe.build.profile.profile_layers` (the planner's own profile) and
    predicts every configuration with :func:`~lightning_gpipe.plan.evaluate`, which also chooses the balance;
@@ -28,7 +29,8 @@ measured``. A single round's ratio moves by 11-14% (its standard deviation) on t
 27 medians moves too: the report adds the worst time error's 90% interval over the rounds drawn again with
 replacement (a bootstrap).
 ``--memory-only`` skips the timed rounds (memory counts do not depend on the machine's load, so they can be taken on
-a busy machine) and writes its own block of the page.
+a busy machine) and writes its own block of the page. ``--schedules zero_bubble interleaved zbv`` measures only the
+configurations of those schedules (and ``--rounds`` sets how many rounds), into the page's block of its own.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ __all__ = ["CONFIGS", "MODELS", "Config", "main"]
 
 PAGE = REPO / "docs" / "benchmarks" / "plan.md"
 BEGIN, END = "<!-- plan-calibration:begin -->", "<!-- plan-calibration:end -->"
+SCHEDULES_BEGIN, SCHEDULES_END = "<!-- plan-calibration-schedules:begin -->", "<!-- plan-calibration-schedules:end -->"
 MEMORY_BEGIN, MEMORY_END = "<!-- plan-memory:begin -->", "<!-- plan-memory:end -->"
 GPU_PAGE = REPO / "docs" / "benchmarks" / "gpu.md"
 GPU_BEGIN, GPU_END = "<!-- plan-calibration-cuda:begin -->", "<!-- plan-calibration-cuda:end -->"
@@ -73,9 +76,11 @@ class Config:
     chunks: int
     checkpoint: str
     schedule: str = "gpipe"
+    virtual_stages: int = 1  # stages per process under "interleaved"
 
     def label(self) -> str:
-        return f"K={self.pipe_size} M={self.chunks} {self.checkpoint} {self.schedule}"
+        v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
+        return f"K={self.pipe_size} M={self.chunks} {self.checkpoint} {self.schedule}{v}"
 
 
 CONFIGS: tuple[Config, ...] = (
@@ -88,6 +93,9 @@ CONFIGS: tuple[Config, ...] = (
     Config(2, 4, "except_last"),
     Config(2, 4, "never", "1f1b"),
     Config(2, 8, "except_last"),
+    Config(2, 4, "never", "zero_bubble"),
+    Config(2, 4, "never", "interleaved", 2),
+    Config(2, 4, "never", "zbv"),
 )
 MODELS: tuple[str, ...] = ("transformer_lm", "amoebanet_d", "timm_resnet")
 
@@ -123,9 +131,11 @@ SCALES = {
 VOCAB = 1000
 
 
-def _configs(device: str) -> tuple[Config, ...]:
-    """Every configuration on a CPU; K = 1 only on a GPU: one GPU cannot host the two NCCL ranks K = 2 needs."""
-    return CONFIGS if device == "cpu" else tuple(c for c in CONFIGS if c.pipe_size == 1)
+def _configs(device: str, schedules: Any = None) -> tuple[Config, ...]:
+    """Every configuration on a CPU (of ``schedules`` when given); K = 1 only on a GPU: one GPU cannot host the two
+    NCCL ranks K = 2 needs."""
+    chosen = tuple(c for c in CONFIGS if schedules is None or c.schedule in schedules)
+    return chosen if device == "cpu" else tuple(c for c in chosen if c.pipe_size == 1)
 
 
 def _build(name: str, scale: Scale) -> Any:
@@ -217,6 +227,7 @@ def _predict(
                     checkpoint=c.checkpoint,  # type: ignore[arg-type]
                     schedule=c.schedule,
                     balance=None if balances is None else balances[index],
+                    virtual_stages=c.virtual_stages,
                 )
                 for index, c in enumerate(configs)
             ]
@@ -225,8 +236,28 @@ def _predict(
     return list(predictions[0])
 
 
+def _stages(config: Config, rank: int, cells: list[Any], device: Any) -> tuple[Any, Any, Any]:
+    """``(cells, transport, layers)`` of this rank's stages under a schedule that places several on each process: the
+    pipeline's mapping of cells and of transports, and the held layers as one module (for their state)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_gpipe.engine.schedule import stages_of
+    from lightning_gpipe.engine.transport import ProcessGroupTransport
+
+    K, v = config.pipe_size, config.virtual_stages
+    held = {r: stages_of(config.schedule, r, K, v) for r in range(K)}
+    ranks = [next(r for r in held if s in held[r]) for s in range(len(cells))]
+    # One group per link between two processes (every rank creates them in the same order), so that the several
+    # links joining the same two processes do not mix their messages.
+    links = [dist.new_group(ranks[s : s + 2]) if ranks[s] != ranks[s + 1] else None for s in range(len(ranks) - 1)]
+    mine = {s: cells[s] for s in held[rank]}
+    transports = ProcessGroupTransport.for_stages(ranks, held[rank], device, links=links)
+    return mine, transports, nn.ModuleList(mine.values())
+
+
 def _job(
-    rank: int, world_size: int, names: tuple[str, ...], rounds: int, steps: int, device_name: str
+    rank: int, world_size: int, names: tuple[str, ...], rounds: int, steps: int, device_name: str, schedules: Any
 ) -> dict[str, Any]:
     """Both ranks: profile (rank 0), predict, measure memory and time of every configuration of every model."""
     import torch
@@ -238,7 +269,7 @@ def _job(
     from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
 
     device = torch.device(device_name)
-    scale, configs = SCALES[device.type], _configs(device.type)
+    scale, configs = SCALES[device.type], _configs(device.type, schedules)
     # Our processes, whose CPU time is not foreign load: both ranks and the launcher.
     ranks: list[Any] = [None] * world_size
     dist.all_gather_object(ranks, os.getpid())
@@ -260,13 +291,22 @@ def _job(
         for config, predicted in zip(configs, first, strict=True):
             active = rank < config.pipe_size
             if config.pipe_size == 1:
-                cell = module.layers
+                cell = stages = module.layers
                 transport = ThreadTransport.create(1, [device])[0] if active else None
+            elif len(predicted.balance) > config.pipe_size:
+                stages, transport, cell = _stages(config, rank, split(module.layers, list(predicted.balance)), device)
             else:
-                cell = split(module.layers, list(predicted.balance))[rank]
+                cell = stages = split(module.layers, list(predicted.balance))[rank]
                 transport = ProcessGroupTransport([0, 1], device)
             pipeline = (
-                Pipeline(cell, transport, chunks=config.chunks, checkpoint=config.checkpoint, schedule=config.schedule)
+                Pipeline(
+                    stages,
+                    transport,
+                    chunks=config.chunks,
+                    checkpoint=config.checkpoint,
+                    schedule=config.schedule,
+                    virtual_stages=config.virtual_stages,
+                )
                 if active
                 else None
             )
@@ -462,16 +502,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--memory-only", action="store_true", help="count memory only (load-independent); no timed rounds"
     )
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=sorted({c.schedule for c in CONFIGS}),
+        help="only the configurations of these schedules, into the page's block of its own",
+    )
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 31, 3 with --quick)")
     args = parser.parse_args(argv)
     rounds, steps = (3, 2) if args.quick else (31, 3)
+    rounds = args.rounds if args.rounds is not None else rounds
     if args.memory_only:
         rounds = 0
     started = time.monotonic()
+    job = (tuple(args.models), rounds, steps, args.device, args.schedules)
     with Launcher(["torch", "zoo", "lightning_gpipe.plan", __name__]) as launcher:
-        per_rank = launcher.run(_job, (tuple(args.models), rounds, steps, args.device), 2, timeout=3000, label="plan")
+        per_rank = launcher.run(_job, job, 2, timeout=3000, label="plan")
     merged = _merge(per_rank)
     rows, worst_memory, worst_time = _report(merged, timed=rounds > 0)
     page, timed_block, memory_block = PAGE, (BEGIN, END), (MEMORY_BEGIN, MEMORY_END)
+    if args.schedules:  # a few schedules' rows: their own block, beside the whole calibration's
+        timed_block = memory_block = (SCHEDULES_BEGIN, SCHEDULES_END)
+    command = "python -m benchmarks.plan_calibration.run" + "".join(
+        f" {flag}"
+        for flag, given in (
+            ("--quick", args.quick),
+            ("--memory-only", args.memory_only),
+            (f"--device {args.device}", args.device != "cpu"),
+            (f"--schedules {' '.join(args.schedules or ())}", bool(args.schedules)),
+            (f"--rounds {args.rounds}", args.rounds is not None and not args.memory_only),
+        )
+        if given
+    )
     device_lines = []
     if args.device != "cpu":  # GPU results have their own block, on the page of what a GPU showed
         import torch
@@ -482,9 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     if rounds == 0:
         context = [
             "",
-            f"- command: `python -m benchmarks.plan_calibration.run --memory-only"
-            f"{' --device ' + args.device if args.device != 'cpu' else ''}` "
-            f"({(time.monotonic() - started) / 60:.1f} min)",
+            f"- command: `{command}` ({(time.monotonic() - started) / 60:.1f} min)",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             "",
             f"Worst relative memory error: {worst_memory:.2f} (target 0.10).",
@@ -499,9 +559,8 @@ def main(argv: list[str] | None = None) -> None:
     low, high = _worst_time_interval(merged)
     context = [
         "",
-        f"- command: `python -m benchmarks.plan_calibration.run{' --quick' if args.quick else ''}"
-        f"{' --device ' + args.device if args.device != 'cpu' else ''}` ({(time.monotonic() - started) / 60:.1f} min; "
-        f"{rounds} rounds of {steps} steps per configuration)",
+        f"- command: `{command}` ({(time.monotonic() - started) / 60:.1f} min; {rounds} rounds of {steps} steps per "
+        "configuration)",
         f"- machine: {os.cpu_count()} CPUs, {cpu_model()}, {platform.system()} {platform.release()}; "
         f"other processes' load per round: median {statistics.median(loads):.2f} cores, max {max(loads):.2f}",
         *device_lines,

@@ -42,3 +42,17 @@ def test_the_interval_spans_what_redrawn_rounds_make_of_the_worst_error() -> Non
     assert low < headline < high
     assert low >= 0.0
     assert high <= 0.3 + 1e-9  # no drawn median is further from one than the furthest round
+
+
+def test_the_calibration_measures_the_new_schedules_alone_when_asked() -> None:
+    from benchmarks.plan_calibration.run import CONFIGS, Config, _configs
+
+    chosen = _configs("cpu", ["zero_bubble", "interleaved", "zbv"])
+    assert [c.label() for c in chosen] == [
+        "K=2 M=4 never zero_bubble",
+        "K=2 M=4 never interleaved v=2",
+        "K=2 M=4 never zbv",
+    ]
+    assert _configs("cpu") == CONFIGS
+    assert _configs("cuda", ["zbv"]) == ()  # K = 2 needs two GPUs
+    assert Config(1, 1, "never").label() == "K=1 M=1 never gpipe"
