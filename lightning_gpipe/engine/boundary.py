@@ -268,7 +268,9 @@ class ActivationLink:
         posted = self._posted.pop(index)
         missing: set[int] = set()
         assert self._layout is not None
-        layout = self._layout if self._described else self._predicted(index)
+        # The header's micro-batch (or a predicted one) at its own size: a header sent at a micro-batch of another size
+        # than the step's first is kept resized to the first's. A described step's later ones bring their layout.
+        layout = self._predicted(index)
         if posted.control is not None:
             buffer, wait = posted.control
             wait()
@@ -331,9 +333,7 @@ class ActivationLink:
             control = (buffer, self.transport.post_recv(buffer, self.peer, _layout_of(index)))
         posted = _Posted(control)
         if control is None or not self._described:
-            assert self._layout is not None
-            layout = self._layout if self._described else self._predicted(index)
-            posted.leaves = self._post_leaves(index, layout)
+            posted.leaves = self._post_leaves(index, self._predicted(index))  # at its own size, as in recv
         return posted
 
     def _post_leaves(self, index: int, layout: _Layout) -> list[tuple[torch.Tensor, Callable[[], None]] | None]:
