@@ -17,6 +17,7 @@ from helpers.jobs import run_job
 from helpers.runif import RunIf
 from torch import nn
 
+from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.build import profile as profile_module
 from lightning_gpipe.build.profile import LiveTensorBytes
 from lightning_gpipe.plan import (
@@ -875,6 +876,9 @@ def test_strategy_code_of_an_interleaved_plan_round_trips() -> None:
     assert code.endswith("schedule='interleaved', virtual_stages=2)")
     assert eval(code, {"GPipeStrategy": dict}) == result.strategy_kwargs()
     assert result.strategy_kwargs()["balance"] == [2] * 8
+    # The strategy takes the line as printed: K·v stages of balance, two per process.
+    config = eval(code, {"GPipeStrategy": GPipeStrategy}).config
+    assert (config.schedule, config.virtual_stages, config.balance) == ("interleaved", 2, [2] * 8)
 
 
 def test_plan_says_why_it_did_not_weigh_a_schedule_of_several_stages_per_process() -> None:
