@@ -303,6 +303,10 @@ class ProcessGroupTransport(Transport):
         for work, _tensor, peer, what in pending:
             self._wait(work, peer, what, sending=True)
 
+    def abort(self, reason: str) -> None:
+        for loopback in self._loopbacks.values():
+            loopback.clear()  # a failed step's messages within the process must not reach the next step
+
     def abort_links(self) -> None:
         """Abort the link groups after a failure, so that receives left posted cannot hold up the process's exit.
 

@@ -287,6 +287,31 @@ def test_sequence_lengths_vary_per_microbatch_and_between_steps(schedule: str, m
         assert_grads(model, expected)
 
 
+@RunIf(gpu=True)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("schedule", "K"), [("interleaved", 2), ("zbv", 2), ("zbv", 1)])
+def test_cuda_processes_equal_plain_autograd_and_replay_dropout(schedule: str, K: int, mode: CheckpointMode) -> None:
+    model = build("mlp").cuda()
+    x, y = batch()
+    expected = full_batch_grads(model, (x.cuda(), y.cuda()))
+    model.zero_grad()
+    run_in_threads(
+        cells(model, ONE_LAYER_PER_STAGE[2 * K]), batch(), loss_fn, chunks=4, checkpoint=mode, schedule=schedule,
+        virtual_stages=2,
+    )  # fmt: skip
+    assert_grads(model, expected, tolerance=1e-5)
+    grads = []
+    for checkpoint in (mode, "never"):
+        model = build("dropout").cuda()
+        run_in_threads(
+            cells(model, ONE_LAYER_PER_STAGE[2 * K]), batch(), loss_fn, chunks=4, checkpoint=checkpoint,
+            schedule=schedule, virtual_stages=2, seeds=list(range(K)),
+        )  # fmt: skip
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    for name, grad in grads[1].items():
+        assert torch.equal(grads[0][name], grad), name
+
+
 # ------------------------------------------------------------------------------------------- Pipeline per process
 
 
@@ -466,11 +491,31 @@ def _gloo_worker(rank: int, world_size: int) -> dict[str, Any]:
                     if name.split(".")[0] in {str(k) for k in _layers(s)} and p.grad is not None
                 },
             }
+        results[f"{schedule} eval"] = pipeline.eval_step(batch(10))
         try:
             ProcessGroupTransport.for_stages(ranks, held[rank])
         except ValueError as error:
             results[f"{schedule} without links"] = str(error)
+
+        # A step that fails on the last stage's process: the other stops at its deadline, and neither goes on.
+        impatient = ProcessGroupTransport.for_stages(
+            ranks, held[rank], links=_links(ranks), timeout=datetime.timedelta(seconds=3)
+        )
+        failing = Pipeline(
+            {s: stage_cells[s] for s in held[rank]}, impatient, chunks=4, schedule=schedule, virtual_stages=2
+        )
+        errors = []
+        for _ in range(2):
+            try:
+                failing.train_step(batch(10), _failing_loss)
+            except (PipelineError, RuntimeError) as error:
+                errors.append(str(error))
+        results[f"{schedule} errors"] = errors
     return results
+
+
+def _failing_loss(output: torch.Tensor, microbatch: Any) -> torch.Tensor:
+    raise RuntimeError("the loss failed")
 
 
 def _layers(stage: int) -> range:
@@ -500,6 +545,32 @@ def test_two_gloo_processes_of_two_stages_each_equal_plain_autograd(
     assert gloo_runs[1 - holder][f"{schedule} {size}"]["loss"] is None
     loss = float(torch.as_tensor(gloo_runs[holder][f"{schedule} {size}"]["loss"]))
     assert loss == pytest.approx(float(loss_fn(model(data[0]), data).detach()), rel=TOLERANCE)
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_eval_over_gloo_gathers_the_plain_output_on_the_last_stages_process(
+    gloo_runs: list[dict[str, Any]], schedule: str
+) -> None:
+    holder = 0 if schedule == "zbv" else 1
+    assert gloo_runs[1 - holder][f"{schedule} eval"] is None
+    with torch.no_grad():
+        expected = build("nested")(batch(10)[0])
+    torch.testing.assert_close(torch.as_tensor(gloo_runs[holder][f"{schedule} eval"]), expected)
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_a_failed_step_over_gloo_stops_both_processes_and_the_next_step(
+    gloo_runs: list[dict[str, Any]], schedule: str
+) -> None:
+    holder = 0 if schedule == "zbv" else 1
+    first, second = gloo_runs[holder][f"{schedule} errors"]
+    assert first == "the loss failed"
+    other_first, other_second = gloo_runs[1 - holder][f"{schedule} errors"]
+    assert other_first.startswith("[pipeline stage"), other_first
+    assert "a new step began after a failed one" in other_second, other_second
+    assert "a new step began after a failed one" in second, second
 
 
 @RunIf(multiprocess=True)
