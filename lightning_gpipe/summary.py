@@ -33,8 +33,12 @@ def describe_pipeline(layout: ProcessLayout, chunks: int, assembled: AssembledSt
         f"micro-batches per batch (a batch of N < {chunks} samples runs N); {path!r} has {num_layers} layers"
     ]
     for _replica, _first, rank, held, (count, trainable) in sorted(row for row in rows if row[0] == 0):
-        parts = [f"stage {stage} (rank {rank}): layers {layers[0]}-{layers[-1]}" for stage, layers in held]
-        lines.append(f"  {'; '.join(parts)}, {count:,} parameters ({trainable:,} trainable)")
+        stages = ", ".join(str(stage) for stage, _ in held)
+        ranges = " and ".join(f"{layers[0]}-{layers[-1]}" for _, layers in held)
+        lines.append(
+            f"  stage{'s' if len(held) > 1 else ''} {stages} (rank {rank}): layers {ranges}, {count:,} parameters "
+            f"({trainable:,} trainable)"
+        )
     whole = assembled.whole_parameters
     lines.append(
         f"  whole model: {whole[0]:,} parameters ({whole[1]:,} trainable); Lightning's model summary counts only "
