@@ -444,6 +444,8 @@ def test_plan_auto_is_refused_beside_the_settings_it_chooses() -> None:
         GPipeStrategy(plan=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"AutoPlan\(chunks=4\) must be a non-empty list of ints"):
         AutoPlan(chunks=4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"AutoPlan\(virtual_stages=\[1\]\) must be a non-empty list of ints >= 2"):
+        AutoPlan(virtual_stages=[1])
     GPipeStrategy(plan="auto", checkpoint="except_last", schedule="gpipe")  # the defaults are no conflict
 
 
