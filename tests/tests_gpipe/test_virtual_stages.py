@@ -127,6 +127,20 @@ def test_gradients_and_loss_equal_plain_autograd(schedule: str, v: int, K: int, 
     assert_grads(model, expected)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_zbv_weight_passes_recompute_nothing_the_input_pass_recomputed(mode: CheckpointMode) -> None:
+    model = build("mlp")
+    stage_cells = cells(model, [2, 2, 2, 2])
+    calls: list[int] = []
+    for cell in stage_cells:
+        cell[0].register_forward_hook(lambda module, args, out: calls.append(1))
+    reference = full_batch_grads(build("mlp"), batch())
+    run_in_threads(stage_cells, batch(), loss_fn, chunks=4, checkpoint=mode, schedule="zbv")
+    replayed = {"always": 4, "except_last": 3, "selective": 3, "never": 0}[mode]
+    assert len(calls) == 4 * (4 + replayed)  # four stages: each forward, plus one replay per re-materialized one
+    assert_grads(model, reference)
+
+
 @pytest.mark.parametrize(("schedule", "v"), [("interleaved", 2), ("zbv", 2)])
 def test_nested_boundary_values_cross_processes_and_the_in_process_link(schedule: str, v: int) -> None:
     # Tuples with a bool mask and a None leaf between every pair of stages, zbv's middle link within one process.
