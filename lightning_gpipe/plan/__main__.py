@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from lightning_gpipe.build.sequence import find_sequence
 from lightning_gpipe.engine.schedule import SCHEDULES
 from lightning_gpipe.engine.tree import map_tensors
-from lightning_gpipe.plan import InfeasiblePlanError, plan
+from lightning_gpipe.plan import DEFAULT_VIRTUAL_STAGES, InfeasiblePlanError, plan
 
 __all__ = ["build_model", "main"]
 
@@ -141,7 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to profile")
     parser.add_argument("--optimizer-slots", type=float, default=2.0, help="2 for Adam, 1 for RMSProp or momentum SGD")
-    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_VIRTUAL_STAGES),
+        help="the stages per process to weigh for schedule 'interleaved'",
+    )
     parser.add_argument("--flops-per-second", type=float, help="time layers from FLOPs instead of measuring them")
     args = parser.parse_args(argv)
 
@@ -170,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=device,
             optimizer_slots=args.optimizer_slots,
             schedules=args.schedules,
+            virtual_stages=args.virtual_stages,
             flops_per_second=args.flops_per_second,
             per_pipeline_batch=True,
         )

@@ -124,3 +124,21 @@ def test_a_zoo_model_is_still_planned_by_its_name(capsys: pytest.CaptureFixture[
     extra = [arg for value in model_args for arg in ("--model-arg", value)]
     assert main(["transformer_lm", *extra, "--sample-shape", "2,16", "--sample-dtype", "long", *ARGS]) == 0
     assert "to train with it: GPipeStrategy(pipe_size=" in capsys.readouterr().out
+
+
+def test_the_command_line_plans_interleaved_stages_and_prints_their_virtual_stages(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Issue 31: the command line weighs the schedules of several stages per process; with interleaving alone and
+    # two stages per process, its line carries virtual_stages and K·v stages of balance.
+    model_args = ["num_layers=4", "d_model=32", "ff_dim=64", "num_heads=2", "vocab_size=100"]
+    extra = [arg for value in model_args for arg in ("--model-arg", value)]
+    asked = ["--devices", "2", "--memory", "1GB", "--batch-size", "8", "--flops-per-second", "1e9"]
+    asked += ["--schedules", "interleaved", "--virtual-stages", "2"]
+    assert main(["transformer_lm", *extra, "--sample-shape", "2,16", "--sample-dtype", "long", *asked]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    code = re.search(r"GPipeStrategy\(.*\)", line)
+    assert code is not None, line
+    assert code.group(0).endswith("schedule='interleaved', virtual_stages=2)"), line
+    config = eval(code.group(0), {"GPipeStrategy": GPipeStrategy}).config
+    assert (config.virtual_stages, len(config.balance)) == (2, 2 * config.pipe_size)
