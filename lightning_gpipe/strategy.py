@@ -150,8 +150,9 @@ class GPipeStrategy(ParallelStrategy):
         )
         # Settled in setup, by _follow_plan; refused here beside the settings it would choose.
         self._auto_plan = auto_plan(
-            plan, pipe_size=pipe_size, chunks=chunks, balance=balance, checkpoint=checkpoint, schedule=schedule
-        )
+            plan, pipe_size=pipe_size, chunks=chunks, balance=balance, checkpoint=checkpoint, schedule=schedule,
+            virtual_stages=virtual_stages,
+        )  # fmt: skip
         self._planned: dict[str, Any] = {}  # the settings the plan chose, in place of the config's
         self._settings: ResolvedPipeline | None = None  # the config resolved against the world, by set_world_ranks
         self._process_group_backend = self.config.process_group_backend  # resolved from the device in setup_environment

@@ -167,3 +167,44 @@ def test_one_list_of_names_per_setting() -> None:
     assert typing.get_args(CheckpointMode) == CHECKPOINT_MODES
     with pytest.raises(ValueError, match=r"one of 'params', 'flops', 'time', 'memory', or a callable"):
         BuildConfig(balance="bytes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # The schedule does not take it: the message names the value and what to do instead.
+        ({"schedule": "1f1b", "virtual_stages": 2}, r"virtual_stages=2 applies to schedule='interleaved' only\."),
+        ({"schedule": "zbv", "virtual_stages": 3}, r"schedule='zbv' always places 2"),
+        ({"schedule": "interleaved"}, r"schedule='interleaved' needs virtual_stages >= 2 .* got 1"),
+        # Balance counts K * v stages.
+        (
+            {"schedule": "interleaved", "virtual_stages": 2, "pipe_size": 2, "balance": [4, 4]},
+            r"balance=\[4, 4\] has 2 stages but the pipeline has 4: pipe_size=2 processes holding 2 stages each",
+        ),
+        # Interleaved runs chunks in rounds of about K micro-batches.
+        (
+            {"schedule": "interleaved", "virtual_stages": 2, "pipe_size": 2, "chunks": 5},
+            r"got chunks=5 with pipe_size=2",
+        ),
+    ],
+)
+def test_virtual_stages_are_refused_with_the_fix_where_the_schedule_cannot_take_them(
+    arguments: dict, message: str
+) -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    with pytest.raises(ValueError, match=message):
+        GPipeStrategy(**arguments)
+
+
+def test_the_strategy_resolves_several_stages_per_process() -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    strategy = GPipeStrategy(pipe_size=2, chunks=4, schedule="interleaved", virtual_stages=2)
+    settings = strategy.config.resolve(world_size=4, rank=2)
+    assert (settings.layout.replica, settings.layout.stages, settings.num_stages) == (1, (1, 3), 4)
+    assert settings.pipeline.virtual_stages == 2
+    zbv = GPipeStrategy(schedule="zbv").config.resolve(world_size=2, rank=0)
+    assert (zbv.layout.stages, zbv.pipeline.stages_per_process, zbv.chunks) == ((0, 3), 2, 8)
+    with pytest.raises(ValueError, match=r"plan chooses .* but schedule='interleaved', virtual_stages=2 were given"):
+        GPipeStrategy(schedule="interleaved", virtual_stages=2, plan="auto")
