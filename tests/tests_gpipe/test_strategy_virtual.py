@@ -83,11 +83,11 @@ FOUR_PROCESS_FITS = {  # K = 4 (8 stages of one layer each), and 2 processes x 2
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The two-process job, launched once for the tests that read it: (fits by name, the jobs' runs)."""
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """The two-process job, launched once for the tests that read it: (fits by name, the jobs' runs, its folder)."""
     root = tmp_path_factory.mktemp("virtual")
     jobs = two_process_fits(root)
-    return launch(root / "two", 2, jobs), jobs
+    return launch(root / "two", 2, jobs), jobs, root / "two"
 
 
 def launch(folder: Path, world_size: int, jobs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -111,10 +111,12 @@ def launch(folder: Path, world_size: int, jobs: dict[str, dict[str, dict[str, An
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(1200)
 def test_two_processes_of_two_stages_train_like_plain_lightning(
-    two_processes: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path
+    two_processes: tuple[dict[str, Any], dict[str, Any], Path], tmp_path: Path
 ) -> None:
-    fits, jobs = two_processes
-    steps4, flows = plain(tmp_path, steps=4), plain(tmp_path, steps=4, accumulate=2, clip=0.05)
+    fits, jobs, _ = two_processes
+    steps4 = plain(tmp_path, steps=4)
+    with_flows = fit_plain_model({**FLOWS, "chunks": 4, "strategy": "auto", "devices": 1}, tmp_path / "flows")
+    flows = with_flows.state_dict()
     for name in (
         "interleaved-m4-save",
         "interleaved-m2-never",
@@ -125,6 +127,14 @@ def test_two_processes_of_two_stages_train_like_plain_lightning(
         assert_same_parameters(fits[name], steps4)
     assert_same_parameters(fits["interleaved-flows"], flows)
     assert_same_parameters(fits["zbv-flows"], flows)
+    # What rank 0 logged (it holds the last stage; under ZB-V also stage 0, whose input a first run of the step up to
+    # the sequence gives, its logs dropped): the plain step's loss and validation loss.
+    expected = {key: with_flows.trainer.callback_metrics[key] for key in ("train_loss", "val_loss")}
+    names = list(jobs["helpers.lightning_job"])
+    for name in ("interleaved-flows", "zbv-flows"):
+        folder = two_processes[2] / "helpers.lightning_job"
+        logged = torch.load(folder / f"metrics-{names.index(name)}.pt", weights_only=True)
+        assert_same_parameters({key: logged[key] for key in expected}, expected)
     # Deferred BatchNorm (layer 3: stage 2, on the other process than stage 0 under ZB-V, on stage 0's under
     # interleaved): the running statistics of the whole batch, counted once however often the layer is replayed.
     batch_norm = plain(tmp_path, steps=1, batch_norm=True)
@@ -155,7 +165,7 @@ def test_two_processes_of_two_stages_train_like_plain_lightning(
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(1200)
 def test_four_processes_and_replicas_train_like_plain_lightning_and_ddp(
-    two_processes: tuple[dict[str, Any], dict[str, Any]], tmp_path: Path
+    two_processes: tuple[dict[str, Any], dict[str, Any], Path], tmp_path: Path
 ) -> None:
     fits = launch(tmp_path / "four", 4, FOUR_PROCESS_FITS)
     ragged = virtual_job.fit({"steps": 2, "strategy": "auto", "devices": 1}, tmp_path / "ragged").state_dict()
