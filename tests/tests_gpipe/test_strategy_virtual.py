@@ -28,6 +28,7 @@ K2 = {"pipe_size": 2, "devices": 2}
 FLOWS = {"steps": 4, "accumulate": 2, "clip": 0.05, "limit_val_batches": 2, "val_check_interval": 2}
 BN = {"steps": 1, "chunks": 4, "batch_norm": True, "deferred_batch_norm": True, "balance": [2, 1, 1, 2]}
 ONE_EPOCH = {"chunks": 4, "epochs": 1, "steps": -1}  # 4 steps
+TWO_EPOCHS = {"chunks": 4, "epochs": 2, "steps": -1}
 REPLICAS = {"steps": 3, "chunks": 4, "distributed_sampler": True, "shuffle": True}
 BN_STATS = ["layers.3.running_mean", "layers.3.running_var", "layers.3.num_batches_tracked"]
 
@@ -54,6 +55,8 @@ def two_process_fits(root: Path) -> dict[str, dict[str, Any]]:
             "zbv-m8-selective": _with(ZBV, {**K2, "chunks": 8, "steps": 4, "checkpoint": "selective"}),
             "zbv-bn": _with(ZBV, {**K2, **BN}),
             "ddp": {**REPLICAS, "strategy": "ddp", "devices": 2},
+            # The interleaved checkpoint resumed by ZB-V: each process loads its stages' weights and optimizer state.
+            "zbv-resumed": _with(ZBV, {**K2, **TWO_EPOCHS, "resume": checkpoint}),
         },
         # The embedding (layer 0) and the head (layer 7) share one weight: under ZB-V both sit on process 0, as stages
         # 0 and 3; interleaved puts stage 3 on the other process. Clipping counts the tied weight once.
@@ -154,12 +157,13 @@ def test_two_processes_of_two_stages_train_like_plain_lightning(
     assert_same_parameters(fits["ragged-interleaved"], ragged)
 
     # Checkpoints stay portable: written by two processes of two stages, the plain module loads it strictly, and a
-    # single-stage pipeline resumes it to the plain model's fourth step.
+    # single-stage pipeline (and ZB-V, in the job) resumes it to the plain model's second epoch.
     saved = jobs["helpers.lightning_job"]["interleaved-m4-save"]["save"]
     SequentialModule().load_state_dict(torch.load(saved, weights_only=True)["state_dict"], strict=True)
-    two_epochs = {"chunks": 4, "epochs": 2, "steps": -1}
-    resumed = fit_plain_model({**two_epochs, "pipe_size": 1, "devices": 1, "resume": saved}, tmp_path / "resumed")
-    assert_same_parameters(resumed.state_dict(), plain(tmp_path, **two_epochs))
+    resumed = fit_plain_model({**TWO_EPOCHS, "pipe_size": 1, "devices": 1, "resume": saved}, tmp_path / "resumed")
+    two_epochs = plain(tmp_path, **TWO_EPOCHS)
+    assert_same_parameters(resumed.state_dict(), two_epochs)
+    assert_same_parameters(fits["zbv-resumed"], two_epochs)
 
 
 @RunIf(multiprocess=True)
