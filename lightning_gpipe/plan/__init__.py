@@ -314,7 +314,7 @@ def evaluate(
     ``compiled`` layers (``compile=True``) re-materialize every micro-batch under ``checkpoint="selective"``, the
     last included (:func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`). The zero-bubble schedules'
     weight gradient W is taken as half the backward of each layer with trainable parameters, none of the others'
-    (a linear layer's input and weight gradients are one matrix product each).
+    (a linear layer's input and weight gradients are one matrix product each), plus the engine's cost of one pass.
 
     Raises:
         ValueError: ``virtual_stages`` that the schedule does not take, a ``balance`` of another number of stages, or
@@ -351,9 +351,11 @@ def evaluate(
     # stage two; two neighbouring stages on one process pass their values in memory).
     remote = [sum(0 <= t < S and owner[t] != owner[s] for t in (s - 1, s + 1)) for s in range(S)]
     host = [engine + boundary * links for links in remote]
+    # A split backward is one pass more, W, which pays the engine's cost of a pass as F and I do.
+    passes = engine / 2 if schedule in ("zero_bubble", "zbv") else 0.0
     stage_f = [sum(forward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
-    stage_b = [sum(backward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
-    weight = [sum(backward[i] / 2 for i in cell if profile.layers[i].trainable_bytes) for cell in bounds]
+    stage_b = [sum(backward[i] for i in cell) + cost / 2 + passes for cell, cost in zip(bounds, host, strict=True)]
+    weight = [sum(backward[i] / 2 for i in cell if profile.layers[i].trainable_bytes) + passes for cell in bounds]
     transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
     # Selective re-materialization as measured under its own wrapper; unmeasured, it is charged as the whole replay.
     selective = checkpoint == "selective" and bool(profile.selective_recompute)

@@ -899,3 +899,12 @@ def test_plan_says_why_it_did_not_weigh_a_schedule_of_several_stages_per_process
     with pytest.raises(ValueError, match=r"virtual_stages=\[1\] must be a list of ints >= 2"):
         plan(nn.Sequential(nn.Identity()), None, devices=1, memory_per_device="1GB", batch_size=4, profile=meta(1),
              virtual_stages=[1])  # fmt: skip
+
+
+def test_a_split_backwards_weight_pass_pays_the_engines_cost_of_a_pass() -> None:
+    # ZB-H1 on one stage has no bubble to fill: its step is 1F1B's plus one more pass per micro-batch, W, which the
+    # engine runs as it runs F and B (half its cost per micro-batch each).
+    settings: dict[str, Any] = {"pipe_size": 1, "chunks": 4, "batch_size": 16, "checkpoint": "never", **FREE_LINKS}
+    plain = evaluate(meta(), schedule="1f1b", overhead=1e-3, **settings)
+    split = evaluate(meta(), schedule="zero_bubble", overhead=1e-3, **settings)
+    assert split.step_time - plain.step_time == pytest.approx(4 * 1e-3 / 2)
