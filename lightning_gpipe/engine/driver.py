@@ -91,6 +91,7 @@ class StepDriver:
         self._scale_loss = scale_loss
         self._check_losses = check_losses
         self._relay = relay if len(run.stages) == 1 else None
+        self._call_index = None if len(run.stages) == 1 else self.stage.index  # as the run's actions name it
         first = run.stages[0]
         self._feed = feed if first.is_first and self.stage is not first else None
         if first.is_first and self.stage is not first and feed is None:
@@ -125,7 +126,7 @@ class StepDriver:
                 if action.phase is not Phase.FORWARD:
                     self._backward(action)
                     continue
-                if run.stage_of(action) is not self.stage:  # another held stage: its forward needs no step
+                if action.stage is not None and action.stage != self.stage.index:  # another held stage: no step
                     value = self._feed(mb) if self._feed is not None and action.stage == 0 else None
                     run.forward(mb.index, value, action.stage)
                     continue
@@ -165,9 +166,8 @@ class StepDriver:
             raise RuntimeError("the pipelined sequence was called outside a step of the pipeline")
         self._calls += 1
         if self._calls == 1:
-            stage = None if len(self.run.stages) == 1 else self.stage.index
-            return self.run.forward(mb.index, value if self.stage.is_first else None, stage)
-        if len(self.run.stages) > 1:
+            return self.run.forward(mb.index, value if self.stage.is_first else None, self._call_index)
+        if self._call_index is not None:
             raise RuntimeError(
                 f"the step called the pipelined sequence twice for one batch under schedule={self.run.schedule!r}, "
                 "whose processes hold several stages; further calls (decoding) are served with one stage per process "
@@ -254,7 +254,7 @@ class StepDriver:
 
     def _backward_loss(self, action: Action) -> torch.Tensor | None:
         """What the backward ``action`` starts from: its micro-batch's weighted loss on the last stage, scaled."""
-        if not self.run.stage_of(action).is_last:
+        if not (self.stage if action.stage is None else self.run.stage_of(action)).is_last:
             return None
         index = action.microbatch
         loss = self._losses[index]

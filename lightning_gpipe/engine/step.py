@@ -172,7 +172,7 @@ class StepRun:
                 f"{' '.join(map(str, self.actions))})"
             )
         self._done += 1
-        return self.stage_of(action)
+        return self.stages[0] if action.stage is None else self._by_index[action.stage]
 
     @property
     def _held(self) -> list[int]:
