@@ -458,6 +458,18 @@ def test_a_driver_that_must_feed_stage_0_without_feed_is_refused() -> None:
         StepDriver(process.begin(batch()))
 
 
+@torch.no_grad()
+def test_a_second_call_of_the_sequence_is_refused_with_several_stages_per_process() -> None:
+    (process,) = pipelines(cells(build("mlp"), [4, 4]), "zbv", 2, chunks=2)
+    driver = StepDriver(process.begin(batch(4), training=False), feed=lambda mb: mb.value[0])
+
+    def decode(mb: Any) -> Any:
+        return driver.call(driver.call(None))
+
+    with pytest.raises(RuntimeError, match=r"twice for one batch under schedule='zbv'.*evaluate with schedule='gpipe'"):
+        driver.forward_phase(decode)
+
+
 def test_the_in_process_link_keeps_order_and_refuses_a_wait_before_the_send() -> None:
     loopback = _Loopback()
     buffers = [torch.empty(2) for _ in range(3)]
