@@ -1,9 +1,9 @@
 """A fit whose stage boundaries carry shapes that vary per micro-batch and a value marked ``Unbatched``, run one process
 per rank by the tests of several stages per process (``schedule="interleaved"``, ``"zbv"``).
 
-``python -m helpers.jobs helpers.virtual_job CONFIG.json`` runs every fit of the config and writes, from rank 0, the
-whole model's state dict after each fit (``result-N.pt``); ``fit(run, root)`` with ``"strategy": "auto"`` is the plain
-reference in the test's process.
+``python -m helpers.jobs helpers.virtual_job CONFIG.json`` runs every fit of the config, then predicts the training
+data, and writes from rank 0 the whole model's state dict after each fit (``result-N.pt``) and the predictions
+(``predictions-N.pt``); ``fit(run, root)`` with ``"strategy": "auto"`` is the plain reference in the test's process.
 """
 
 from __future__ import annotations
@@ -91,21 +91,29 @@ class RaggedModule(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layers(batch[0])
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def fit(run: dict[str, Any], root: Path) -> RaggedModule:
+def fit(run: dict[str, Any], root: Path) -> tuple[RaggedModule, torch.Tensor]:
+    """The fitted module, and its predictions for the training data after the fit (on every rank)."""
     L.seed_everything(0, verbose=False)
     module = RaggedModule()
-    trainer_for(run, root).fit(module, DataLoader(ragged(), batch_size=BATCH))
-    return module
+    trainer = trainer_for(run, root)
+    trainer.fit(module, DataLoader(ragged(), batch_size=BATCH))
+    predictions = trainer.predict(module, DataLoader(ragged(), batch_size=BATCH))
+    assert predictions is not None
+    return module, torch.cat(predictions)  # type: ignore[arg-type]
 
 
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     root = Path(config_path).parent
     for index, run in enumerate(config["runs"]):
-        module = fit(run, root)
+        module, predictions = fit(run, root)
         if module.global_rank == 0:
             torch.save(module.state_dict(), root / f"result-{index}.pt")
+            torch.save(predictions, root / f"predictions-{index}.pt")

@@ -152,9 +152,14 @@ def test_two_processes_of_two_stages_train_like_plain_lightning(
     for name in ("tied-zbv", "tied-zbv-meta", "tied-interleaved"):
         assert fits[name]["layers.0.weight"].equal(fits[name]["layers.7.weight"])
 
-    ragged = virtual_job.fit({"steps": 2, "strategy": "auto", "devices": 1}, tmp_path / "ragged").state_dict()
-    assert_same_parameters(fits["ragged-zbv"], ragged)
-    assert_same_parameters(fits["ragged-interleaved"], ragged)
+    ragged, predicted = virtual_job.fit({"steps": 2, "strategy": "auto", "devices": 1}, tmp_path / "ragged")
+    names = list(jobs["helpers.virtual_job"])
+    for name in names:
+        assert_same_parameters(fits[name], ragged.state_dict())
+        # trainer.predict after the fit, gathered on rank 0 (ZB-V: its call stage is the last, stage 0 fed).
+        folder = two_processes[2] / "helpers.virtual_job"
+        predictions = torch.load(folder / f"predictions-{names.index(name)}.pt", weights_only=True)
+        assert_same_parameters({"predictions": predictions}, {"predictions": predicted})
 
     # Checkpoints stay portable: written by two processes of two stages, the plain module loads it strictly, and a
     # single-stage pipeline (and ZB-V, in the job) resumes it to the plain model's second epoch.
@@ -172,7 +177,7 @@ def test_four_processes_and_replicas_train_like_plain_lightning_and_ddp(
     two_processes: tuple[dict[str, Any], dict[str, Any], Path], tmp_path: Path
 ) -> None:
     fits = launch(tmp_path / "four", 4, FOUR_PROCESS_FITS)
-    ragged = virtual_job.fit({"steps": 2, "strategy": "auto", "devices": 1}, tmp_path / "ragged").state_dict()
+    ragged = virtual_job.fit({"steps": 2, "strategy": "auto", "devices": 1}, tmp_path / "ragged")[0].state_dict()
     assert_same_parameters(fits["ragged-interleaved-k4"], ragged)
     assert_same_parameters(fits["zbv-k4"], plain(tmp_path, steps=4, accumulate=2, clip=0.05))
     ddp = two_processes[0]["ddp"]  # data parallelism over two processes, in the two-process job
