@@ -522,6 +522,10 @@ def _gloo_worker(rank: int, world_size: int) -> dict[str, Any]:
             ProcessGroupTransport.for_stages(ranks, held[rank])
         except ValueError as error:
             results[f"{schedule} without links"] = str(error)
+        results[f"{schedule} refused"] = [
+            _refusal(ProcessGroupTransport.for_stages, ranks, held[1 - rank], links=links),
+            _refusal(ProcessGroupTransport, ranks, links=links),
+        ]
 
         # A step that fails on the last stage's process: the other stops at its deadline, and neither goes on.
         impatient = ProcessGroupTransport.for_stages(
@@ -538,6 +542,14 @@ def _gloo_worker(rank: int, world_size: int) -> dict[str, Any]:
                 errors.append(str(error))
         results[f"{schedule} errors"] = errors
     return results
+
+
+def _refusal(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    try:
+        fn(*args, **kwargs)
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"{fn} accepted {args}")
 
 
 def _failing_loss(output: torch.Tensor, microbatch: Any) -> torch.Tensor:
@@ -597,6 +609,15 @@ def test_a_failed_step_over_gloo_stops_both_processes_and_the_next_step(
     assert other_first.startswith("[pipeline stage"), other_first
     assert "a new step began after a failed one" in other_second, other_second
     assert "a new step began after a failed one" in second, second
+
+
+@RunIf(multiprocess=True)
+def test_transports_for_stages_another_rank_holds_are_refused(gloo_runs: list[dict[str, Any]]) -> None:
+    for rank, run in enumerate(gloo_runs):
+        others, one_stage = run["interleaved refused"]
+        assert f"but this process (global rank {rank}) holds stages [{rank}, {rank + 2}] of a pipeline" in others
+        assert f"this process (global rank {rank}) holds several stages of the pipeline's ranks" in one_stage
+        assert "ProcessGroupTransport.for_stages" in one_stage
 
 
 @RunIf(multiprocess=True)
