@@ -30,6 +30,7 @@ BN = {"steps": 1, "chunks": 4, "batch_norm": True, "deferred_batch_norm": True, 
 ONE_EPOCH = {"chunks": 4, "epochs": 1, "steps": -1}  # 4 steps
 TWO_EPOCHS = {"chunks": 4, "epochs": 2, "steps": -1}
 REPLICAS = {"steps": 3, "chunks": 4, "distributed_sampler": True, "shuffle": True}
+PLAN_INTERLEAVED = {"memory_per_device": "1MiB", "pipe_sizes": [2], "schedules": ["interleaved"], "virtual_stages": [2]}
 BN_STATS = ["layers.3.running_mean", "layers.3.running_var", "layers.3.num_batches_tracked"]
 
 
@@ -55,6 +56,8 @@ def two_process_fits(root: Path) -> dict[str, dict[str, Any]]:
             "zbv-m8-selective": _with(ZBV, {**K2, "chunks": 8, "steps": 4, "checkpoint": "selective"}),
             "zbv-bn": _with(ZBV, {**K2, **BN}),
             "ddp": {**REPLICAS, "strategy": "ddp", "devices": 2},
+            # plan="auto" restricted to interleaved: every rank follows rank 0's K * v stages.
+            "planned-interleaved": {"devices": 2, "steps": 4, "plan": PLAN_INTERLEAVED},
             # The interleaved checkpoint resumed by ZB-V: each process loads its stages' weights and optimizer state.
             "zbv-resumed": _with(ZBV, {**K2, **TWO_EPOCHS, "resume": checkpoint}),
         },
@@ -123,6 +126,7 @@ def test_two_processes_of_two_stages_train_like_plain_lightning(
     for name in (
         "interleaved-m4-save",
         "interleaved-m2-never",
+        "planned-interleaved",
         "interleaved-selective",
         "zbv-m4-never",
         "zbv-m8-selective",
@@ -130,6 +134,9 @@ def test_two_processes_of_two_stages_train_like_plain_lightning(
         assert_same_parameters(fits[name], steps4)
     assert_same_parameters(fits["interleaved-flows"], flows)
     assert_same_parameters(fits["zbv-flows"], flows)
+    planned = list(jobs["helpers.lightning_job"]).index("planned-interleaved")
+    settings = json.loads((two_processes[2] / "helpers.lightning_job" / f"settings-{planned}.json").read_text())
+    assert (settings["schedule"], len(settings["balance"])) == ("interleaved", 4)
     # What rank 0 logged (it holds the last stage; under ZB-V also stage 0, whose input a first run of the step up to
     # the sequence gives, its logs dropped): the plain step's loss and validation loss.
     expected = {key: with_flows.trainer.callback_metrics[key] for key in ("train_loss", "val_loss")}
