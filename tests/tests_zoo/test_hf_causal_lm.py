@@ -8,6 +8,7 @@ and loaded through ``zoo.load_pretrained(directory)``, the code path of a hub id
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import zoo
 
 transformers = pytest.importorskip("transformers")
 
-from zoo.hf.causal_lm_tiny import CAUSAL_FAMILIES, save_tiny_causal_lm  # noqa: E402
+from zoo.hf.causal_lm_tiny import CAUSAL_FAMILIES, save_tiny_causal_lm, tiny_causal_config  # noqa: E402
 
 TIED = {"qwen2", "gemma", "gpt2"}
 TEXTS = ["the cat sat on the mat.", "a dog runs in the park.", "hello world, this is a small test."]
@@ -77,6 +78,48 @@ def test_logits_equal_the_library_forward(saved: Path) -> None:
     expected = theirs(ids, attention_mask=mask, position_ids=positions(mask)).logits
     real = mask.bool()  # a padding position's own output is not defined the same way: neither reads it
     torch.testing.assert_close(model(ids, mask)[real], expected[real], atol=1e-4, rtol=0)
+
+
+class _Syncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (``bool(t)``, ``t.item()``): each a device sync on CUDA."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_forward_builds_each_kind_of_mask_once_and_reads_values_no_more_than_the_library(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, padded: bool
+) -> None:
+    # Each decoder layer used to build its own mask: the library's "is anything padded?" check, a host sync on CUDA,
+    # ran once per layer and forward (169 syncs a step at M = 4 on an H100, where the library's model makes one).
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+    import zoo.hf.causal_lm_layers as layers
+
+    config = tiny_causal_config("qwen2", layers=4)
+    config.layer_types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    model = zoo.PretrainedCausalLM("unused", config=config.to_dict(), pretrained=False).eval()
+    theirs = library(model.export_pretrained(tmp_path / "export"))
+    calls: list[str] = []
+    for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
+        real = getattr(layers, name)  # a spy: the real builder runs
+        spy = lambda *args, _real=real, _name=name, **kwargs: calls.append(_name) or _real(*args, **kwargs)  # noqa: E731
+        monkeypatch.setattr(layers, name, spy)
+        monkeypatch.setattr(qwen2, name, spy)
+    ids, mask = prompts()
+    mask = mask if padded else torch.ones_like(mask)
+    with torch.no_grad(), _Syncs() as ours_syncs:
+        logits = model(ids, mask)
+    ours, calls[:] = sorted(calls), []
+    with torch.no_grad(), _Syncs() as library_syncs:
+        expected = theirs(ids, attention_mask=mask, position_ids=positions(mask)).logits
+    assert ours == sorted(calls) == ["create_causal_mask", "create_sliding_window_causal_mask"]
+    assert ours_syncs.count <= library_syncs.count
+    torch.testing.assert_close(logits[mask.bool()], expected[mask.bool()], atol=1e-4, rtol=0)
 
 
 def test_greedy_generation_equals_library_generate(saved: Path) -> None:

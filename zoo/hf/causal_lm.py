@@ -108,15 +108,18 @@ def causal_layers(model: nn.Module) -> nn.Sequential:
     config = library.config
     if hasattr(library, "transformer"):  # GPT-2
         base = library.transformer
-        embedding = TokenEmbedding(base.wte, positions=base.wpe, dropout=base.drop)
-        blocks, norm = base.h, base.ln_f
+        tokens, blocks, norm = base.wte, base.h, base.ln_f
+        extra: dict[str, Any] = {"positions": base.wpe, "dropout": base.drop}
     else:
         base = library.model
-        embedding = TokenEmbedding(base.embed_tokens, rotary=base.rotary_emb)
-        blocks, norm = base.layers, base.norm
+        tokens, blocks, norm = base.embed_tokens, base.layers, base.norm
+        extra = {"rotary": base.rotary_emb}
+    sliding = [_sliding(config, index) for index in range(len(blocks))]
+    # The embedding builds the masks of the kinds the layers use, as the library's forward does.
+    embedding = TokenEmbedding(tokens, config, full=not all(sliding), sliding=any(sliding), **extra)
     return nn.Sequential(
         embedding,
-        *[CausalDecoderLayer(block, config, index, _sliding(config, index)) for index, block in enumerate(blocks)],
+        *[CausalDecoderLayer(block, kind) for block, kind in zip(blocks, sliding, strict=True)],
         FinalNorm(norm),
         LanguageModelHead(library.lm_head),
     )

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from zoo.hf.causal_lm_layers import CausalDecoderLayer
+from zoo.hf.causal_lm_layers import CausalDecoderLayer, TokenEmbedding
 from zoo.transformer.decoding import holds_all_layers
 
 __all__ = ["MAX_NEW_TOKENS", "generate", "warp_logits"]
@@ -53,19 +53,20 @@ def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
 
 @contextmanager
 def _cached(layers: nn.Module) -> Iterator[bool]:
-    """A fresh key/value cache in every decoder layer of ``layers`` for the duration (True), or none (False) when
-    ``layers`` is the pipelined sequence."""
-    decoders = [] if not holds_all_layers(layers) else [
-        layer for layer in layers.children() if isinstance(layer, CausalDecoderLayer)
+    """A fresh key/value cache in the embedding and every decoder layer of ``layers`` for the duration (True), or
+    none (False) when ``layers`` is the pipelined sequence."""
+    holders = [] if not holds_all_layers(layers) else [
+        layer for layer in layers.children() if isinstance(layer, TokenEmbedding | CausalDecoderLayer)
     ]  # fmt: skip
-    if decoders:
-        cache = DynamicCache(config=decoders[0].config)
-        for layer in decoders:
+    if holders:
+        assert isinstance(holders[0], TokenEmbedding), type(holders[0])
+        cache = DynamicCache(config=holders[0].config)
+        for layer in holders:
             layer.cache = cache
     try:
-        yield bool(decoders)
+        yield bool(holders)
     finally:
-        for layer in decoders:
+        for layer in holders:
             layer.cache = None
 
 

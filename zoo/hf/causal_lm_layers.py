@@ -1,19 +1,23 @@
 """The entries of a Hugging Face decoder-only language model as a flat layer sequence: wrappers around its own modules.
 
-Shape legend: B batch, T sequence length, D hidden size, V vocabulary, H rotary width (the attention head size).
+Shape legend: B batch, T sequence length, C cached tokens, D hidden size, V vocabulary, H rotary width (the attention
+head size).
 
 Each entry holds the ``transformers`` modules it runs (the token embedding, a ``LlamaDecoderLayer`` or ``GPT2Block``,
 the final norm, ``lm_head``) and repeats only the glue of the library's ``forward`` between them: position ids, the
-rotary table (computed once by the model's own rotary module, as the library does), the attention mask (built per
-layer with the library's ``create_causal_mask``/``create_sliding_window_causal_mask``, so every attention
-implementation gets the mask it expects) and GPT-2's learned positions and embedding dropout. The values between
-entries are tensors or tuples of tensors, so any entry can be a pipeline stage boundary:
+rotary table (computed once by the model's own rotary module, as the library does), the attention masks (built once
+per forward by the library's ``create_causal_mask``/``create_sliding_window_causal_mask``, as the library does, so
+every attention implementation gets the mask it expects) and GPT-2's learned positions and embedding dropout. The
+values between entries are tensors (or ``None``) or tuples of them, so any entry can be a pipeline stage boundary:
 
 - input ``(input_ids [B, T] long, attention_mask [B, T] long)``, 1 at real tokens (either padding side), or
   ``input_ids`` alone (no padding);
   ``attention_mask`` is [B, C + T] when a key/value cache holds ``C`` earlier tokens;
-- stream ``(x [B, T, D], attention_mask [B, T], positions [B, T] long, *rotary)`` with ``rotary = (cos [B, T, H],
-  sin [B, T, H])`` for models with rotary embeddings, empty for GPT-2;
+- stream ``(x [B, T, D], full, sliding, positions [B, T] long, *rotary)``: ``full`` and ``sliding`` are the masks of
+  the full-attention and the sliding-window layers in the attention implementation's format ([B, 1, T, C + T] for
+  SDPA and eager attention), ``None`` where the model has no such layer or the implementation needs none (SDPA's
+  causal kernel, nothing padded); ``rotary = (cos [B, T, H], sin [B, T, H])`` for models with rotary embeddings,
+  empty for GPT-2;
 - after the final norm, ``x [B, T, D]``; after the head, logits [B, T, V].
 
 Positions count the real tokens (``attention_mask.cumsum(-1) - 1``, 0 at padding), as ``generate`` numbers them: with
@@ -31,22 +35,35 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 __all__ = ["CausalDecoderLayer", "FinalNorm", "LanguageModelHead", "TokenEmbedding"]
 
-Stream = tuple[torch.Tensor, ...]
+Stream = tuple[Any, ...]  # tensors, and None for a mask not needed
 
 
 class TokenEmbedding(nn.Module):
     """First entry: ``(input_ids, attention_mask)`` -> stream. Runs the model's token embedding (Gemma's scales
-    itself), GPT-2's learned positions and embedding dropout where given, and the rotary module where given."""
+    itself), GPT-2's learned positions and embedding dropout where given, the rotary module where given, and builds
+    the masks of the decoder layers' kinds (``full``, ``sliding``) for the attention implementation of ``config``.
+
+    ``cache``, set for the duration of a decoding on the whole model (:mod:`zoo.hf.causal_lm_generation`), is the
+    library's key/value cache, whose lengths the masks cover (read before any layer extends it, as the library does).
+    """
+
+    cache: Any = None
 
     def __init__(
         self,
         tokens: nn.Embedding,
+        config: PretrainedConfig,
+        full: bool = True,
+        sliding: bool = False,
         rotary: nn.Module | None = None,
         positions: nn.Embedding | None = None,
         dropout: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.tokens = tokens
+        self.config = config  # not a module: which attention implementation the masks are built for
+        self.full = full
+        self.sliding = sliding
         self.rotary = rotary
         self.positions = positions
         self.dropout = dropout
@@ -62,11 +79,18 @@ class TokenEmbedding(nn.Module):
         if self.dropout is not None:
             x = self.dropout(x)
         rotary = tuple(self.rotary(x, positions)) if self.rotary is not None else ()
-        return (x, mask, positions, *rotary)
+        # Once per forward, not per layer: SDPA's "is anything padded?" check reads the mask's values (a host sync).
+        # The fourth argument (the cache) goes by position: transformers renamed it past_key_values -> cache.
+        # On the meta device (sizing a model, planning it) there are no values to read: build the masks unpadded.
+        padding, order = (None, None) if mask.is_meta else (mask, positions)
+        arguments = (self.config, x, padding, self.cache, order)
+        full = create_causal_mask(*arguments) if self.full else None
+        sliding = create_sliding_window_causal_mask(*arguments) if self.sliding else None
+        return (x, full, sliding, positions, *rotary)
 
 
 class CausalDecoderLayer(nn.Module):
-    """Stream -> stream through one library decoder layer, with the causal (or sliding-window) mask of its type.
+    """Stream -> stream through one library decoder layer, with the stream's causal (or sliding-window) mask.
 
     ``cache``, set for the duration of a decoding on the whole model (:mod:`zoo.hf.causal_lm_generation`), is the
     library's key/value cache that the layer reads and extends; the stream then holds the new tokens only.
@@ -74,26 +98,18 @@ class CausalDecoderLayer(nn.Module):
 
     cache: Any = None
 
-    def __init__(self, layer: nn.Module, config: PretrainedConfig, index: int, sliding: bool) -> None:
+    def __init__(self, layer: nn.Module, sliding: bool) -> None:
         super().__init__()
         self.layer = layer
-        self.config = config  # not a module: which attention implementation the masks are built for
-        self.index = index  # the library's layer_idx: which entry of the cache is this layer's
         self.sliding = sliding
 
     def forward(self, stream: Stream) -> Stream:
-        x, mask, positions, *rotary = stream
-        build = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        # The fourth argument (the cache) goes by position: transformers renamed it past_key_values -> cache. The
-        # cached length is this layer's own, read before the layer extends it (the library reads it before any layer).
-        # On the meta device (sizing a model, planning it) there are no values to read: build the mask unpadded.
-        padding, order = (None, None) if mask.is_meta else (mask, positions)
-        attention = build(self.config, x, padding, self.cache, order, layer_idx=self.index)
+        x, full, sliding, positions, *rotary = stream
         extra: dict[str, Any] = {"position_embeddings": tuple(rotary)} if rotary else {}
         if self.cache is not None:
             extra.update(cache=self.cache, use_cache=True)
-        x = self.layer(x, attention_mask=attention, position_ids=positions, **extra)
-        return (x, mask, positions, *rotary)
+        x = self.layer(x, attention_mask=sliding if self.sliding else full, position_ids=positions, **extra)
+        return (x, full, sliding, positions, *rotary)
 
 
 class FinalNorm(nn.Module):
