@@ -88,7 +88,11 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
             balance=run.get("balance"),
             plan=AutoPlan(**run["plan"]) if "plan" in run else None,  # AutoPlan's arguments, e.g. a budget
             # further GPipeStrategy arguments, e.g. {"detect_anomalies": true}; a top-level "schedule" is a plan's
-            **{"schedule": run.get("schedule", "gpipe"), **run.get("options", {})},
+            **{
+                "schedule": run.get("schedule", "gpipe"),
+                "virtual_stages": run.get("virtual_stages", 1),
+                **run.get("options", {}),
+            },
         )
         # The single-world-group P2P wiring that NCCL's stream order deadlocks (kept for the regression test).
         strategy._links_on_world = run.get("links_on_world", False)
@@ -151,6 +155,8 @@ def main(config_path: str) -> None:
         settings = getattr(module.trainer.strategy, "settings", None)  # what GPipeStrategy resolved, plan included
         names = ("pipe_size", "chunks", "balance", "checkpoint", "schedule")
         chosen.append({name: getattr(settings, name) for name in names} if settings is not None else {})
+        if settings is not None and settings.schedule == "interleaved":  # the one schedule that takes it
+            chosen[-1]["virtual_stages"] = settings.pipeline.virtual_stages
         (root / f"local-parameters-{index}-rank{module.global_rank}.txt").write_text(str(module.local_parameters))
         if module.global_rank == 0:
             (root / f"settings-{index}.json").write_text(json.dumps(chosen[-1]))

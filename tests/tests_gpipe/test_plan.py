@@ -599,6 +599,29 @@ def test_plan_auto_trains_like_the_settings_it_printed(tmp_path: Path) -> None:
         assert torch.equal(planned[key], value), key
 
 
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(420)
+def test_plan_auto_trains_an_interleaved_plan_like_the_settings_it_printed(tmp_path: Path) -> None:
+    # Issue 31: a plan of two stages per process reaches the strategy (virtual_stages with K·v stages of balance) and
+    # trains as the line it printed does, given explicitly.
+    request = {"memory_per_device": "1GB", "pipe_sizes": [2], "optimizer_slots": 1}
+    request |= {"schedules": ["interleaved"], "virtual_stages": [2]}
+    runs = [{"devices": 2, "steps": 2, "plan": request}, {"devices": 2, "steps": 2, "settings_of": 0}]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"runs": runs}))
+    results = run_job("helpers.lightning_job", [str(config)], 2, timeout=400)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
+    settings = json.loads((tmp_path / "settings-0.json").read_text())
+    assert (settings["schedule"], settings["virtual_stages"], len(settings["balance"])) == ("interleaved", 2, 4)
+    explicit = ", ".join(f"{name}={value!r}" for name, value in settings.items())
+    assert f"the same without planning: GPipeStrategy({explicit})" in results[0].stdout
+    planned, given = (torch.load(tmp_path / f"result-{i}.pt", weights_only=True) for i in range(2))
+    assert planned.keys() == given.keys()
+    for key, value in given.items():
+        assert torch.equal(planned[key], value), key
+
+
 class _Carry(nn.Module):
     """(p2, p1, cur) -> (p1, cur, p2 * cur): a cell that uses the output of the layer three back, as an AmoebaNet cell
     uses its predecessor's predecessor; each new tensor is saved by the next layer and by the one after that."""
