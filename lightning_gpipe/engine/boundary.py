@@ -7,16 +7,20 @@ header goes once per step, not per micro-batch:
 
 - the first activation message of a step carries a header with the layout of that micro-batch's value and the sizes
   of all the step's micro-batches;
+- a micro-batch's tensors travel as one message, its *frame*: a uint8 buffer holding each tensor at an aligned
+  offset, which the receiver views in the tensors' dtypes and shapes. Every message costs a send, a receive and two
+  thread wake-ups whatever its size, so one per micro-batch, however many leaves the value has, for one copy of its
+  tensors into the frame;
 - every later micro-batch of the step is predicted from it: the same layout, with dim 0 of the tensors that carry the
   batch dimension resized to that micro-batch's size (a tensor wrapped in :class:`~lightning_gpipe.Unbatched` never
-  is). Each is preceded by a small control message: nothing missing, or the leaves it lacks (``None``, as an
-  attention mask that is ``None`` when nothing is padded), or "a new header follows";
+  is). Its frame opens with a small control area: nothing missing, or the leaves it lacks (``None``, as an attention
+  mask that is ``None`` when nothing is padded), or "a new header follows";
 - a new header follows when the prediction fails: a leaf appeared that the prediction has as ``None`` (no buffer
   awaits it), or a shape or the structure differs (sequences padded per micro-batch, a bias whose dim 0 only
-  happened to equal the micro-batch size). Every receive already posted is then filled with placeholders (on
+  happened to equal the micro-batch size). Every frame already posted is then filled with a placeholder (on
   devices, where receives are posted when needed, only that micro-batch's);
 - after a shape changed, the step goes on *described*: each later micro-batch is preceded by its own layout message,
-  and the receiver posts its tensors' receives once that is in. The sending link remembers it, so its later steps
+  and the receiver posts its frame's receive once that is in. The sending link remembers it, so its later steps
   are described from their first micro-batch and no placeholders are sent again;
 - gradients need no header: they go back for exactly the received tensors that require grad, with their shapes,
   one micro-batch after the other in the order of the receiving stage's backward passes.
@@ -27,7 +31,7 @@ gives one: the receiver compares it with its own, so stages that read different 
 Once the header is in, the receiver posts the receives of the whole step at once: gloo parks a send until its
 receive is posted, and a receive posted only when needed costs a rendezvous per message, several times a receive
 posted ahead (measured in docs/benchmarks/engine.md). A described step can post only one micro-batch ahead:
-its layout message, behind the current micro-batch's tensors. Gradient receives can be posted ahead too
+its layout message, behind the current micro-batch's frame. Gradient receives can be posted ahead too
 (:meth:`GradientLink.post`), in the order the peer sends them, once the outputs they are the gradients of exist.
 
 Header wire format: a fixed ``HEADER_BYTES`` uint8 buffer holding the payload length (8 bytes, little endian) and the
@@ -37,6 +41,7 @@ ranks of one job, which already trust each other with their code.
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +59,10 @@ __all__ = ["HEADER_BYTES", "ActivationLink", "GradientLink", "TensorLayout"]
 
 HEADER_BYTES = 1024
 """Size in bytes of the header buffer sent before a step's first activation: payload length, then the layout."""
+CONTROL_BYTES = 128
+"""Size in bytes of the control area that opens the frame of a predicted micro-batch: payload length, then payload."""
 _LENGTH_BYTES = 8
+_ALIGN = 64  # bytes: each tensor of a frame starts at a multiple, so that it can be viewed in any dtype
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,11 @@ class TensorLayout:
         if not self.batched:
             return self
         return TensorLayout((size, *self.shape[1:]), self.dtype, self.requires_grad, True)
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's size in bytes."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 _Layout = tuple[Spec, tuple[TensorLayout | None, ...]]  # structure, and one entry per leaf (None for a None leaf)
@@ -100,23 +113,58 @@ def _resize(layout: _Layout, size: int) -> _Layout:
     return spec, tuple(None if entry is None else entry.resized(size) for entry in tensors)
 
 
-class _Posted:
-    """One micro-batch's posted receives: its control message (if it has one) and one buffer per tensor leaf.
+@dataclass(frozen=True)
+class _Frame:
+    """Where a micro-batch's tensors lie in its frame: a control area of ``control`` bytes, then each tensor leaf at
+    its byte offset (``None`` for a ``None`` leaf); ``nbytes`` in all."""
 
-    In a described step, the leaves' receives are posted only once the control message (the layout) is in.
+    control: int
+    offsets: tuple[int | None, ...]
+    nbytes: int
+
+    @staticmethod
+    def of(entries: Sequence[TensorLayout | None], control: bool) -> _Frame:
+        offset = CONTROL_BYTES if control else 0
+        offsets: list[int | None] = []
+        for entry in entries:
+            if entry is None:
+                offsets.append(None)
+                continue
+            offsets.append(offset)
+            offset += -(-entry.nbytes // _ALIGN) * _ALIGN
+        return _Frame(CONTROL_BYTES if control else 0, tuple(offsets), offset)
+
+
+def _view(frame: torch.Tensor, entry: TensorLayout, offset: int) -> torch.Tensor:
+    """The tensor of ``entry`` in ``frame``, at ``offset``: a view, written by the sender, read by the receiver."""
+    return frame[offset : offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+
+
+class _Posted:
+    """One micro-batch's posted receives: in a described step its layout message, and its frame.
+
+    In a described step, the frame's receive is posted only once the layout message is in. A frame of no bytes has no
+    message, hence no wait.
     """
 
-    def __init__(self, control: tuple[torch.Tensor, Callable[[], None]] | None) -> None:
-        self.control = control
-        self.leaves: list[tuple[torch.Tensor, Callable[[], None]] | None] = []
+    def __init__(self, layout: tuple[torch.Tensor, Callable[[], None]] | None) -> None:
+        self.layout = layout
+        self.frame: tuple[torch.Tensor, Callable[[], None] | None] | None = None
+
+    def wait_frame(self) -> torch.Tensor:
+        """Wait for the frame; its buffer."""
+        assert self.frame is not None
+        buffer, wait = self.frame
+        if wait is not None:
+            wait()
+        return buffer
 
     def wait_all(self) -> None:
         """Wait for every receive, whatever arrives (used to drain receives made void by a new header)."""
-        if self.control is not None:
-            self.control[1]()
-        for leaf in self.leaves:
-            if leaf is not None:
-                leaf[1]()
+        if self.layout is not None:
+            self.layout[1]()
+        if self.frame is not None:
+            self.wait_frame()
 
 
 class ActivationLink:
@@ -128,12 +176,13 @@ class ActivationLink:
         self._sizes: list[int] = []
         self._fingerprint: Fingerprint | None = None
         self._layout: _Layout | None = None  # the prediction's base: set by the step's header (or a later one)
-        self._first = 0  # the micro-batch the last header came with: later ones have control messages
+        self._expected: dict[tuple[int, bool], tuple[_Layout, _Frame]] = {}  # the prediction per size, built once
+        self._first = 0  # the micro-batch the last header came with: later ones have control
         self._described = False  # whether the micro-batches after the header's each carry their own layout
         # Sending side: a shape changed within a step of this link, so its steps start described (see the module).
         self._ragged = False
         self._posted: dict[int, _Posted] = {}
-        self._nothing_missing: torch.Tensor | None = None  # the common control message, packed once
+        self._nothing_missing: torch.Tensor | None = None  # the common control area, packed once
 
     @property
     def stage(self) -> int:
@@ -152,106 +201,118 @@ class ActivationLink:
         """
         self._sizes = list(sizes)
         self._fingerprint = fingerprint
-        self._layout = None
-        self._first = 0
-        self._described = False
+        self._set_layout(None, 0, described=False)
         self._posted = {}
 
     def clear(self) -> None:
         """Forget the posted receives (after a failed step: the transport cannot take them back)."""
         self._posted = {}
 
-    def _predicted(self, index: int) -> _Layout:
-        assert self._layout is not None
-        return _resize(self._layout, self._sizes[index])
+    def _set_layout(self, layout: _Layout | None, index: int, described: bool) -> None:
+        """Take ``layout``, micro-batch ``index``'s (the header's), as the base of the step's predictions."""
+        if layout is not None and self._sizes[index] != self._sizes[0]:
+            layout = _resize(layout, self._sizes[0])
+        self._layout = layout
+        self._expected = {}
+        self._first = index
+        self._described = described
 
     def _has_control(self, index: int) -> bool:
+        """Whether micro-batch ``index`` comes with control: a control area, or its own layout message (described)."""
         return index > self._first
+
+    def _prediction(self, index: int) -> tuple[_Layout, _Frame]:
+        """Micro-batch ``index``'s layout predicted from the header, at its own size, and its frame."""
+        key = (self._sizes[index], self._has_control(index))
+        expected = self._expected.get(key)
+        if expected is None:
+            assert self._layout is not None
+            layout = _resize(self._layout, key[0])
+            expected = self._expected[key] = (layout, _Frame.of(layout[1], control=key[1]))
+        return expected
 
     # --- sending side
 
     def send(self, index: int, value: Any) -> None:
         """Send micro-batch ``index``'s output."""
         layout, leaves = _describe(self.stage, value, self._sizes[index])
-        # The receiver allocates on the transport's device; a leaf left elsewhere (a CPU mask from a stage on a GPU)
-        # would fail in the send, after the header is gone, and leave the peer waiting.
-        leaves = [None if leaf is None else leaf.to(self.transport.device) for leaf in leaves]
         if self._layout is None:
             self._start(index, layout, self._fingerprint, described=self._ragged)
-            self._send_leaves(index, leaves)
+            self._send_frame(index, layout[1], _Frame.of(layout[1], control=False), leaves)
             return
         if self._described:
-            self._send_header({"layout": layout}, f"the layout of micro-batch {index}")
-            self._send_leaves(index, leaves)
+            self._send_header({"layout": layout}, _layout_of(index))
+            self._send_frame(index, layout[1], _Frame.of(layout[1], control=False), leaves)
             return
-        predicted = self._predicted(index)
+        predicted, frame = self._prediction(index)
+        if layout == predicted:
+            if self._nothing_missing is None:
+                self._nothing_missing = _pack(pickle.dumps({"missing": []}), CONTROL_BYTES).to(self.transport.device)
+            self._send_frame(index, predicted[1], frame, leaves, self._nothing_missing)
+            return
         entries, expected = layout[1], predicted[1]
         pairs = list(zip(entries, expected, strict=True)) if layout[0] == predicted[0] else None
         if pairs is None or any(ours is not None and theirs is not None and ours != theirs for ours, theirs in pairs):
             # A shape (or the structure) differs from the prediction: describe every later micro-batch, from this
             # step on (variable lengths per micro-batch come back step after step).
             self._ragged = True
-            self._restart(index, layout, described=True)
-            self._send_leaves(index, leaves)
-            return
-        if any(ours is not None and theirs is None for ours, theirs in pairs):
-            # A leaf the receiver has no buffer for (a mask that was None so far): a new header describes it.
-            self._restart(index, layout, described=False)
-            self._send_leaves(index, leaves)
+            self._restart(index, layout, leaves, described=True)
             return
         missing = [position for position, (ours, theirs) in enumerate(pairs) if ours != theirs]
-        if missing:
-            message = pickle.dumps({"missing": missing})
-            if len(message) > HEADER_BYTES - _LENGTH_BYTES:  # a value of very many leaves: a header says it all
-                self._restart(index, layout, described=False)
-                self._send_leaves(index, leaves)
-                return
-            self.transport.send(_pack(message).to(self.transport.device), self.peer, _layout_of(index))
-        else:
-            if self._nothing_missing is None:
-                self._nothing_missing = _pack(pickle.dumps({"missing": []})).to(self.transport.device)
-            self.transport.send(self._nothing_missing, self.peer, _layout_of(index))
-        for leaf, entry in zip(leaves, expected, strict=True):
-            if entry is not None:  # the receiver posted a buffer for it: fill it, with a placeholder if it is None
-                value = _placeholder(entry, self.transport.device) if leaf is None else leaf
-                self.transport.send(value, self.peer, _activations_of(index))
+        message = pickle.dumps({"missing": missing})
+        if any(ours is not None and theirs is None for ours, theirs in pairs) or len(message) > _room(CONTROL_BYTES):
+            # A leaf the receiver has no room for (a mask that was None so far), or more missing leaves than the
+            # control area can name: a new header describes it.
+            self._restart(index, layout, leaves, described=False)
+            return
+        self._send_frame(index, expected, frame, leaves, _pack(message, CONTROL_BYTES).to(self.transport.device))
 
-    def _restart(self, index: int, layout: _Layout, described: bool) -> None:
-        """Fill what the receiver posted for the rest of the step with placeholders, then send a new header."""
-        self._send_message({"restart": True}, index)
-        self._send_placeholders(index)
-        if self.transport.posts_ahead:  # else the receiver has posted this micro-batch's receives only
-            for later in range(index + 1, len(self._sizes)):
-                self._send_message({"void": True}, later)
-                self._send_placeholders(later)
+    def _restart(self, index: int, layout: _Layout, leaves: Sequence[torch.Tensor | None], described: bool) -> None:
+        """Fill the frames the receiver posted for the rest of the step with placeholders, then send a new header and
+        micro-batch ``index``'s ``leaves`` as its first."""
+        last = len(self._sizes) if self.transport.posts_ahead else index + 1  # else only this frame is posted
+        for later in range(index, last):
+            control = _pack(pickle.dumps({"restart": True} if later == index else {"void": True}), CONTROL_BYTES)
+            entries, frame = self._prediction(later)[0][1], self._prediction(later)[1]
+            self._send_frame(later, entries, frame, [None] * len(entries), control.to(self.transport.device))
         self._start(index, layout, None, described)
+        self._send_frame(index, layout[1], _Frame.of(layout[1], control=False), leaves)
 
     def _start(self, index: int, layout: _Layout, fingerprint: Fingerprint | None, described: bool) -> None:
-        self._layout = _resize(layout, self._sizes[0]) if self._sizes[index] != self._sizes[0] else layout
-        self._first = index
-        self._described = described
+        self._set_layout(layout, index, described)
         header = {"layout": layout, "index": index, "sizes": self._sizes, "fingerprint": fingerprint}
         self._send_header({**header, "described": described}, _header_of(index))
 
-    def _send_leaves(self, index: int, leaves: Sequence[torch.Tensor | None]) -> None:
-        for leaf in leaves:
+    def _send_frame(
+        self,
+        index: int,
+        entries: Sequence[TensorLayout | None],
+        frame: _Frame,
+        leaves: Sequence[torch.Tensor | None],
+        control: torch.Tensor | None = None,
+    ) -> None:
+        """Send micro-batch ``index``'s frame: ``control`` (a packed control area), then each leaf at its offset.
+
+        A leaf that is ``None`` where ``entries`` has room leaves its bytes as they are: the receiver discards them.
+        The frame is allocated on the transport's device, so a leaf left elsewhere (a CPU mask from a stage on a GPU)
+        is moved by the copy; the send itself never fails on a device after the header is gone.
+        """
+        if frame.nbytes == 0:  # nothing to carry: no message either way (see _post_frame)
+            return
+        buffer = torch.empty(frame.nbytes, dtype=torch.uint8, device=self.transport.device)
+        if control is not None:
+            buffer[: frame.control] = control
+        for leaf, entry, offset in zip(leaves, entries, frame.offsets, strict=True):
             if leaf is not None:
-                self.transport.send(leaf, self.peer, _activations_of(index))
-
-    def _send_placeholders(self, index: int) -> None:
-        for entry in self._predicted(index)[1]:
-            if entry is not None:
-                self.transport.send(_placeholder(entry, self.transport.device), self.peer, _activations_of(index))
-
-    def _send_message(self, payload: dict[str, Any], index: int) -> None:
-        data = pickle.dumps(payload)
-        assert len(data) <= HEADER_BYTES - _LENGTH_BYTES, "a control message outgrew its fixed buffer"
-        self.transport.send(_pack(data).to(self.transport.device), self.peer, _layout_of(index))
+                assert entry is not None
+                assert offset is not None
+                _view(buffer, entry, offset).copy_(leaf)
+        self.transport.send(buffer, self.peer, _activations_of(index))
 
     def _send_header(self, payload: dict[str, Any], what: str) -> None:
         data = pickle.dumps(payload)
-        self.transport.send(_pack(data).to(self.transport.device), self.peer, what)
-        if len(data) > HEADER_BYTES - _LENGTH_BYTES:
+        self.transport.send(_pack(data, HEADER_BYTES).to(self.transport.device), self.peer, what)
+        if len(data) > _room(HEADER_BYTES):
             rest = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.transport.device)
             self.transport.send(rest, self.peer, what)
 
@@ -266,45 +327,39 @@ class ActivationLink:
         if index not in self._posted:  # posted when needed (device streams), in the same forward order
             self._posted[index] = self._post(index)
         posted = self._posted.pop(index)
-        missing: set[int] = set()
-        assert self._layout is not None
-        # The header's micro-batch (or a predicted one) at its own size: a header sent at a micro-batch of another size
-        # than the step's first is kept resized to the first's. A described step's later ones bring their layout.
-        layout = self._predicted(index)
-        if posted.control is not None:
-            buffer, wait = posted.control
+        if posted.layout is not None:
+            # Described: its frame is posted now that its layout is known; the next micro-batch's layout message can
+            # be posted behind it (the peer sends layout, frame, next layout, ...).
+            buffer, wait = posted.layout
             wait()
-            message = self._read(buffer, _layout_of(index))
-            if self._described:
-                # Its receives are posted now that its layout is known; the next micro-batch's layout message can
-                # be posted behind them (the peer sends layout, tensors, next layout, ...).
-                layout = message["layout"]
-                posted.leaves = self._post_leaves(index, layout)
-                if self.transport.posts_ahead and index + 1 < len(self._sizes):
-                    self._posted[index + 1] = self._post(index + 1)
-            elif message.get("restart"):
-                # The sender has filled every receive posted for this step with placeholders; a header follows.
+            layout = self._read(buffer, _layout_of(index))["layout"]
+            frame = _Frame.of(layout[1], control=False)
+            posted.frame = self._post_frame(index, frame)
+            if self.transport.posts_ahead and index + 1 < len(self._sizes):
+                self._posted[index + 1] = self._post(index + 1)
+        else:
+            layout, frame = self._prediction(index)
+        buffer = posted.wait_frame()
+        missing: Sequence[int] = ()
+        if frame.control:
+            message = pickle.loads(_unpack(buffer[: frame.control]))
+            if message.get("restart"):
+                # The sender has filled every frame posted for this step with placeholders; a header follows.
                 # (A wait is never repeated: on gloo a second wait of a receive waits for another message.)
-                for leaf in posted.leaves:
-                    if leaf is not None:
-                        leaf[1]()
                 for later in sorted(self._posted):
                     self._posted.pop(later).wait_all()
                 self._receive_header(index)
                 if self.transport.posts_ahead:
                     self._post_from(index)
                 return self.recv(index)
-            else:
-                missing = set(message["missing"])
+            missing = message["missing"]
         spec, entries = layout
         leaves: list[torch.Tensor | None] = []
-        for position, (entry, receive) in enumerate(zip(entries, posted.leaves, strict=True)):
-            if entry is None or receive is None:
+        for position, (entry, offset) in enumerate(zip(entries, frame.offsets, strict=True)):
+            if entry is None or offset is None or position in missing:
                 leaves.append(None)
-                continue
-            buffer, wait = receive
-            wait()
-            leaves.append(None if position in missing else buffer.requires_grad_(entry.requires_grad))
+            else:
+                leaves.append(_view(buffer, entry, offset).requires_grad_(entry.requires_grad))
         return unflatten(leaves, spec)
 
     def post_rest(self, after: int) -> None:
@@ -321,41 +376,35 @@ class ActivationLink:
 
     def _post_from(self, first: int) -> None:
         # The sender sends the step's micro-batches in forward order, starting with this one. Described steps post
-        # one layout message ahead only: the tensors' receives wait for their layout.
+        # one layout message ahead only: the frames' receives wait for their layout.
         last = first + 2 if self._described else len(self._sizes)
         for index in range(first, min(last, len(self._sizes))):
             self._posted[index] = self._post(index)
 
     def _post(self, index: int) -> _Posted:
-        control = None
-        if self._has_control(index):
+        if self._described and self._has_control(index):
             buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.transport.device)
-            control = (buffer, self.transport.post_recv(buffer, self.peer, _layout_of(index)))
-        posted = _Posted(control)
-        if control is None or not self._described:
-            posted.leaves = self._post_leaves(index, self._predicted(index))  # at its own size, as in recv
+            return _Posted((buffer, self.transport.post_recv(buffer, self.peer, _layout_of(index))))
+        posted = _Posted(None)
+        posted.frame = self._post_frame(index, self._prediction(index)[1])  # at its own size, as in recv
         return posted
 
-    def _post_leaves(self, index: int, layout: _Layout) -> list[tuple[torch.Tensor, Callable[[], None]] | None]:
-        receives: list[tuple[torch.Tensor, Callable[[], None]] | None] = []
-        for entry in layout[1]:
-            if entry is None:
-                receives.append(None)
-                continue
-            buffer = torch.empty(entry.shape, dtype=entry.dtype, device=self.transport.device)
-            receives.append((buffer, self.transport.post_recv(buffer, self.peer, _activations_of(index))))
-        return receives
+    def _post_frame(self, index: int, frame: _Frame) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        buffer = torch.empty(frame.nbytes, dtype=torch.uint8, device=self.transport.device)
+        if frame.nbytes == 0:  # nothing to carry: the sender sends no message
+            return buffer, None
+        return buffer, self.transport.post_recv(buffer, self.peer, _activations_of(index))
 
     def _read(self, header: torch.Tensor, what: str) -> dict[str, Any]:
         """The payload of a received header-format message, receiving its continuation if it did not fit."""
-        raw = header.cpu()
-        length = int.from_bytes(bytes(raw[:_LENGTH_BYTES].tolist()), "little")
-        if length <= HEADER_BYTES - _LENGTH_BYTES:
-            data = _unpack(raw)
+        raw = header.cpu().numpy().tobytes()
+        length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+        if length <= _room(HEADER_BYTES):
+            data = raw[_LENGTH_BYTES : _LENGTH_BYTES + length]
         else:
             payload = torch.empty(length, dtype=torch.uint8, device=self.transport.device)
             self.transport.recv(payload, self.peer, what)
-            data = bytes(payload.cpu().tolist())
+            data = payload.cpu().numpy().tobytes()
         message: dict[str, Any] = pickle.loads(data)
         return message
 
@@ -384,10 +433,7 @@ class ActivationLink:
                 "read different inputs on purpose (random augmentation seeded per rank, used by the first stage "
                 "only), turn the check off with GPipeStrategy(verify_batches=False).",
             )
-        layout = message["layout"]
-        self._layout = _resize(layout, self._sizes[0]) if self._sizes[index] != self._sizes[0] else layout
-        self._first = index
-        self._described = bool(message.get("described"))
+        self._set_layout(message["layout"], index, bool(message.get("described")))
 
 
 class GradientLink:
@@ -465,24 +511,24 @@ def _gradients_of(index: int) -> str:
     return f"gradients of micro-batch {index}"
 
 
-def _pack(data: bytes) -> torch.Tensor:
-    """A ``HEADER_BYTES`` buffer: the length of ``data``, then ``data`` itself if it fits."""
-    message = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    message[:_LENGTH_BYTES] = torch.tensor(list(len(data).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
-    if len(data) <= HEADER_BYTES - _LENGTH_BYTES:
-        message[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return message
+def _room(size: int) -> int:
+    """How many bytes of payload a packed buffer of ``size`` bytes holds."""
+    return size - _LENGTH_BYTES
+
+
+def _pack(data: bytes, size: int) -> torch.Tensor:
+    """A ``size``-byte CPU buffer: the length of ``data``, then ``data`` itself if it fits."""
+    packed = bytearray(size)
+    content = len(data).to_bytes(_LENGTH_BYTES, "little") + (data if len(data) <= _room(size) else b"")
+    packed[: len(content)] = content
+    return torch.frombuffer(packed, dtype=torch.uint8)
 
 
 def _unpack(message: torch.Tensor) -> bytes:
-    """The data that :func:`_pack` put in ``message`` (a CPU buffer; the data fitted)."""
-    length = int.from_bytes(bytes(message[:_LENGTH_BYTES].tolist()), "little")
-    return bytes(message[_LENGTH_BYTES : _LENGTH_BYTES + length].tolist())
-
-
-def _placeholder(entry: TensorLayout, device: torch.device) -> torch.Tensor:
-    """What fills a receive posted for a tensor that the micro-batch does not have: the receiver discards it."""
-    return torch.zeros(entry.shape, dtype=entry.dtype, device=device)
+    """The data that :func:`_pack` put in ``message`` (the data fitted)."""
+    raw = message.cpu().numpy().tobytes()
+    length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+    return raw[_LENGTH_BYTES : _LENGTH_BYTES + length]
 
 
 def _show_fingerprint(fingerprint: Fingerprint) -> str:
