@@ -31,7 +31,12 @@ from torch import nn
 
 from lightning_gpipe.build.balance import in_place_starts
 from lightning_gpipe.engine.rematerialization import replayed_layer, selective_checkpoint, tracks_running_stats
-from lightning_gpipe.engine.torch_compat import CompiledCall, compile_in_place, restore_compiled_call
+from lightning_gpipe.engine.torch_compat import (
+    CompiledCall,
+    compile_in_place,
+    keep_compiled_saved_tensors,
+    restore_compiled_call,
+)
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -113,6 +118,7 @@ def compile_layers(
     compiled = CompiledLayers()
     if options is None:
         return compiled
+    keep_compiled_saved_tensors()  # a split backward runs a compiled layer's backward twice
     seen: set[int] = set()
     for layer in layers:
         if id(layer) in seen:

@@ -23,6 +23,7 @@ __all__ = [
     "abort_process_group",
     "compile_in_place",
     "flatten_dense_tensors",
+    "keep_compiled_saved_tensors",
     "restore_compiled_call",
     "storage_key",
     "unflatten_dense_tensors",
@@ -86,6 +87,17 @@ def compile_in_place(module: nn.Module, options: Mapping[str, Any]) -> CompiledC
 
     module._compiled_call_impl = torch.compile(torch_module_call, **options)
     return previous
+
+
+def keep_compiled_saved_tensors() -> None:
+    """Compile every later graph without donating its saved tensors' buffers to its backward (for this process).
+
+    A split backward (``"zero_bubble"``, ``"zbv"``) runs a compiled layer's backward with the graph kept, since the
+    weight pass reads it again. torch refuses that for a backward compiled to reuse its saved buffers ("compiled with
+    non-empty donated buffers"): one compiled by a backward that did not keep the graph (a first stage's whole
+    backward), which torch's compile cache then hands to other processes. Costs that reuse's memory saving.
+    """
+    torch._functorch.config.donated_buffer = False
 
 
 def restore_compiled_call(module: nn.Module, previous: CompiledCall) -> None:

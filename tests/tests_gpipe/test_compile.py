@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import pathlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.build.compile import DEFAULT_OPTIONS, compile_layers, replayed_by_engine
 from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, commit_running_stats
+from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.torch_compat import compile_in_place, restore_compiled_call
 from lightning_gpipe.engine.transport import ThreadTransport
@@ -245,3 +247,34 @@ def test_the_compile_setting_is_checked_where_given_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"is refused by torch.compile: Invalid backend: 'nope'"):
         GPipeStrategy(compile={"backend": "nope"})  # the strategy's argument, refused when it is built
     assert GPipeStrategy(compile=True).config.compile is True
+
+
+@pytest.mark.heavy  # compiles a Transformer layer twice: about a minute on a loaded CPU
+@pytest.mark.timeout(600)
+def test_compiled_layers_train_under_a_split_backward(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # zero_bubble's input pass keeps the graph for the weight pass. A compiled layer whose backward was first compiled
+    # by a backward that did not keep it (the first stage's, here another process's run) reused its saved buffers,
+    # torch's compile cache handed that backward to the next process, and torch refused the kept-graph backward there
+    # ("compiled with non-empty donated buffers"): make bench-schedules' compiled zero-bubble step failed so.
+    monkeypatch.setattr(torch._functorch.config, "donated_buffer", True)  # torch's default: compile_layers turns it off
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cache of this test's own
+
+    def layers() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.TransformerEncoderLayer(16, 2, 64, dropout=0.0, batch_first=True) for _ in range(2)]
+
+    x, y = torch.randn(8, 8, 16), torch.randn(8, 8, 16)
+    first = layers()
+    compile_layers(first, {"dynamic": False})
+    # A plain backward compiles and caches each layer's backward, for a micro-batch that needs its input's gradient.
+    nn.Sequential(*first)(x[:2].clone().requires_grad_(True)).sum().backward()
+    torch._dynamo.reset()  # as a fresh process: compiled again, from the cache
+    compiled, reference = layers(), nn.Sequential(*layers())
+    compile_layers(compiled, {"dynamic": False})
+    cells = [nn.Identity(), nn.Sequential(*compiled)]  # the compiled layers on the stage whose input needs a gradient
+    x.requires_grad_(True)
+    loss = lambda out, mb: F.mse_loss(out, mb[1])  # noqa: E731
+    run_in_threads(cells, (x, y), loss, chunks=4, checkpoint="never", schedule="zero_bubble")
+    F.mse_loss(reference(x), y).backward()
+    for (name, got), want in zip(cells[1].named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
