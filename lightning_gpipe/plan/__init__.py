@@ -772,7 +772,8 @@ def plan(
             flops_per_second=flops_per_second,
             rematerialized=any(mode not in ("never", "selective") for mode in modes),
             optimizer=optimizer,
-            selective="selective" in modes,
+            # What selective keeps is also what a split backward keeps for W: the weighted operations' outputs.
+            selective="selective" in modes or any(name in ("zero_bubble", "zbv") for name in kinds),
         )
     options: dict[str, Any] = {
         "optimizer_slots": optimizer_slots,

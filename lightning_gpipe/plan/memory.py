@@ -215,8 +215,11 @@ def process_memory(
     The process's state is its stages' state together, and its actions over all of them are walked in order: an
     interleaved process keeps ``(v - 1)`` rounds of micro-batches more than 1F1B on its first stage, of ``1/v`` of its
     layers each. Under ``"zero_bubble"`` and ``"zbv"`` a micro-batch keeps what its forward kept until its weight
-    gradient W (the input gradient I frees what W does not read, about as much as it adds: the gradients of the
-    layers' outputs); a re-materialized micro-batch, rebuilt for I, stays rebuilt until W, which does not recompute.
+    gradient W, and from its input gradient I on also the gradients W starts from: the output gradient of each
+    operation with a weight, counted from the matrix multiplications' outputs that the profile records for
+    ``checkpoint="selective"`` (``LayerProfile.selective_bytes``; none where it did not record them, and convolutions
+    are not among them). The first stage keeps none: with no input gradient to send, its W runs the whole backward. A
+    re-materialized micro-batch, rebuilt for I, stays rebuilt until W, which does not recompute.
 
     Args:
         cells: the layers of every stage of the pipeline, ``num_processes · stages per process`` ranges in order.
@@ -247,6 +250,7 @@ class _Held:
     widest: float
     workspace: float
     loss: float
+    weight_grads: float = 0.0  # what a split backward's I keeps for W: the output gradients of its weighted operations
 
 
 def _walk(
@@ -283,7 +287,10 @@ def _walk(
             # The last stage hands its output to the loss, which keeps what it needs; other stages keep the output
             # they sent until its gradient comes back.
             loss=n * profile.loss_saved_bytes if last else 0.0,
-        )
+            weight_grads=0.0 if s == 0 else n * sum(
+                layer.selective_bytes + layer.selective_output_bytes for layer in cell_layers if layer.trainable_bytes
+            ),
+        )  # fmt: skip
 
     def kept(held: _Held, i: int) -> float:
         if i >= stop:
@@ -306,18 +313,18 @@ def _walk(
         elif action.phase is Phase.WEIGHT:
             # The weight gradients read what I left; then the micro-batch is gone.
             peak = max(peak, live + held.workspace)
-            live -= kept(held, i) + rebuilt
+            live -= kept(held, i) + rebuilt + held.weight_grads
         elif each.backward is None:
             gradient = 0.0 if held.last else n * each.output
             peak = max(peak, live + rebuilt + gradient + held.workspace)
-            live += rebuilt if action.phase is Phase.INPUT else -kept(held, i)
+            live += rebuilt + held.weight_grads if action.phase is Phase.INPUT else -kept(held, i)
         else:
             # The loss's backward runs first, with all of this micro-batch held; then the layers', last to first
             # (a re-materialized micro-batch is rebuilt when its cell's backward begins).
             others = live - kept(held, i)
             loss_backward = kept(held, i) + n * profile.loss_transient_bytes if held.last else 0.0
             peak = max(peak, others + loss_backward, others + n * each.backward)
-            live += rebuilt if action.phase is Phase.INPUT else -kept(held, i)
+            live += rebuilt + held.weight_grads if action.phase is Phase.INPUT else -kept(held, i)
     assert math.isclose(live, 0.0, abs_tol=1e-6 * max(peak, 1.0)), "every micro-batch's backward frees what it kept"
     optimizer = float(trainable) if optimizer_slots > 0 else 0.0
     return StageMemory(float(state), batch_size * profile.input_bytes, peak, optimizer)
