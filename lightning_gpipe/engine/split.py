@@ -17,7 +17,6 @@ weight pass runs those outputs' backward whole. Gradients accumulate into ``.gra
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
 from collections.abc import Sequence
 
 import torch
@@ -72,8 +71,11 @@ class WeightPass:
                         grads.append(grad)
             if not edges:
                 continue
-            # A boundary node reached again from another one of its group gets the gradient it had, not a second share.
-            handles = [node.register_prehook(lambda _g, k=kept[node]: k) for node in group.nodes if node in kept]
+            # A boundary node reached again from another one of its group gets the gradient it had, not a second share
+            # (a group of one node needs no hook).
+            handles = []
+            if len(group.nodes) > 1:
+                handles = [node.register_prehook(lambda _g, k=kept[node]: k) for node in group.nodes if node in kept]
             try:
                 torch.autograd.backward(edges, grads, inputs=group.parameters, retain_graph=True)
             finally:
@@ -96,22 +98,23 @@ def input_pass(
         for t, g in zip(outputs, grads if grads is not None else [None] * len(outputs), strict=True)
         if t.requires_grad
     ]
-    roots = {node for t, _ in pairs if (node := _node(t)) is not None}
-    # The graph below the outputs, with each node's consumers: the direction in which inputs feed the outputs.
-    consumers: dict[Node, list[Node]] = defaultdict(list)
-    seen, queue = set(roots), deque(roots)
-    while queue:
-        node = queue.popleft()
+    # The graph below the outputs, each node with its consumers (the direction in which inputs feed the outputs).
+    consumers: dict[Node, list[Node]] = {node: [] for t, _ in pairs if (node := _node(t)) is not None}
+    stack = list(consumers)
+    while stack:
+        node = stack.pop()
         for child, _ in node.next_functions:
             if child is None:
                 continue
-            consumers[child].append(node)
-            if child not in seen:
-                seen.add(child)
-                queue.append(child)
-    starts = {node for t in inputs if (node := _node(t)) is not None and node in seen}
+            users = consumers.get(child)
+            if users is None:
+                consumers[child] = [node]
+                stack.append(child)
+            else:
+                users.append(node)
+    starts = {node for t in inputs if (node := _node(t)) is not None and node in consumers}
     dependent = _closure(starts, consumers)  # the nodes whose gradient depends on an input's
-    leaves = [node for node in seen if node not in starts and hasattr(node, "variable")]
+    leaves = [node for node in consumers if node not in starts and hasattr(node, "variable")]
     group_of: dict[Node, _Group] = {}
     for leaf in leaves:
         met = _closure({leaf}, consumers, stop=dependent)
@@ -152,13 +155,12 @@ def input_pass(
 
 def _closure(starts: set[Node], consumers: dict[Node, list[Node]], stop: set[Node] | None = None) -> set[Node]:
     """The nodes reached from ``starts`` through consumers; with ``stop``, only the first ones met in ``stop``."""
-    reached, queue, met = set(starts), deque(starts), set()
-    while queue:
-        node = queue.popleft()
-        for consumer in consumers.get(node, ()):
+    reached, stack, met = set(starts), list(starts), set()
+    while stack:
+        for consumer in consumers.get(stack.pop(), ()):
             if stop is not None and consumer in stop:
                 met.add(consumer)
             elif consumer not in reached:
                 reached.add(consumer)
-                queue.append(consumer)
+                stack.append(consumer)
     return met if stop is not None else reached
