@@ -285,6 +285,22 @@ def _cell_device(cell: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _process_devices(cells: Sequence[nn.Module], held: Sequence[Sequence[int]]) -> list[torch.device]:
+    """Each stage's device: its cell's, where a process's cells without parameters or buffers (an activation) compute
+    on the device of the process's other cells, since a process computes on one device."""
+    devices = [_cell_device(cell) for cell in cells]
+    for stages in held:
+        placed = {devices[s] for s in stages if any(True for _ in (*cells[s].parameters(), *cells[s].buffers()))}
+        if len(placed) > 1:
+            raise ValueError(
+                f"the stages {list(stages)} of one process sit on devices {[str(devices[s]) for s in stages]}; put "
+                "the cells of one process on one device"
+            )
+        for s in stages:
+            devices[s] = next(iter(placed), devices[s])
+    return devices
+
+
 def run_in_threads(
     cells: Sequence[nn.Module],
     batch: Any,
@@ -347,13 +363,7 @@ def run_in_threads(
             "concurrent=True shares torch's global random generators between the processes, so seeds cannot give "
             "each its own stream: drop seeds, or drop concurrent=True to have the processes take turns"
         )
-    devices = [_cell_device(cell) for cell in cells]
-    for stages in held:
-        if len({devices[s] for s in stages}) > 1:
-            raise ValueError(
-                f"the stages {list(stages)} of one process sit on devices {[str(devices[s]) for s in stages]}; put "
-                "the cells of one process on one device"
-            )
+    devices = _process_devices(cells, held)
     transports = ThreadTransport.create(len(cells), devices, timeout=datetime.timedelta(seconds=timeout))
     randomness = _ProcessRandomness([devices[stages[0]] for stages in held], seeds)
     results: dict[int, Any] = {}

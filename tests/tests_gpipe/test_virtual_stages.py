@@ -301,6 +301,20 @@ def test_sequence_lengths_vary_per_microbatch_and_between_steps(schedule: str, m
         assert_grads(model, expected)
 
 
+def test_a_process_s_cell_without_parameters_computes_on_its_other_cells_device() -> None:
+    # Found on an H100: interleaved and zbv at K=2 refused a CUDA model whose stage held only an activation (such a
+    # cell defaulted to the CPU). The meta device stands in for a GPU here.
+    from lightning_gpipe.engine.pipeline import _process_devices
+
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    cells = [nn.Linear(2, 2, device=meta), nn.ReLU(), nn.Linear(2, 2, device=meta), nn.ReLU()]
+    assert _process_devices(cells, [(0, 2), (1, 3)]) == [meta, cpu, meta, cpu]
+    assert _process_devices(cells, [(0, 3), (1, 2)]) == [meta, meta, meta, meta]
+    cells[2] = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"stages \[0, 2\] of one process sit on devices \['meta', 'cpu'\]"):
+        _process_devices(cells, [(0, 2), (1, 3)])
+
+
 @RunIf(gpu=True)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("schedule", "K"), [("interleaved", 2), ("zbv", 2), ("zbv", 1)])
