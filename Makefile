@@ -58,8 +58,8 @@ bench-overhead: env  ## GPipeStrategy with K=1, M=1 against strategy="auto"; the
 bench-memory: env  ## peak memory of re-materialization against the paper's formula
 	$(RUN) python -m benchmarks.strategy_memory.run
 
-bench-schedules: env  ## peak activation memory per stage of schedule="1f1b" against "gpipe" as M grows (seconds)
-	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.schedule_memory.run
+bench-schedules: env  ## our five schedules against torch.distributed.pipelining's on K = 2 and 4 CPU processes: throughput, bubble, activation memory, Gantt charts (about 15 minutes; QUICK=1: about 5, docs left alone)
+	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.schedule_speed.run $(if $(QUICK),--quick)
 
 bench-plan: env  ## the planner's predicted vs measured peak memory and step time; the paper's Tables 1-2 simulated
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.plan_calibration.run

@@ -102,7 +102,17 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("engine_speed", quick_deadline=0, full_deadline=1200, quick=False),
     Experiment("strategy_overhead", quick_deadline=0, full_deadline=1800, quick=False, writes_docs=False),
     Experiment("strategy_memory", quick_deadline=0, full_deadline=900, quick=False, writes_docs=False),
-    Experiment("schedule_memory", quick_deadline=300, full_deadline=600, writes_docs=False),
+    Experiment(
+        "schedule_speed",
+        quick_deadline=0,
+        full_deadline=1500,
+        quick=False,
+        headlines=(
+            Headline("ratio_interleaved_vs_torch", 1.00, "our throughput / ScheduleInterleaved1F1B's, lower of K 2, 4"),
+            Headline("ratio_zero_bubble_vs_torch", 1.00, "ours / ScheduleInterleavedZeroBubble's, lower of K 2, 4"),
+            Headline("ratio_zbv_vs_torch", 1.00, "ours / ScheduleZBVZeroBubble's, lower of K 2, 4"),
+        ),
+    ),
 )
 
 

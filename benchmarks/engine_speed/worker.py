@@ -68,6 +68,7 @@ class JobResult:
     memory_growth_mib: float  # peak RSS during training minus RSS before the first step, max over processes
     cpu_seconds_per_step: list[float]  # per process: CPU time (all its threads) per timed step, robust to load
     timelines: list[list[SpanRecord]] = field(default_factory=list)  # one per timed step, all stages merged
+    reports: list[Any] = field(default_factory=list)  # per process: what its step measured (``step.report()``)
 
 
 def _rss_mib() -> float:
@@ -127,6 +128,8 @@ def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
     all_records = _gather(records, world_size)
     growth = max(_gather(_peak_rss_mib() - rss_before, world_size))
     cpu = _gather(cpu_per_step, world_size)
+    report = getattr(step, "report", None)  # a step may carry its own measurement, e.g. of memory
+    reports = _gather(report() if report is not None else None, world_size)
     if rank != 0:
         return None
     assert start is not None
@@ -141,6 +144,7 @@ def _measure(job: Job, rank: int, observer_pid: int) -> JobResult | None:
         memory_growth_mib=growth,
         cpu_seconds_per_step=cpu,
         timelines=[sorted(sum((stage[n] for stage in all_records), [])) for n in range(len(records))],
+        reports=reports,
     )
 
 

@@ -163,18 +163,23 @@ def _torch_pipelining_step(cell: nn.Module, batch: Batch, chunks: int, rank: int
     return schedule_step(schedule, _sgd(cell), rank, x, y)
 
 
-def schedule_step(schedule: Any, optimizer: torch.optim.Optimizer, rank: int, inputs: Any, target: Any) -> Step:
-    """One training step of a ``torch.distributed.pipelining`` schedule: stage 0 feeds ``inputs``, the last stage
-    scores ``target``; the losses stay inside the schedule (``return_outputs=False``, as in our pipeline)."""
+def schedule_step(
+    schedule: Any, optimizer: torch.optim.Optimizer, rank: int, inputs: Any, target: Any, scores: bool | None = None
+) -> Step:
+    """One training step of a ``torch.distributed.pipelining`` schedule: rank 0 (stage 0) feeds ``inputs``, the rank
+    that ``scores`` (holds the last stage; by default every other rank) scores ``target``; the losses stay inside the
+    schedule (``return_outputs=False``, as in our pipeline)."""
     losses: list[torch.Tensor] = []
+    args = (inputs,) if rank == 0 else ()
+    scored = rank != 0 if scores is None else scores
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        if rank == 0:
-            schedule.step(inputs, return_outputs=False)
-        else:
+        if scored:
             losses.clear()
-            schedule.step(target=target, losses=losses, return_outputs=False)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            schedule.step(*args, return_outputs=False)
         optimizer.step()
 
     return step

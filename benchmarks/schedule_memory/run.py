@@ -1,7 +1,7 @@
 """Peak activation memory per stage under ``"1f1b"`` and ``"gpipe"``, for a growing number of micro-batches M.
 
-Usage: ``python -m benchmarks.schedule_memory.run [--quick]`` (seconds; ``make bench-schedules``). Each step runs the
-engine's stages as threads of this process (:class:`~lightning_gpipe.engine.pipeline.Pipeline` over
+Usage: ``python -m benchmarks.schedule_memory.run [--quick]`` (seconds; a part of ``make bench-schedules``). Each step
+runs the engine's stages as threads of this process (:class:`~lightning_gpipe.engine.pipeline.Pipeline` over
 :class:`~lightning_gpipe.engine.transport.ThreadTransport`) without re-materialization, so a stage keeps every layer's
 activations of each micro-batch from its forward to its backward. Each stage thread counts the bytes of the tensors
 autograd saves for backward while they are alive (a thread-local ``saved_tensors_hooks`` pair; a storage counts once
@@ -26,7 +26,7 @@ from torch import nn
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.transport import ThreadTransport
 
-__all__ = ["SavedBytes", "main", "peak_per_stage"]
+__all__ = ["SavedBytes", "main", "memory_table", "peak_per_stage"]
 
 K, SAMPLES, WIDTH, BLOCKS = 4, 2048, 256, 4  # blocks of (Linear, GELU) per stage
 MIB = 2**20
@@ -94,25 +94,36 @@ def peak_per_stage(schedule: str, chunks: int, stages: int = K) -> list[int]:
     return [counter.peak for counter in counters]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.schedule_memory.run", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--quick", action="store_true", help="M in (4, 16) only")
-    args = parser.parse_args(argv)
+def memory_table(chunks: tuple[int, ...]) -> tuple[list[str], dict[str, str]]:
+    """The markdown table of both schedules' peaks per stage for each M in ``chunks``, and stage 0's ratio per M."""
     torch.set_num_threads(1)
-    chunks = (4, 16) if args.quick else (1, 4, 8, 16, 32)
-    print(f"K={K} stages of {BLOCKS} x (Linear({WIDTH}, {WIDTH}), GELU), batch {SAMPLES}, checkpoint='never'")
-    print("| M | stage | gpipe MiB | 1f1b MiB | 1f1b / gpipe | min(K-j, M) / M |")
-    print("|---|---|---|---|---|---|")
+    lines = [
+        f"K={K} stages of {BLOCKS} x (Linear({WIDTH}, {WIDTH}), GELU), batch {SAMPLES}, checkpoint='never'",
+        "",
+        "| M | stage | gpipe MiB | 1f1b MiB | 1f1b / gpipe | min(K-j, M) / M |",
+        "|---|---|---|---|---|---|",
+    ]
     headlines = {}
     for m in chunks:
         gpipe, one_f_one_b = peak_per_stage("gpipe", m), peak_per_stage("1f1b", m)
         for j in range(K):
             ratio = one_f_one_b[j] / gpipe[j]
             expected = min(K - j, m) / m
-            print(f"| {m} | {j} | {gpipe[j] / MIB:.1f} | {one_f_one_b[j] / MIB:.1f} | {ratio:.3f} | {expected:.3f} |")
+            lines.append(
+                f"| {m} | {j} | {gpipe[j] / MIB:.1f} | {one_f_one_b[j] / MIB:.1f} | {ratio:.3f} | {expected:.3f} |"
+            )
         headlines[f"stage0_1f1b_vs_gpipe_m{m}"] = f"{one_f_one_b[0] / gpipe[0]:.3f}"
+    return lines, headlines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.schedule_memory.run", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="M in (4, 16) only")
+    args = parser.parse_args(argv)
+    lines, headlines = memory_table((4, 16) if args.quick else (1, 4, 8, 16, 32))
+    print("\n".join(lines))
     for key, value in headlines.items():
         print(f"{key}={value}")
 
