@@ -93,7 +93,7 @@ def _describe(stage: int, value: Any, batch_size: int) -> tuple[_Layout, list[to
     leaves, spec = flatten(value)
     layouts: list[TensorLayout | None] = []
     marked = unbatched_leaves(spec)
-    for path, leaf, unbatched in zip(leaf_paths(spec, "output"), leaves, marked, strict=True):
+    for position, (leaf, unbatched) in enumerate(zip(leaves, marked, strict=True)):
         if leaf is None:
             layouts.append(None)
         elif isinstance(leaf, torch.Tensor):
@@ -102,8 +102,9 @@ def _describe(stage: int, value: Any, batch_size: int) -> tuple[_Layout, list[to
             layouts.append(TensorLayout(tuple(leaf.shape), leaf.dtype, leaf.requires_grad, batched))
         else:
             raise TypeError(
-                f"stage {stage} produced {path} of type {type(leaf).__name__}; only tensors (or None) can cross a "
-                "stage boundary. Turn it into a tensor, or compute it inside the stage that uses it."
+                f"stage {stage} produced {leaf_paths(spec, 'output')[position]} of type {type(leaf).__name__}; only "
+                "tensors (or None) can cross a stage boundary. Turn it into a tensor, or compute it inside the stage "
+                "that uses it."
             )
     return (spec, tuple(layouts)), leaves
 
