@@ -114,6 +114,8 @@ class Report:
                 ratio = self.ratio("zero_bubble", K, config, "ours")
                 speed = self._samples_per_second("zero_bubble", K, config)
                 lines.append(f"| {K} | {what[variant]} | {speed} | {ratio.show()} | {ratio.spread()} |")
+        if len(lines) == 2:
+            lines.append("| | not measured in this run (`--quick` leaves them out) | | | |")
         if refusals:
             lines += ["", "What torch does with the same (`ScheduleInterleavedZeroBubble`, checked in this run):", ""]
             for refusal in refusals:

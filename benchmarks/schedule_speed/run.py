@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import pstats
 import shutil
 import signal
 import statistics
@@ -138,6 +139,25 @@ def _refusals(plan: Plan, console: Console) -> list[Refusal]:
     return found
 
 
+def _profile(plan: Plan, schedules: Sequence[str], directory: pathlib.Path, console: Console) -> None:
+    """cProfile each process of both engines under each of ``schedules`` at the largest K; print the top functions."""
+    directory.mkdir(parents=True, exist_ok=True)
+    K = max(plan.processes)
+    with JobRunner(observer_pid=os.getpid(), preload=[__name__]) as runner:
+        for schedule in schedules:
+            for engine in ("ours", "torch"):
+                job = dataclasses.replace(plan.job(schedule, engine, K), profile_dir=str(directory))
+                (directory / schedule).mkdir(exist_ok=True)  # the worker names its files after the job's workload
+                console.log(f"profiling {job}")
+                result = runner.run(job, plan.job_timeout)
+                cpu = " / ".join(f"{c * 1e3:.1f}" for c in result.cpu_seconds_per_step)
+                print(f"\n### {job}: step {statistics.median(result.step_seconds) * 1e3:.1f} ms, CPU per step {cpu} ms")
+                for rank in range(K):
+                    path = directory / f"{job.workload}-{job.config}-M{job.chunks}-rank{rank}.pstats"
+                    print(f"\n#### rank {rank}")
+                    pstats.Stats(str(path), stream=sys.stdout).sort_stats("tottime").print_stats(12)
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.schedule_speed.run",
@@ -149,6 +169,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--budget", type=float, metavar="SECONDS", help="override the rounds' time budget")
     parser.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks/schedules.md and charts")
+    parser.add_argument(
+        "--profile",
+        type=pathlib.Path,
+        metavar="DIR",
+        help="instead of benchmarking, cProfile both engines under --schedules at the largest K into DIR",
+    )
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES), help="the schedules --profile runs")
     parser.add_argument("--docs", type=pathlib.Path, help="write the page (and charts beside it) here instead")
     return parser.parse_args(argv)
 
@@ -161,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = TINY if args.tiny else QUICK if args.quick else FULL
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds, min_rounds=min(plan.min_rounds, args.rounds))
+    if args.profile is not None:
+        _profile(plan, args.schedules, args.profile, Console(stderr=True))
+        return 0
     if args.budget is not None:
         plan = dataclasses.replace(plan, budget_seconds=args.budget)
     console = Console(stderr=True)
