@@ -217,8 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             chart = images / f"schedule_speed_{schedule}.png"
             per_process(timeline, schedule, K).plot(
                 chart,
-                title=f"ours, {schedule}, K = {K} processes (one row each), M = {plan.chunks}",
+                title=f"ours, {schedule}, K = {K} processes, M = {plan.chunks}",
                 expected_bubble=found.formula,
+                row_label="process",
             )
             charts.append((schedule, chart))
         command = " ".join(["python -m benchmarks.schedule_speed.run", *argv])

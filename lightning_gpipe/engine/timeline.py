@@ -226,9 +226,16 @@ class Timeline:
         return sum(makespan - self.busy_time(stage) for stage in stages) / (makespan * len(stages))
 
     def plot(
-        self, path: str | os.PathLike[str], *, title: str | None = None, expected_bubble: float | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        title: str | None = None,
+        expected_bubble: float | None = None,
+        row_label: str = "stage",
     ) -> pathlib.Path:
         """Write a Gantt chart of the spans as a PNG at ``path``, one row per stage with stage 0 on top.
+
+        ``row_label`` names the rows (``"process"`` for spans moved to the process that holds their stage).
 
         Draws on a standalone Agg canvas, so pyplot and the session's backend (a notebook's inline one) are untouched.
         """
@@ -267,7 +274,7 @@ class Timeline:
                     start_ms + length_ms / 2, y, label, ha="center", va="center", fontsize=fontsize, color="white"
                 )
 
-        axes.set_yticks(range(len(stages)), [f"stage {stage}" for stage in stages])
+        axes.set_yticks(range(len(stages)), [f"{row_label} {stage}" for stage in stages])
         axes.set_ylim(len(stages) - 0.5, -0.5)  # stage 0 on top, as pipelines are usually drawn
         axes.set_xlabel("time (ms) from the first start")
         figure.legend(
