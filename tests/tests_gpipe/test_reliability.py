@@ -51,7 +51,7 @@ BAD_ARGUMENTS = [
     ({"balance": [1, 1, 1], "pipe_size": 2}, ValueError, r"balance=\[1, 1, 1\] has 3 stages but pipe_size=2"),
     ({"checkpoint": "sometimes"}, ValueError, r"checkpoint='sometimes' is not a re-materialization mode"),
     ({"schedule": "pipedream"}, ValueError, r"Unknown pipeline schedule 'pipedream'\. HINT: use one of"),
-    ({"schedule": "interleaved"}, ValueError, r"schedule='interleaved' needs virtual_stages >= 2 .* HINT: pass virtual"),
+    ({"schedule": "interleaved"}, ValueError, r"schedule='interleaved' needs virtual_stages >= 2 .* HINT: pass"),
     ({"schedule": "1f1b", "virtual_stages": 2}, ValueError, r"virtual_stages=2 applies to schedule='interleaved' only"),
     ({"module_name": 3}, TypeError, r"module_name=3 must be a str, the dotted attribute path of the nn.Sequential"),
     ({"module_name": "body..layers"}, ValueError, r"module_name='body..layers' is not an attribute path"),
