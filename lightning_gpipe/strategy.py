@@ -24,7 +24,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -303,6 +303,9 @@ class GPipeStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             setup_stage_optimizers(self.setup_optimizers, trainer, module, assembled.partition)
+            advice = _eager_selective_advice(self.settings, self.root_device)
+            if advice is not None:
+                rank_zero_warn(advice)
         self.setup_precision_plugin()
         self._gradients = StageGradients(self.layout, self._pipeline_group, self._replica_group, assembled.ties)
         self._gradients.install(self.precision_plugin, self.root_device, fitting)
@@ -550,6 +553,22 @@ class GPipeStrategy(ParallelStrategy):
             start_method="fork",
             override=True,
         )
+
+
+def _eager_selective_advice(settings: ResolvedPipeline, device: torch.device) -> str | None:
+    """What to say to a run that re-materializes selectively, uncompiled, on a GPU; ``None`` for any other run.
+
+    Eager, torch's selective policy runs in Python for every operation of a forward and its replay, and a GPU can wait
+    for that host work (measured in docs/benchmarks/gpu.md).
+    """
+    if settings.pipeline.checkpoint != "selective" or settings.compile is not None or device.type != "cuda":
+        return None
+    return (
+        "checkpoint='selective' without compile=True runs torch's selective-checkpoint policy in Python for every "
+        "operation, and on a GPU the device can end up waiting for that host work (measured slower than "
+        "checkpoint='except_last' on an H100: docs/benchmarks/gpu.md). Pass compile=True to compile the policy into "
+        "each layer, or use checkpoint='except_last'."
+    )
 
 
 def _with_extras(loss: Tensor, extras: dict[str, Any] | None) -> Tensor | dict[str, Any]:

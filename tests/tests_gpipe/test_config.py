@@ -208,3 +208,19 @@ def test_the_strategy_resolves_several_stages_per_process() -> None:
     assert (zbv.layout.stages, zbv.pipeline.stages_per_process, zbv.chunks) == ((0, 3), 2, 8)
     with pytest.raises(ValueError, match=r"plan chooses .* but schedule='interleaved', virtual_stages=2 were given"):
         GPipeStrategy(schedule="interleaved", virtual_stages=2, plan="auto")
+
+
+def test_eager_selective_on_a_gpu_is_advised_to_compile() -> None:
+    # Found on an H100: eager selective re-materialization ran slower than except_last (the policy runs per op).
+    from lightning_gpipe import GPipeStrategy
+    from lightning_gpipe.strategy import _eager_selective_advice
+
+    def advice(device: str, **arguments: Any) -> str | None:
+        settings = GPipeStrategy(pipe_size=1, chunks=4, **arguments).config.resolve(world_size=1, rank=0)
+        return _eager_selective_advice(settings, torch.device(device))
+
+    assert advice("cuda", checkpoint="selective") is not None
+    assert "Pass compile=True" in (advice("cuda", checkpoint="selective") or "")
+    assert advice("cuda", checkpoint="selective", compile=True) is None
+    assert advice("cpu", checkpoint="selective") is None
+    assert advice("cuda", checkpoint="except_last") is None
