@@ -82,8 +82,9 @@ class Plan:
         return schedule_job(schedule, engine, K, self.chunks, self.steps, variant, self.model, timeline)
 
 
-# A full round is about 20 windows of 1 + 4 steps; the budget fits 5 rounds on 2 cores, more where there are more.
-FULL = Plan(rounds=8, min_rounds=4, processes=(2, 4), chunks=8, steps=(1, 4), budget_seconds=720)
+# A round is 24 windows of 1 + 4 steps, 2-4 minutes on 2 loaded cores: the budget fits 3-4 rounds there, more where
+# every process has a core. Waiting long for a quiet machine does not pay where other work runs for minutes.
+FULL = Plan(rounds=8, min_rounds=3, processes=(2, 4), chunks=8, steps=(1, 4), budget_seconds=600, max_quiet_wait=4.0)
 QUICK = Plan(rounds=2, min_rounds=2, processes=(2, 4), chunks=8, steps=(1, 3), budget_seconds=200, variants=False)
 TINY = Plan(
     rounds=1,
