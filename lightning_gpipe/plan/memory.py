@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from lightning_gpipe.build.profile import LayerProfile, ModelProfile
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop
-from lightning_gpipe.engine.schedule import Action, Phase, process_actions, stages_of
+from lightning_gpipe.engine.schedule import Action, Phase, cached_process_actions, stages_of
 
 __all__ = ["StageBytes", "StageMemory", "process_memory", "stage_bytes", "stage_memory"]
 
@@ -187,7 +187,7 @@ def stage_memory(
             f"stage_memory predicts one stage per process; schedule={schedule!r} places several on each. "
             "HINT: use process_memory with every stage's cell."
         )
-    actions = process_actions(schedule, stage, num_stages, num_microbatches)
+    actions = cached_process_actions(schedule, stage, num_stages, num_microbatches)
     return _walk(
         profile, {stage: cell}, actions, num_stages, num_microbatches, microbatch_size, batch_size, checkpoint,
         optimizer_slots, compiled,
@@ -233,7 +233,7 @@ def process_memory(
             f"cells has {len(cells)} ranges; schedule={schedule!r} with {num_processes} processes has "
             f"{num_processes * len(held)} stages. HINT: give one range of layers per stage."
         )
-    actions = process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages)
+    actions = cached_process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages)
     return _walk(
         profile, {s: cells[s] for s in held}, actions, len(cells), num_microbatches, microbatch_size, batch_size,
         checkpoint, optimizer_slots, compiled,
@@ -256,7 +256,7 @@ class _Held:
 def _walk(
     profile: ModelProfile,
     cells: dict[int, range],
-    actions: list[Action],
+    actions: Sequence[Action],
     num_stages: int,
     num_microbatches: int,
     microbatch_size: int,

@@ -20,11 +20,12 @@ takes ``backward - weight`` seconds for its input gradient and ``weight`` for it
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_gpipe.engine.schedule import Action, Phase, dependencies, process_actions, stages_of
+from lightning_gpipe.engine.schedule import Action, Phase, cached_process_actions, dependencies, stages_of
 
 __all__ = ["SimulatedStep", "Span", "in_flight", "simulate_step"]
 
@@ -79,13 +80,21 @@ def in_flight(schedule: str, stage: int, num_stages: int, num_microbatches: int,
     one; a split backward frees its micro-batch at its weight gradient, the last pass that reads it.
     """
     held = most = 0
-    for action in process_actions(schedule, stage, num_stages, num_microbatches, virtual_stages):
+    for action in cached_process_actions(schedule, stage, num_stages, num_microbatches, virtual_stages):
         if action.phase is Phase.FORWARD:
             held += 1
         elif action.phase is not Phase.INPUT:
             held -= 1
         most = max(most, held)
     return most
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _needs(action: Action, num_stages: int) -> tuple[Action, ...]:
+    """The actions ``action`` waits for (:func:`~lightning_gpipe.engine.schedule.dependencies`), built once: the
+    planner simulates thousands of configurations of the same few shapes."""
+    assert action.stage is not None
+    return tuple(dep for _, dep in dependencies(action.stage, action, num_stages))
 
 
 def _per_stage(name: str, values: float | Sequence[float], count: int) -> list[float]:
@@ -166,7 +175,7 @@ def simulate_step(
     if any(w > b for w, b in zip(weights, bwd, strict=True)):
         raise ValueError(f"weight holds {weights}, more than backward {bwd}; the weight gradient is part of backward")
     M = num_microbatches
-    orders = [process_actions(schedule, r, K, M, virtual_stages) for r in range(K)]
+    orders = [cached_process_actions(schedule, r, K, M, virtual_stages) for r in range(K)]
     owner = {s: r for r in range(K) for s in stages_of(schedule, r, K, virtual_stages)}
 
     def duration(action: Action) -> float:
@@ -206,7 +215,7 @@ def simulate_step(
             action = orders[r][len(spans[r])]
             s = action.stage
             assert s is not None
-            deps = [dep for _, dep in dependencies(s, action, S)]
+            deps = _needs(action, S)
             releases = [release for dep in deps if (release := released_by(s, dep)) is not None]
             if any(dep not in finished for dep in [*deps, *releases]):
                 break
