@@ -126,7 +126,7 @@ def test_simulate_reports_a_deadlock(monkeypatch):
     def backwards_first(schedule, rank, num_processes, num_microbatches, virtual_stages):
         return [Action(Phase.BACKWARD, 0, rank), Action(Phase.FORWARD, 0, rank)]
 
-    monkeypatch.setattr(simulate_module, "process_actions", backwards_first)
+    monkeypatch.setattr(simulate_module, "cached_process_actions", backwards_first)
     with pytest.raises(RuntimeError, match=r"deadlocks with K=2, M=1: stuck \{0: 'B0@0', 1: 'B0@1'\}"):
         simulate("gpipe", 2, 1)
 
