@@ -54,6 +54,9 @@ class SavedBytes:
                 self.live += storage.nbytes()
                 weakref.finalize(storage, self._free, key)
                 self.peak = max(self.peak, self.live)
+            # Without its graph: a node saving its own output would hold itself, and a backward that keeps the
+            # graph (a split one) never frees that cycle, as autograd's own saving of an output avoids.
+            return tensor.detach()
         return tensor
 
     def hooks(self) -> Any:
