@@ -4,16 +4,16 @@ Usage: ``python -m benchmarks.engine_speed.metadata [--workload transformer|smal
 [--baseline DIR [--rounds R]]``.
 
 Two fresh ranks (``benchmarks/launch.py``) train the engine workload's two halves (``checkpoint="never"``, as `ours` in
-``run.py``), alternating step by step between the common path (one header per step, a control message per
-micro-batch) and the *described* path that shapes varying per micro-batch take (a layout message per micro-batch,
-each receive posted when its layout arrives). Alternating steps in the same processes compares the two side by side
-under the same load; the arithmetic is identical. The last line is ``shape_metadata_ratio=R``: described throughput
-over common-path throughput (median step times of rank 0, the sender).
+``run.py``), alternating step by step between the common path (one header per step, a control area in each later
+micro-batch's message) and the *described* path that shapes varying per micro-batch take (a layout message per
+micro-batch, each receive posted when its layout arrives). Alternating steps in the same processes compares the two
+side by side under the same load; the arithmetic is identical. The last line is ``shape_metadata_ratio=R``: described
+throughput over common-path throughput (median step times of rank 0, the sender).
 
-``--baseline DIR`` measures what the common path's control messages cost against the engine before them: rounds
-alternate a run of the common path alone with this checkout's ``lightning_gpipe`` and one importing it from ``DIR``
-(each a fresh process starting its two ranks), and the last line is ``shape_metadata_vs_baseline_ratio=R``, this
-checkout's throughput over the baseline's (the median over rounds of each run's median step of rank 0).
+``--baseline DIR`` compares the common path with another engine (the one before a change): rounds alternate a run of
+the common path alone with this checkout's ``lightning_gpipe`` and one importing it from ``DIR`` (each a fresh process
+starting its two ranks), and the last line is ``shape_metadata_vs_baseline_ratio=R``, this checkout's throughput over
+the baseline's (the median over rounds of each run's median step of rank 0).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| path | step, wall (ms) | step, CPU (ms) |")
     print("|---|---:|---:|")
     medians, cpus = {}, {}
-    for described, name in ((False, "common (header + control message)"), (True, "described (layout per micro-batch)")):
+    for described, name in ((False, "common (header + control area)"), (True, "described (layout per micro-batch)")):
         wall = statistics.median(w for w, _ in collected[0][described])
         cpu = statistics.median(c for _, c in collected[0][described])
         medians[described], cpus[described] = wall, cpu
