@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpipe.build.sequence import Partition, PipelinedSequential
 from lightning_gpipe.compat import recording_log
+from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.fingerprint import batch_fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch, batch_size, gather, step_extras
@@ -31,7 +33,14 @@ from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.plan.auto import check_planned_batch
 
-__all__ = ["BatchChecks", "UserSteps", "check_automatic_optimization", "evaluation_result", "training_result"]
+__all__ = [
+    "BatchChecks",
+    "UserSteps",
+    "check_automatic_optimization",
+    "check_rounds",
+    "evaluation_result",
+    "training_result",
+]
 
 
 def check_automatic_optimization(module: LightningModule) -> None:
@@ -105,7 +114,10 @@ class UserSteps:
         module, num_stages = self.module, self.pipeline.stages[0].num_stages
         batch, rest = args[0], args[1:]
         training = hook == "training_step"
-        self.batches.check(hook, batch_size(batch), module.training, self.pipeline.chunks, num_stages)
+        processes, samples = num_stages // len(self.pipeline.stages), batch_size(batch)
+        self.batches.check(hook, samples, module.training, self.pipeline.chunks, processes)
+        if training and samples < self.pipeline.chunks:
+            check_rounds(self.pipeline.config, samples, processes)
         # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
         fingerprint = batch_fingerprint(batch) if self.verify_batches and num_stages > 1 else None
         driver = StepDriver(
@@ -168,6 +180,23 @@ class UserSteps:
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
     """``self.log`` while stage 0's input is taken: the step's second run records the values."""
+
+
+def check_rounds(config: PipelineConfig, samples: int, processes: int) -> None:
+    """Refuse a training batch of fewer samples than ``chunks`` whose micro-batches (one per sample) the schedule cannot
+    order: ``"interleaved"`` runs them in rounds over the processes (:meth:`PipelineConfig.check_chunks`).
+
+    Raises:
+        ValueError: names the batch, the rule, and the fix (``drop_last=True``, or a batch size the rule allows).
+    """
+    try:
+        replace(config, chunks=samples).check_chunks(processes)
+    except ValueError as error:
+        raise ValueError(
+            f"a training batch of {samples} samples, fewer than chunks={config.chunks}, runs {samples} micro-batches "
+            f"of one sample, which schedule={config.schedule!r} cannot order ({error}) Drop the short last batch with "
+            "DataLoader(..., drop_last=True), or use a batch size that is a multiple of chunks."
+        ) from error
 
 
 def training_result(driver: StepDriver, outputs: list[Any], recorder: LogRecorder) -> tuple[torch.Tensor, Any]:

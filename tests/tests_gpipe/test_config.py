@@ -224,3 +224,15 @@ def test_eager_selective_on_a_gpu_is_advised_to_compile() -> None:
     assert advice("cuda", checkpoint="selective", compile=True) is None
     assert advice("cpu", checkpoint="selective") is None
     assert advice("cuda", checkpoint="except_last") is None
+
+
+def test_a_short_training_batch_that_interleaved_cannot_order_is_refused_with_the_fix() -> None:
+    # A last batch of 5 samples under chunks=6 runs 5 micro-batches, which interleaved cannot split into rounds over
+    # 2 processes: the engine's own error named chunks=5, a value the user never gave.
+    from lightning_gpipe.user_step import check_rounds
+
+    config = PipelineConfig(chunks=6, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match=r"a training batch of 5 samples, fewer than chunks=6, .* drop_last=True"):
+        check_rounds(config, 5, processes=2)
+    check_rounds(config, 4, processes=2)  # two rounds of two
+    check_rounds(PipelineConfig(chunks=6, schedule="zbv"), 5, processes=2)  # ZB-V takes any number
