@@ -116,6 +116,7 @@ def launch(folder: Path, world_size: int, jobs: dict[str, dict[str, dict[str, An
 
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(1200)
+@pytest.mark.usefixtures("loopback_process_group")  # the single-stage resume runs in this process
 def test_two_processes_of_two_stages_train_like_plain_lightning(
     two_processes: tuple[dict[str, Any], dict[str, Any], Path], tmp_path: Path
 ) -> None:
