@@ -210,7 +210,7 @@ def write_docs(
             report.headline(),
             "```",
             "",
-            *pictures,
+            "\n\n".join(pictures),
         ]
     )
     write_block(path, _BEGIN, _END, block)
