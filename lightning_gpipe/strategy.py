@@ -52,7 +52,7 @@ from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.timeline import Timeline
-from lightning_gpipe.engine.transport import ProcessGroupTransport
+from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
 from lightning_gpipe.log_mirror import LogRecorder, mirror_logs, sharing_from_last_stage, sync_metrics_over
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
 from lightning_gpipe.plan.auto import AutoPlan, auto_plan, planned_settings
@@ -160,7 +160,7 @@ class GPipeStrategy(ParallelStrategy):
         self._pipeline_group: dist.ProcessGroup | None = None
         self._replica_group: dist.ProcessGroup | None = None
         self._object_group: dist.ProcessGroup | None = None
-        self._links: list[dist.ProcessGroup | None] = []  # per adjacent stage pair (None: in-process)
+        self._links: list[LinkGroups | None] = []  # per adjacent stage pair, a group per direction (None: in-process)
         self._control_group: dist.ProcessGroup | None = None
         self._assembled: AssembledStage | None = None  # this process's stage of the module, its partition and ties
         self._stages: tuple[Stage, ...] = ()  # this process's stages, in model order

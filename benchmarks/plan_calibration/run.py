@@ -241,18 +241,18 @@ def _predict(
 def _stages(config: Config, rank: int, cells: list[Any], device: Any) -> tuple[Any, Any, Any]:
     """``(cells, transport, layers)`` of this rank's stages under a schedule that places several on each process: the
     pipeline's mapping of cells and of transports, and the held layers as one module (for their state)."""
-    import torch.distributed as dist
     from torch import nn
 
+    from lightning_gpipe.engine.layout import new_link_groups
     from lightning_gpipe.engine.schedule import stages_of
     from lightning_gpipe.engine.transport import ProcessGroupTransport
 
     K, v = config.pipe_size, config.virtual_stages
     held = {r: stages_of(config.schedule, r, K, v) for r in range(K)}
     ranks = [next(r for r in held if s in held[r]) for s in range(len(cells))]
-    # One group per link between two processes (every rank creates them in the same order), so that the several
-    # links joining the same two processes do not mix their messages.
-    links = [dist.new_group(ranks[s : s + 2]) if ranks[s] != ranks[s + 1] else None for s in range(len(ranks) - 1)]
+    # Two groups per link between two processes, one per direction (every rank creates them in the same order), so
+    # that the several links joining the same two processes do not mix their messages.
+    links = new_link_groups(ranks)
     mine = {s: cells[s] for s in held[rank]}
     transports = ProcessGroupTransport.for_stages(ranks, held[rank], device, links=links)
     return mine, transports, nn.ModuleList(mine.values())

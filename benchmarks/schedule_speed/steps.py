@@ -27,6 +27,7 @@ from torch import nn
 from benchmarks.engine_speed.worker import Job
 from benchmarks.engine_speed.workloads import schedule_step
 from benchmarks.schedule_memory.run import SavedBytes
+from lightning_gpipe.engine.layout import new_link_groups
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.schedule import SCHEDULES, process_of, stages_of
 from lightning_gpipe.engine.timeline import Timeline
@@ -230,8 +231,8 @@ def _ours_step(job: ScheduleJob, cells: dict[int, nn.Sequential], timeline: Time
         )
     else:
         ranks = [process_of(schedule, s, K, v) for s in range(K * v)]
-        # A group per link between two processes: several links join the same two processes, and must not mix.
-        links = [dist.new_group(ranks[s : s + 2]) if ranks[s] != ranks[s + 1] else None for s in range(K * v - 1)]
+        # Groups per link between two processes: several links join the same two processes, and must not mix.
+        links = new_link_groups(ranks)
         transports = ProcessGroupTransport.for_stages(ranks, tuple(cells), links=links)
         pipeline = Pipeline(
             cells,

@@ -22,23 +22,48 @@ process, for K = 2::
                  stages    1, 3  0, 2            stages    0, 3  1, 2
 
 Besides the pipeline and data-parallel groups, every link between adjacent stages (s, s+1) of every pipeline that sit
-on two processes gets a 2-rank group of its own, which carries only that link's point-to-point messages. NCCL runs
-all operations of one group in issue order on one stream: on a group shared with collectives, a collective issued
-after a posted receive would wait for that receive (a deadlock when the peer sends only after the same collective),
-and a middle stage's sends would queue behind the receives it posted from the previous stage.
+on two processes gets two 2-rank groups of its own (:class:`~lightning_gpipe.engine.transport.LinkGroups`), which
+carry only that link's point-to-point messages, one direction each: ``down`` from s to s+1 (activations), ``up`` from
+s+1 to s (gradients). NCCL runs all operations of one group in issue order on one stream, and a large send completes
+only once its receive has started. On a group shared with collectives, a collective issued after a posted receive
+would wait for that receive (a deadlock when the peer sends only after the same collective); on one group per
+process pair, a middle stage's sends would queue behind the receives it posted from the previous stage; and on one
+group per link, under 1F1B stage s's send of an activation would queue behind its posted gradient receive, whose
+gradient s+1 sends only after its own send queued behind the receive of that activation.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch.distributed as dist
 
 from lightning_gpipe.engine.schedule import stages_of
+from lightning_gpipe.engine.transport import LinkGroups
 
-__all__ = ["ProcessLayout", "StageGroups", "new_stage_groups"]
+__all__ = ["ProcessLayout", "StageGroups", "new_link_groups", "new_stage_groups"]
+
+
+def new_link_groups(stage_ranks: Sequence[int], timeout: datetime.timedelta | None = None) -> list[LinkGroups | None]:
+    """The groups of each link of a pipeline whose stage ``s`` runs on ``stage_ranks[s]``, in stage order.
+
+    Entry ``s`` holds the two groups (one per direction) between stages ``s`` and ``s + 1``, or is ``None`` where one
+    process holds both (its messages stay in the process). Each group waits ``timeout`` for its peer (``None``: the
+    backend's default). Every rank of the world must call this, in the same order, because ``new_group`` is
+    collective over the world; a rank outside a link gets torch's placeholders for its groups.
+    """
+    links: list[LinkGroups | None] = []
+    for first, second in itertools.pairwise(stage_ranks):
+        if first == second:
+            links.append(None)
+            continue
+        down = dist.new_group([first, second], timeout=timeout)  # then up: every rank creates them in this order
+        links.append(LinkGroups(down, dist.new_group([first, second], timeout=timeout)))
+    return links
 
 
 @dataclass(frozen=True)
@@ -135,16 +160,16 @@ class ProcessLayout:
 
     def new_groups(
         self, timeout: datetime.timedelta
-    ) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[dist.ProcessGroup | None]]:
+    ) -> tuple[dist.ProcessGroup, dist.ProcessGroup, list[LinkGroups | None]]:
         """Create (this rank's pipeline group, its data-parallel group, its pipeline's link groups).
 
-        The link groups are in stage order: entry ``s`` holds stages ``s`` and ``s + 1`` of this rank's pipeline, or is
-        ``None`` where one process holds both (its messages stay in the process). Every group waits ``timeout`` for
+        The link groups are in stage order (:func:`new_link_groups`): entry ``s`` joins stages ``s`` and ``s + 1`` of
+        this rank's pipeline, or is ``None`` where one process holds both. Every group waits ``timeout`` for
         its peers, as the world group does. Every rank must call this, in the same order, because ``new_group`` is
         collective over the world: each rank creates every group, also those it is not in.
         """
         pipeline_group = replica_group = None
-        links: list[dist.ProcessGroup | None] = []
+        links: list[LinkGroups | None] = []
         for replica in range(self.num_replicas):
             group = dist.new_group(self.pipeline_ranks(replica), timeout=timeout)
             if replica == self.replica:
@@ -154,12 +179,9 @@ class ProcessLayout:
             if position == self.stage:
                 replica_group = group
         for replica in range(self.num_replicas):
-            ranks = self.stage_ranks(replica)
-            for stage in range(self.num_stages - 1):
-                pair = ranks[stage : stage + 2]
-                link = dist.new_group(pair, timeout=timeout) if pair[0] != pair[1] else None
-                if replica == self.replica:
-                    links.append(link)
+            replica_links = new_link_groups(self.stage_ranks(replica), timeout)
+            if replica == self.replica:
+                links = replica_links
         assert pipeline_group is not None
         assert replica_group is not None
         return pipeline_group, replica_group, links
@@ -170,7 +192,7 @@ class StageGroups(NamedTuple):
 
     pipeline: dist.ProcessGroup
     replicas: dist.ProcessGroup
-    links: list[dist.ProcessGroup | None]
+    links: list[LinkGroups | None]
     objects: dist.ProcessGroup | None
     control: dist.ProcessGroup | None
 

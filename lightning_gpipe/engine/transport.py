@@ -4,9 +4,9 @@ A transport moves plain tensors between neighbouring stages; what the tensors me
 micro-batch) is :mod:`lightning_gpipe.engine.boundary`'s business. Two implementations share one interface:
 
 - :class:`ProcessGroupTransport`: ``torch.distributed`` P2P (gloo on CPU, NCCL on GPU). This is what lets a pipeline
-  span processes and nodes. A process may hold several stages (:meth:`ProcessGroupTransport.for_stages`, one transport
-  per stage): each link between stages on two processes has a process group of its own, and two adjacent stages on
-  one process exchange copies through an in-process loopback.
+  span processes and nodes. Each link between stages on two processes has two process groups of its own
+  (:class:`LinkGroups`), one per direction. A process may hold several stages (:meth:`ProcessGroupTransport.for_stages`,
+  one transport per stage); two adjacent stages on one process exchange copies through an in-process loopback.
 - :class:`ThreadTransport`: every stage in one process, one thread each, linked by in-memory queues; fast to start,
   for tests and notebooks.
 
@@ -30,6 +30,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,12 +38,26 @@ import torch.distributed as dist
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.torch_compat import abort_process_group
 
-__all__ = ["DEFAULT_TIMEOUT", "ProcessGroupTransport", "ThreadTransport", "Transport"]
+__all__ = ["DEFAULT_TIMEOUT", "LinkGroups", "ProcessGroupTransport", "ThreadTransport", "Transport"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 """How long a stage waits for a neighbour's message before it raises `PipelineError` (torch's own default)."""
+
+
+class LinkGroups(NamedTuple):
+    """The two 2-rank process groups of the link between stages ``s`` and ``s + 1`` on two processes, one per direction.
+
+    Every message from ``s`` to ``s + 1`` (activations, their headers) goes on ``down``, every message from ``s + 1`` to
+    ``s`` (gradients, their headers, control messages) on ``up``. NCCL runs a group's operations in issue order on one
+    stream per rank, and a large send completes only once its receive has started: on one group for both directions,
+    under 1F1B stage ``s``'s send of the next activation would wait for a receive that stage ``s + 1`` posts only after
+    its gradient's send, which waits for ``s``'s gradient receive, queued behind that activation's send.
+    """
+
+    down: dist.ProcessGroup
+    up: dist.ProcessGroup
 
 
 class Transport(abc.ABC):
@@ -115,10 +130,10 @@ class ProcessGroupTransport(Transport):
         ranks: the global rank of every stage, in stage order.
         device: where received tensors are allocated; a CUDA device means NCCL (see below).
         timeout: how long a CPU receive or send may take before it raises.
-        links: one process group per link, ``links[j]`` holding stages ``j`` and ``j + 1`` (as
-            :func:`~lightning_gpipe.engine.layout.new_stage_groups` creates them), ``None`` for a link within one
-            process; ``links=None`` sends on the default group. On NCCL give them: the default group runs its
-            collectives and P2P on one stream, in issue order.
+        links: the process groups of each link, ``links[j]`` those between stages ``j`` and ``j + 1``
+            (:class:`LinkGroups`, as :func:`~lightning_gpipe.engine.layout.new_link_groups` creates them);
+            ``links=None`` sends on the default group. On NCCL give them: the default group runs its collectives and
+            P2P on one stream, in issue order.
 
     On CPU (gloo) a wait blocks the host, for at most ``timeout``. On a device (NCCL) a wait only makes the current
     stream wait for the message, so the host keeps launching work; a stuck peer is then caught by the process
@@ -131,7 +146,7 @@ class ProcessGroupTransport(Transport):
         ranks: Sequence[int],
         device: torch.device | str = "cpu",
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-        links: Sequence[dist.ProcessGroup | None] | None = None,
+        links: Sequence[LinkGroups | None] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ProcessGroupTransport needs torch.distributed.init_process_group() to have run first")
@@ -143,7 +158,7 @@ class ProcessGroupTransport(Transport):
                 f"this process (global rank {rank}) {held} the pipeline's ranks {ranks}"
                 + ("; make one transport per stage with ProcessGroupTransport.for_stages" if rank in ranks else "")
             )
-        self._setup(ranks, ranks.index(rank), device, timeout, links)
+        self._setup(ranks, ranks.index(rank), device, timeout, _link_groups(ranks, links))
 
     def _setup(
         self,
@@ -151,17 +166,12 @@ class ProcessGroupTransport(Transport):
         stage: int,
         device: torch.device | str,
         timeout: datetime.timedelta,
-        links: Sequence[dist.ProcessGroup | None] | None,
+        links: list[LinkGroups | None] | None,
     ) -> None:
         super().__init__(stage, len(ranks), timeout)
         self.ranks = ranks
-        if links is not None and len(links) != len(self.ranks) - 1:
-            raise ValueError(
-                f"links has {len(links)} process groups for a pipeline of {len(self.ranks)} stages; give one per pair "
-                "of adjacent stages (new_stage_groups creates them)"
-            )
-        self._links = list(links) if links is not None else None
-        self._routes: dict[int, tuple[dist.ProcessGroup | None, int]] = {}
+        self._links = links
+        self._routes: dict[tuple[int, bool], tuple[dist.ProcessGroup | None, int]] = {}  # by (peer, sending)
         self._loopbacks: dict[int, _Loopback] = {}  # the links to adjacent stages this process holds too
         self._aborted = False
         self._device = torch.device(device)
@@ -187,7 +197,7 @@ class ProcessGroupTransport(Transport):
         stages: Sequence[int],
         device: torch.device | str = "cpu",
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-        links: Sequence[dist.ProcessGroup | None] | Mapping[int, dist.ProcessGroup | None] | None = None,
+        links: Sequence[LinkGroups | None] | Mapping[int, LinkGroups | None] | None = None,
     ) -> dict[int, ProcessGroupTransport]:
         """One transport per stage this process holds, by stage, for a pipeline whose stage ``s`` runs on ``ranks[s]``.
 
@@ -196,7 +206,7 @@ class ProcessGroupTransport(Transport):
             stages: the stages this process holds (those ``ranks`` gives to its rank).
             device: where received tensors are allocated (see the class).
             timeout: how long a CPU receive or send may take before it raises.
-            links: per stage ``s``, the process group that carries only the messages between stages ``s`` and
+            links: per stage ``s``, the :class:`LinkGroups` that carry only the messages between stages ``s`` and
                 ``s + 1`` (a sequence of one per link, or a mapping), ``None`` or absent where one process holds both:
                 those two exchange copies in the process. ``links=None`` sends on the default group, which works only
                 while no two links join the same two processes (their messages would mix).
@@ -231,20 +241,22 @@ class ProcessGroupTransport(Transport):
         if self._aborted:
             raise RuntimeError(f"stage {self.stage}'s links were aborted after a failure; the transport is closed")
 
-    def _route(self, peer: int) -> tuple[dist.ProcessGroup | None, int]:
-        """The group that carries messages between this stage and ``peer``, and the peer's rank in it."""
+    def _route(self, peer: int, *, sending: bool) -> tuple[dist.ProcessGroup | None, int]:
+        """The group that carries this stage's messages to ``peer`` (``sending``) or from it, and the peer's rank in
+        it: the link's ``down`` group for messages to the next stage, its ``up`` group for those to the previous."""
         self._check_peer(peer)
         if self._links is None:
             return None, self.ranks[peer]
-        route = self._routes.get(peer)
+        route = self._routes.get((peer, sending))
         if route is None:  # looked up once: get_group_rank walks the group's rank map on every call
-            group = self._links[min(peer, self.stage)]
-            if group is None:
+            link = self._links[min(peer, self.stage)]
+            if link is None:
                 raise ValueError(
                     f"stage {self.stage} has no process group to stage {peer} (links[{min(peer, self.stage)}] is None) "
                     "and does not hold it; make the transports with ProcessGroupTransport.for_stages"
                 )
-            route = self._routes[peer] = (group, dist.get_group_rank(group, self.ranks[peer]))
+            group = link.down if (self.stage < peer) == sending else link.up
+            route = self._routes[(peer, sending)] = (group, dist.get_group_rank(group, self.ranks[peer]))
         return route
 
     @contextlib.contextmanager
@@ -275,7 +287,7 @@ class ProcessGroupTransport(Transport):
             loopback.send(peer, tensor)
             return
         tensor = tensor.detach().contiguous()
-        group, group_peer = self._route(peer)
+        group, group_peer = self._route(peer, sending=True)
         with self._link_errors(peer, what, sending=True):
             work = dist.isend(tensor, group=group, group_dst=group_peer)
         assert work is not None  # isend returns a handle on every rank of the group
@@ -292,7 +304,7 @@ class ProcessGroupTransport(Transport):
         if loopback is not None:
             self._check_peer(peer)
             return loopback.post_recv(self.stage, peer, buffer, what)
-        group, group_peer = self._route(peer)
+        group, group_peer = self._route(peer, sending=False)
         with self._link_errors(peer, what, sending=False):
             work = dist.irecv(buffer, group=group, group_src=group_peer)
         assert work is not None
@@ -321,21 +333,21 @@ class ProcessGroupTransport(Transport):
         self._pending.clear()
         for loopback in self._loopbacks.values():
             loopback.clear()
-        for group in links:
-            if group is None:  # a link within this process
-                continue
-            try:
-                abort_process_group(group)
-            except (RuntimeError, ValueError) as error:  # already destroyed, or a backend that cannot abort
-                log.debug(f"aborting a link group failed: {error}")
+        for link in links:
+            for group in link or ():  # None: a link within this process
+                try:
+                    abort_process_group(group)
+                except (RuntimeError, ValueError) as error:  # already destroyed, or a backend that cannot abort
+                    log.debug(f"aborting a link group failed: {error}")
 
 
 def _link_groups(
     ranks: list[int],
-    links: Sequence[dist.ProcessGroup | None] | Mapping[int, dist.ProcessGroup | None] | None,
-) -> list[dist.ProcessGroup | None] | None:
-    """``links`` as one entry per link (``None`` within a process), checked to carry every link across processes; for
-    ``links=None``, ``None`` if no two links join the same two processes (the default group then keeps them apart)."""
+    links: Sequence[LinkGroups | None] | Mapping[int, LinkGroups | None] | None,
+) -> list[LinkGroups | None] | None:
+    """``links`` as one entry per link (``None`` within a process), checked to carry every link across processes in
+    both directions; for ``links=None``, ``None`` if no two links join the same two processes (the default group then
+    keeps them apart)."""
     across = [s for s in range(len(ranks) - 1) if ranks[s] != ranks[s + 1]]
     if links is None:
         pairs = [frozenset(ranks[s : s + 2]) for s in across]
@@ -343,7 +355,7 @@ def _link_groups(
         if shared:
             raise ValueError(
                 f"the links after stages {shared} join the same two processes (ranks {ranks}), so their messages would "
-                "mix on the default group; give links, a 2-rank process group per link (new_stage_groups creates them)"
+                "mix on the default group; give links, LinkGroups per link (new_link_groups creates them)"
             )
         return None
     if isinstance(links, Mapping):
@@ -359,7 +371,14 @@ def _link_groups(
     if missing:
         raise ValueError(
             f"links has no process group for the links after stages {missing}, whose two stages run on two processes "
-            f"(ranks {ranks}); give each a 2-rank group (new_stage_groups creates them)"
+            f"(ranks {ranks}); give each its LinkGroups (new_link_groups creates them)"
+        )
+    single = [s for s in across if not isinstance(per_link[s], LinkGroups)]
+    if single:
+        raise ValueError(
+            f"the links after stages {single} are {[type(per_link[s]).__name__ for s in single]}, not LinkGroups; "
+            "give each link a 2-rank group per direction, LinkGroups(down, up) (new_link_groups creates them): NCCL "
+            "runs a group's operations in issue order, so under 1F1B a send would wait behind the other direction's"
         )
     return per_link
 

@@ -50,14 +50,15 @@ _WRAPPED = (
 _ALWAYS_ASYNC = ("isend", "irecv")
 
 STALL_SECONDS = float(os.environ.get("STREAM_ORDER_STALL_SECONDS", "20"))
-"""How long a wait without a timeout may take before the emulation calls it a deadlock."""
+"""How long a wait may take before the emulation calls it a deadlock (a wait with a shorter timeout gives up sooner)."""
 
 
 class _Work:
     """The handle of an operation queued on a stream: complete once the stream has run it."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, stream: _Stream) -> None:
         self.what = what
+        self._stream = stream
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future[Any] | None = None
@@ -78,13 +79,13 @@ class _Work:
             future.set_result(None)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        # NCCL's plain wait() never gives up before the group's timeout; here a stall ends after STALL_SECONDS, so a
-        # deadlock costs seconds instead of the 30-minute default.
-        seconds = STALL_SECONDS if timeout is None else timeout.total_seconds()
+        # NCCL gives up only after the group's timeout; here a stall ends after STALL_SECONDS, so a deadlock costs
+        # seconds instead of the 30-minute default, and names the operation its stream is stuck in.
+        seconds = STALL_SECONDS if timeout is None else min(timeout.total_seconds(), STALL_SECONDS)
         if not self._done.wait(seconds):
             raise RuntimeError(
                 f"{self.what} did not finish in {seconds:g} s: it waits behind earlier operations of its group "
-                "(stream-ordered emulation of NCCL)"
+                f"(stream-ordered emulation of NCCL), which is running {self._stream.running}"
             )
         if self._error is not None:
             raise RuntimeError(f"{self.what} failed: {self._error}") from self._error
@@ -110,16 +111,18 @@ class _Stream:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], _Work]] = queue.SimpleQueue()
+        self.running = "nothing"  # what the worker runs now, for the stall's error
         threading.Thread(target=self._run, name=f"stream-{name}", daemon=True).start()
 
     def submit(self, operation: Callable[[], Any], what: str) -> _Work:
-        work = _Work(what)
+        work = _Work(what, self)
         self._queue.put((operation, work))
         return work
 
     def _run(self) -> None:
         while True:
             operation, work = self._queue.get()
+            self.running = work.what
             try:
                 result = operation()
                 if result is not None and hasattr(result, "wait"):
@@ -128,6 +131,7 @@ class _Stream:
                 work.finish(error)
             else:
                 work.finish(None)
+            self.running = "nothing"
 
 
 _streams: dict[int, _Stream] = {}

@@ -6,6 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.engine.transport import LinkGroups
 
 
 def test_two_stages_two_replicas() -> None:
@@ -83,6 +84,11 @@ class _Groups:
         return f"group{ranks}"
 
 
+def _both(pair: list[int]) -> LinkGroups:
+    """A link's groups as _Groups names them: both directions over the same two ranks."""
+    return LinkGroups(f"group{pair}", f"group{pair}")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("schedule", "v"), [("interleaved", 2), ("zbv", 1)])
 def test_links_join_adjacent_stages_on_two_processes_only(
     monkeypatch: pytest.MonkeyPatch, schedule: str, v: int
@@ -94,7 +100,10 @@ def test_links_join_adjacent_stages_on_two_processes_only(
         _, _, links = ProcessLayout(4, 2, rank, schedule, v).new_groups(datetime.timedelta(seconds=1))
         per_rank.append((groups.created, links))
     assert all(created == per_rank[0][0] for created, _ in per_rank)  # every rank, every group, the same order
-    if schedule == "interleaved":  # stages 0..3 on ranks 1, 0, 1, 0: three links, each its own group
-        assert per_rank[0][1] == ["group[1, 0]", "group[0, 1]", "group[1, 0]"]
+    # Each link has a group per direction: under NCCL's stream order, one for both deadlocks 1F1B (test_transport).
+    if schedule == "interleaved":  # stages 0..3 on ranks 1, 0, 1, 0: three links, each its own groups
+        assert per_rank[0][1] == [_both([1, 0]), _both([0, 1]), _both([1, 0])]
     else:  # stages 0..3 on ranks 0, 1, 1, 0: stages 1 and 2 share rank 1, no group between them
-        assert per_rank[2][1] == ["group[2, 3]", None, "group[3, 2]"]
+        assert per_rank[2][1] == [_both([2, 3]), None, _both([3, 2])]
+    across = sum(link is not None for link in per_rank[0][1])
+    assert len(per_rank[0][0]) == 2 + 2 + 2 * across * 2  # 2 pipelines, 2 replica groups, both pipelines' links

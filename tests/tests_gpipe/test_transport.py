@@ -16,7 +16,7 @@ from benchmarks.launch import run_processes
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.stage import Stage
-from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport, ThreadTransport
 
 STALL = datetime.timedelta(seconds=6)
 
@@ -84,7 +84,8 @@ def _three_stages(rank: int, world_size: int, per_link: bool) -> dict[str, Any]:
     batch = (torch.randn(8, 4), torch.randn(8, 4))
     outcome = _outcome(lambda: pipeline.train_step(batch, lambda out, mb: nn.functional.mse_loss(out, mb[1])))
     # new_group hands ranks outside a group a placeholder; this rank's groups are the real ones.
-    groups = [group for group in [pipeline_group, replica_group, *links] if isinstance(group, dist.ProcessGroup)]
+    link_groups = [group for link in links for group in link or () if isinstance(group, dist.ProcessGroup)]
+    groups = [group for group in [pipeline_group, replica_group, *link_groups] if isinstance(group, dist.ProcessGroup)]
     timeouts = [_group_timeout(group) for group in groups]
     held_at_end = getattr(transport, "held_at_end", [])
     # R15: after a failure the strategy aborts the links, and with them the receives left posted there (on NCCL
@@ -95,7 +96,7 @@ def _three_stages(rank: int, world_size: int, per_link: bool) -> dict[str, Any]:
         "outcome": outcome,
         "timeouts": timeouts,
         "held_at_end": held_at_end,
-        "links_left": sum(group in registered for group in links if isinstance(group, dist.ProcessGroup)),
+        "links_left": sum(group in registered for group in link_groups),
     }
 
 
@@ -122,7 +123,7 @@ def test_a_middle_stage_forwards_micro_batch_0_before_it_receives_the_rest(per_l
     assert outcomes == ["ok", "ok", "ok"]
     # R14: every subgroup waits as long as the strategy's timeout says (not NCCL's 10-minute default).
     assert all(timeouts == [42.0] * len(timeouts) for timeouts in (result["timeouts"] for result in results))
-    assert [len(result["timeouts"]) for result in results] == [3, 4, 3]  # pipeline, replica, the stage's links
+    assert [len(result["timeouts"]) for result in results] == [4, 6, 4]  # pipeline, replica, 2 per stage's link
     assert [result["links_left"] for result in results] == [0, 0, 0]
     # R21: completed sends are released as the step goes. The middle stage (rank 1) sent a header and CHUNKS
     # activations forward, then CHUNKS gradients back; when it waits for its sends at the end of the step, the
@@ -130,6 +131,50 @@ def test_a_middle_stage_forwards_micro_batch_0_before_it_receives_the_rest(per_l
     held = results[1]["held_at_end"]
     assert held, "the middle stage never waited for its sends"
     assert held[0] <= CHUNKS, held
+
+
+def _one_f_one_b(rank: int, world_size: int, per_direction: bool) -> str:
+    impose_stream_order()
+    layout = ProcessLayout(world_size, world_size, rank)
+    link = layout.new_groups(datetime.timedelta(seconds=60))[2][0]
+    assert link is not None
+    if not per_direction:  # the old wiring: one group carries the link's messages both ways
+        link = LinkGroups(link.down, link.down)
+    transport = ProcessGroupTransport(layout.pipeline_ranks(), links=[link], timeout=STALL)
+    message = torch.zeros(1024)
+
+    def first_stage() -> None:  # warm-up F0, F1, then B0, F2, B1, F3, B2, B3: each gradient after the next forward
+        for index in range(2):
+            transport.send(message, 1, f"activation {index}")
+        for index in range(4):
+            transport.recv(torch.empty(1024), 1, f"gradient {index}")
+            if index + 2 < 4:
+                transport.send(message, 1, f"activation {index + 2}")
+        transport.wait_sends()
+
+    def last_stage() -> None:  # F0, B0, F1, B1, ...: each gradient sent before the next activation's receive
+        for index in range(4):
+            transport.recv(torch.empty(1024), 0, f"activation {index}")
+            transport.send(message, 0, f"gradient {index}")
+        transport.wait_sends()
+
+    return _outcome(first_stage if layout.stage == 0 else last_stage)
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("per_direction", [True, False], ids=["group-per-direction", "one-group-per-link"])
+def test_one_f_one_b_sends_pass_the_other_directions_receives_under_stream_order(per_direction: bool) -> None:
+    # Under NCCL's rule (a group's operations in issue order; a send done only once its receive is posted), with one
+    # group per link stage 0's send of activation 1 waits for the last stage's receive of it, queued behind that stage's
+    # send of gradient 0, which waits for stage 0's gradient receive, queued behind the send of activation 1. One group
+    # per direction keeps every send behind sends only.
+    outcomes = run_processes(_one_f_one_b, 2, per_direction, timeout=100, pg_timeout=60)
+    if per_direction:
+        assert outcomes == ["ok", "ok"]
+    else:
+        assert all(outcome != "ok" for outcome in outcomes), outcomes
+        assert any("activation 1" in outcome or "gradient 0" in outcome for outcome in outcomes), outcomes
 
 
 class _Recorded:

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers.models import batch, build, cells, full_batch_grads, loss_fn, relative_error
 from helpers.runif import RunIf
 from torch import nn
@@ -23,12 +22,13 @@ from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.layout import new_link_groups
 from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.schedule import process_actions, stages_of
 from lightning_gpipe.engine.timeline import Timeline
-from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport, _Loopback
+from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport, ThreadTransport, _Loopback
 from lightning_gpipe.engine.unbatched import Unbatched
 
 TOLERANCE = 1e-6
@@ -502,9 +502,9 @@ def test_the_in_process_link_keeps_order_and_refuses_a_wait_before_the_send() ->
 # ------------------------------------------------------------------------------------------ over gloo processes
 
 
-def _links(ranks: list[int]) -> list[dist.ProcessGroup | None]:
-    """A 2-rank group per link between two processes, created by every rank in the same order."""
-    return [dist.new_group(ranks[s : s + 2]) if ranks[s] != ranks[s + 1] else None for s in range(len(ranks) - 1)]
+def _links(ranks: list[int]) -> list[LinkGroups | None]:
+    """A 2-rank group per link between two processes and direction, created by every rank in the same order."""
+    return new_link_groups(ranks, timeout())
 
 
 def _gloo_worker(rank: int, world_size: int) -> dict[str, Any]:
