@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_gpipe
 from helpers.models import IN, OUT, build
 from helpers.stream_order import impose_stream_order
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 from lightning_gpipe.plan import AutoPlan
 
 SAMPLES, BATCH = 64, 16
@@ -121,6 +124,18 @@ def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:
     return L.Trainer(**options)
 
 
+@contextlib.contextmanager
+def _posting_as_on_devices() -> Iterator[None]:
+    """Stages post their receives when needed, as over NCCL (``Transport.posts_ahead``), not ahead as on CPU: with
+    stream_order, the order in which a GPU job issues its operations."""
+    original = ProcessGroupTransport.posts_ahead
+    ProcessGroupTransport.posts_ahead = property(lambda self: False)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        ProcessGroupTransport.posts_ahead = original  # type: ignore[method-assign]
+
+
 def fit(run: dict[str, Any], root: Path) -> SequentialModule:
     L.seed_everything(0, verbose=False)
     module = SequentialModule(run.get("model", "mlp"), run.get("batch_norm", False), run.get("meta", False))
@@ -138,7 +153,8 @@ def fit(run: dict[str, Any], root: Path) -> SequentialModule:
     trainer = trainer_for(run, root)
     loader = DataLoader(dataset(), batch_size=run.get("batch", BATCH), shuffle=run.get("shuffle", False))
     validation = loader if run.get("limit_val_batches") else None  # validation between steps, on the training data
-    trainer.fit(module, loader, validation, ckpt_path=run.get("resume"))
+    with _posting_as_on_devices() if run.get("post_when_needed") else contextlib.nullcontext():
+        trainer.fit(module, loader, validation, ckpt_path=run.get("resume"))
     if run.get("save"):
         trainer.save_checkpoint(run["save"])
     return module

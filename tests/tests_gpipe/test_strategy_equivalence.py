@@ -173,16 +173,21 @@ def test_under_nccl_stream_order_every_schedule_trains_like_plain_lightning(tmp_
     # (helpers.stream_order: NCCL's rule, as for large messages). On one group per link for both directions every
     # schedule but gpipe deadlocked: under 1F1B stage 0's send of activation 1 waited for the last stage's receive of
     # it, queued behind that stage's send of gradient 0, which waited for stage 0's gradient receive, queued behind
-    # the send of activation 1. Each link now has a group per direction (transport.LinkGroups).
+    # the send of activation 1. Each link now has a group per direction (transport.LinkGroups). Both posting policies:
+    # receives posted ahead (CPU's) and when needed (NCCL's issue order).
     base = {"pipe_size": 2, "devices": 2, "chunks": 4, "steps": 2, "sync_dist": True, "stream_order": True}
-    runs = [{**base, "schedule": schedule, **extra} for schedule, extra in STREAM_ORDER_SCHEDULES.items()]
+    runs = [
+        {**base, "schedule": schedule, **extra, "post_when_needed": when_needed}
+        for when_needed in (False, True)
+        for schedule, extra in STREAM_ORDER_SCHEDULES.items()
+    ]
     results = run_fits(tmp_path, 2, runs, timeout=300)  # one job: a deadlock fails it within STALL_SECONDS
     reference = plain(tmp_path, steps=2)
-    for schedule, result in zip(STREAM_ORDER_SCHEDULES, results, strict=True):
+    for run, result in zip(runs, results, strict=True):
         try:
             assert_same_parameters(result, reference)
         except AssertionError as error:
-            raise AssertionError(f"schedule={schedule!r}: {error}") from error
+            raise AssertionError(f"{run}: {error}") from error
 
 
 @RunIf(multiprocess=True)
