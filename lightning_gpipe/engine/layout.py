@@ -28,8 +28,8 @@ s+1 to s (gradients). NCCL runs all operations of one group in issue order on on
 only once its receive has started. On a group shared with collectives, a collective issued after a posted receive
 would wait for that receive (a deadlock when the peer sends only after the same collective); on one group per
 process pair, a middle stage's sends would queue behind the receives it posted from the previous stage; and on one
-group per link, under 1F1B stage s's send of an activation would queue behind its posted gradient receive, whose
-gradient s+1 sends only after its own send queued behind the receive of that activation.
+group per link, under 1F1B stage s's send of activation 1 would wait for the receive of it, queued on s+1 behind the
+send of gradient 0, which waits for s's receive of it, queued behind the send of activation 1.
 """
 
 from __future__ import annotations
