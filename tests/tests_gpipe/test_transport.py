@@ -217,6 +217,17 @@ def test_device_receives_wait_on_the_stream_and_cpu_receives_on_the_host(
     assert transport.posts_ahead is (device == "cpu")  # R16: a device transport posts receives when needed
 
 
+def test_a_link_given_one_group_for_both_directions_is_refused_with_the_fix(world_of_one: None) -> None:
+    # On NCCL one group per link deadlocks 1F1B (test_one_f_one_b_sends_pass_the_other_directions_receives_...).
+    group = dist.group.WORLD
+    assert group is not None
+    with pytest.raises(ValueError, match=r"after stages \[0\] are \['ProcessGroup'\], not LinkGroups.*new_link_groups"):
+        ProcessGroupTransport([0, 1], links=[group])  # type: ignore[list-item]
+    links = {0: LinkGroups(group, group), 1: group}
+    with pytest.raises(ValueError, match=r"after stages \[1\] .*not LinkGroups"):
+        ProcessGroupTransport.for_stages([1, 0, 1], [1], links=links)  # type: ignore[arg-type]
+
+
 class _StreamThreadTransport(ThreadTransport):
     """In-process links with a device transport's policy: receives are posted when needed."""
 
