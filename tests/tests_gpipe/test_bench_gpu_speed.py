@@ -185,8 +185,7 @@ def test_the_causal_lm_table_goes_to_its_own_block_of_the_page(
     begin, end = bench.MARKERS["causal_lm"]
     assert "Stand-in GPU" not in original.split(begin)[1].split(end)[0]
     results = {
-        key: {**_measured(100.0), "device_name": "Stand-in GPU", "software": "torch x"}
-        for key in CAUSAL_LM_KEYS
+        key: {**_measured(100.0), "device_name": "Stand-in GPU", "software": "torch x"} for key in CAUSAL_LM_KEYS
     }
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench, "PAGE", page)
