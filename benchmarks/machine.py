@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import platform
 
-__all__ = ["cpu_model"]
+__all__ = ["cpu_model", "machine_line"]
 
 
 def cpu_model() -> str:
@@ -17,3 +19,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def machine_line() -> str:
+    """The machine, torch and Python a run used, and when: the "Machine:" line of a benchmark's page."""
+    import torch
+
+    return (
+        f"`nproc` = {os.cpu_count()}, {cpu_model()}, torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
+    )
