@@ -577,45 +577,43 @@ def test_rank_zero_plans_and_every_rank_gets_its_settings_or_its_error() -> None
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(420)
 def test_plan_auto_trains_like_the_settings_it_printed(tmp_path: Path) -> None:
-    # Two ranks, plan="auto" restricted to K = 2 (the tiny MLP would otherwise run as two replicas); the second fit
-    # in the same processes passes the settings the first one's plan chose explicitly.
+    # Two ranks, plan="auto" restricted to K = 2 (the tiny MLP would otherwise run as two replicas); each planned fit
+    # is followed, in the same processes, by one given the settings its plan chose explicitly. The second plan is
+    # restricted to interleaved (issue 31): two stages per process reach the strategy (virtual_stages, K·v stages of
+    # balance) and train as the line it printed does.
     budget = {"memory_per_device": "1MiB", "pipe_sizes": [2], "optimizer_slots": 1}
-    runs = [{"devices": 2, "steps": 2, "plan": budget}, {"devices": 2, "steps": 2, "settings_of": 0}]
+    interleaved = {"memory_per_device": "1GB", "pipe_sizes": [2], "optimizer_slots": 1}
+    interleaved |= {"schedules": ["interleaved"], "virtual_stages": [2]}
+    runs = [
+        {"devices": 2, "steps": 2, "plan": budget},
+        {"devices": 2, "steps": 2, "settings_of": 0},
+        {"devices": 2, "steps": 2, "plan": interleaved},
+        {"devices": 2, "steps": 2, "settings_of": 2},
+    ]
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"runs": runs}))
     results = run_job("helpers.lightning_job", [str(config)], 2, timeout=400)
     for rank, result in enumerate(results):
         assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
-    settings = json.loads((tmp_path / "settings-0.json").read_text())
-    assert settings["pipe_size"] == 2
     printed = results[0].stdout
-    assert printed.count("GPipe plan (plan='auto')") == 1  # logged once, on rank 0
+    assert printed.count("GPipe plan (plan='auto')") == 2  # logged once per planned fit, on rank 0
     assert "GPipe plan" not in results[1].stdout
-    explicit = ", ".join(f"{name}={value!r}" for name, value in settings.items())
-    assert f"the same without planning: GPipeStrategy({explicit})" in printed
-    planned, given = (torch.load(tmp_path / f"result-{i}.pt", weights_only=True) for i in range(2))
-    assert planned.keys() == given.keys()
-    for key, value in given.items():
-        assert torch.equal(planned[key], value), key
-
-
-@RunIf(multiprocess=True)
-@pytest.mark.timeout(420)
-def test_plan_auto_trains_an_interleaved_plan_like_the_settings_it_printed(tmp_path: Path) -> None:
-    # Issue 31: a plan of two stages per process reaches the strategy (virtual_stages with K·v stages of balance) and
-    # trains as the line it printed does, given explicitly.
-    request = {"memory_per_device": "1GB", "pipe_sizes": [2], "optimizer_slots": 1}
-    request |= {"schedules": ["interleaved"], "virtual_stages": [2]}
-    runs = [{"devices": 2, "steps": 2, "plan": request}, {"devices": 2, "steps": 2, "settings_of": 0}]
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"runs": runs}))
-    results = run_job("helpers.lightning_job", [str(config)], 2, timeout=400)
-    for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
-    settings = json.loads((tmp_path / "settings-0.json").read_text())
-    assert (settings["schedule"], settings["virtual_stages"], len(settings["balance"])) == ("interleaved", 2, 4)
-    explicit = ", ".join(f"{name}={value!r}" for name, value in settings.items())
-    assert f"the same without planning: GPipeStrategy({explicit})" in results[0].stdout
+    settings = [json.loads((tmp_path / f"settings-{i}.json").read_text()) for i in (0, 2)]
+    assert settings[0]["pipe_size"] == 2
+    assert (settings[1]["schedule"], settings[1]["virtual_stages"], len(settings[1]["balance"])) == (
+        "interleaved",
+        2,
+        4,
+    )
+    for planned_run, chosen in zip((0, 2), settings, strict=True):
+        explicit = ", ".join(f"{name}={value!r}" for name, value in chosen.items())
+        assert f"the same without planning: GPipeStrategy({explicit})" in printed
+        planned, given = (
+            torch.load(tmp_path / f"result-{i}.pt", weights_only=True) for i in (planned_run, planned_run + 1)
+        )
+        assert planned.keys() == given.keys()
+        for key, value in given.items():
+            assert torch.equal(planned[key], value), key
     planned, given = (torch.load(tmp_path / f"result-{i}.pt", weights_only=True) for i in range(2))
     assert planned.keys() == given.keys()
     for key, value in given.items():
