@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_gpipe.engine.microbatch import scatter
+from lightning_gpipe.engine.unbatched import Unbatched
 
 IN, HIDDEN, OUT = 6, 12, 3
 
@@ -67,6 +68,18 @@ def nested() -> nn.Sequential:
 MODELS = {"mlp": mlp, "dropout": dropout_mlp, "nested": nested}
 BALANCES = {"mlp": {1: [8], 2: [4, 4], 4: [2, 2, 2, 2]}, "nested": {1: [5], 2: [3, 2], 4: [2, 1, 1, 1]}}
 BALANCES["dropout"] = BALANCES["mlp"]
+
+
+class WithTable(nn.Module):
+    """Adds a (4, 8) table to its output and passes it on marked `Unbatched`: dim 0 is not the batch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+        self.table = nn.Parameter(torch.randn(4, 8) / 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Unbatched]:
+        return torch.tanh(self.linear(x)), Unbatched(self.table * 2)
 
 
 def build(name: str, seed: int = 0) -> nn.Sequential:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers.models import cells, full_batch_grads, loss_fn, relative_error
+from helpers.models import WithTable, cells, full_batch_grads, loss_fn, relative_error
 from helpers.runif import RunIf
 from torch import nn
 
@@ -103,18 +103,6 @@ class MaskedMean(nn.Module):
         return self.linear((h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
 
 
-class WithBias(nn.Module):
-    """Adds a shared (4, 8) table to its output and passes it on marked `Unbatched`: dim 0 is not the batch's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 8)
-        self.table = nn.Parameter(torch.randn(4, 8) / 4)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Unbatched]:
-        return torch.tanh(self.linear(x)), Unbatched(self.table * 2)
-
-
 class UseBias(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -132,7 +120,7 @@ def build(name: str) -> nn.Sequential:
     if name == "ragged":
         return nn.Sequential(Trim(), Tokens(), MaskedMean())
     if name == "unbatched":
-        return nn.Sequential(WithBias(), UseBias())
+        return nn.Sequential(WithTable(), UseBias())
     if name == "permute":  # NCHW conv, then channels moved last: the boundary is a permuted view
         return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Permute(), nn.Linear(4, 3), nn.Flatten(), nn.Linear(48, 3))
     if name == "channels_last":

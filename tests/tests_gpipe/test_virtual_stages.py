@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.models import batch, build, cells, full_batch_grads, loss_fn, relative_error
+from helpers.models import WithTable, batch, build, cells, full_batch_grads, loss_fn, relative_error
 from helpers.runif import RunIf
 from torch import nn
 
@@ -206,18 +206,6 @@ def test_deferred_batch_norm_commits_once_per_stage_at_the_step_end(schedule: st
         assert ours.num_batches_tracked.item() == 1  # type: ignore[operator]
     torch.testing.assert_close(norms[0][0].running_mean, plain[1].running_mean)
     assert_grads(model, {name: p.grad for name, p in reference.named_parameters()})  # type: ignore[misc]
-
-
-class WithTable(nn.Module):
-    """Adds a (4, 8) table to its output and passes it on marked `Unbatched`: dim 0 is not the batch's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 8)
-        self.table = nn.Parameter(torch.randn(4, 8) / 4)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Unbatched]:
-        return torch.tanh(self.linear(x)), Unbatched(self.table * 2)
 
 
 class PassTable(nn.Module):
