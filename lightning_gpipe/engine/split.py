@@ -9,6 +9,19 @@ nodes between the outputs and the boundary nodes are no longer referenced and fr
 depend on an input at all, and every parameter gradient when the stage has no input that requires one (the first
 stage), are back-propagated by the weight pass whole.
 
+A boundary node that computes its parameter side even when only its input side is asked for cannot be split: a
+region under ``torch.compile`` is one autograd node (``CompiledFunctionBackward``) whose backward yields every
+gradient at once, as does a custom ``autograd.Function`` that ignores ``needs_input_grad``. The input pass keeps what
+such a node computed for its parameter side (seen by a hook on the node, so detected by what it does, not by its
+type), and the weight pass starts below it with those gradients instead of running it again: its parameters'
+gradients still reach ``.grad`` through autograd, in the weight pass. The weight pass holds no reference to the node,
+so what it saved is freed after the input pass unless an eager node above it is kept for its own weight pass (the
+graph links each node to the ones below). The cost is memory: from its input pass to its weight pass a micro-batch
+holds one gradient the size of each such region's parameters (a split node holds its incoming gradient, the size of
+its output, and what it saved), so a stage with ``P`` bytes of compiled parameters holds ``P`` more per micro-batch
+whose weight pass is pending. Such a node that another boundary node of its parameters reaches from above (a weight
+tied across an eager and a compiled layer) runs again in the weight pass, reached by the walk from the other.
+
 The walk follows ``torch.distributed.pipelining._backward`` (``stage_backward_input`` and ``stage_backward_weight``,
 torch 2.13), which misses the parameters reached only through outputs that do not depend on an input; here the
 weight pass runs those outputs' backward whole. Gradients accumulate into ``.grad`` through autograd, as
@@ -17,7 +30,7 @@ weight pass runs those outputs' backward whole. Gradients accumulate into ``.gra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -44,40 +57,38 @@ class _Group:
         self.parameters: list[torch.Tensor] = []
 
 
-class WeightPass:
-    """The parameters' half of a split backward, from what :func:`input_pass` kept; run it once."""
+class _Backward:
+    """One backward call of the weight pass: one group's starting edges and gradients.
+
+    ``held`` maps the group's boundary nodes to the gradients they had in the input pass, which a hook gives back when
+    one of them is reached again from another (a group of one node needs no hook).
+    """
 
     def __init__(
         self,
-        groups: list[_Group],
-        kept: dict[Node, tuple[torch.Tensor | None, ...]],
-        whole: list[tuple[torch.Tensor, torch.Tensor]],
+        edges: list[GradientEdge],
+        grads: list[torch.Tensor],
+        parameters: list[torch.Tensor],
+        held: dict[Node, tuple[torch.Tensor | None, ...]],
     ) -> None:
-        self._groups = groups
-        self._kept = kept
+        self.edges, self.grads, self.parameters, self.held = edges, grads, parameters, held
+
+
+class WeightPass:
+    """The parameters' half of a split backward, from what :func:`input_pass` kept; run it once."""
+
+    def __init__(self, backwards: list[_Backward], whole: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._backwards = backwards
         self._whole = whole
 
     def run(self) -> None:
         """Accumulate the parameters' gradients into ``.grad``; the graph is freed once this pass is dropped."""
-        groups, kept, whole = self._groups, self._kept, self._whole
-        self._groups, self._kept, self._whole = [], {}, []
-        for group in groups:  # one backward per group: none walks from its nodes down to another group's
-            edges: list[GradientEdge] = []
-            grads: list[torch.Tensor] = []
-            for node in group.nodes:
-                for k, grad in enumerate(kept.get(node, ())):
-                    if grad is not None:
-                        edges.append(GradientEdge(node, k))
-                        grads.append(grad)
-            if not edges:
-                continue
-            # A boundary node reached again from another one of its group gets the gradient it had, not a second share
-            # (a group of one node needs no hook).
-            handles = []
-            if len(group.nodes) > 1:
-                handles = [node.register_prehook(lambda _g, k=kept[node]: k) for node in group.nodes if node in kept]
+        backwards, whole = self._backwards, self._whole
+        self._backwards, self._whole = [], []
+        for backward in backwards:  # one per group: none walks from its edges down to another group's
+            handles = [node.register_prehook(lambda _g, k=grads: k) for node, grads in backward.held.items()]
             try:
-                torch.autograd.backward(edges, grads, inputs=group.parameters, retain_graph=True)
+                torch.autograd.backward(backward.edges, backward.grads, inputs=backward.parameters, retain_graph=True)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -132,9 +143,18 @@ def input_pass(
     dependent_pairs = [(t, g) for t, g in pairs if _node(t) in dependent]
     whole = [(t, g) for t, g in pairs if _node(t) not in dependent]
 
+    # Each boundary node's edges to its parameter side, and what reaches and leaves it in the input pass.
+    sides = {
+        node: [k for k, (child, _) in enumerate(node.next_functions) if child is not None and child not in dependent]
+        for node in group_of
+    }
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    made: dict[Node, list[torch.Tensor | None]] = {}
     handles = [
         node.register_prehook(lambda node_grads, node=node: kept.__setitem__(node, tuple(node_grads)))
+        for node in group_of
+    ] + [
+        node.register_hook(lambda out, _in, node=node: made.__setitem__(node, [out[k] for k in sides[node]]))
         for node in group_of
     ]
     try:
@@ -150,7 +170,32 @@ def input_pass(
     finally:
         for handle in handles:
             handle.remove()
-    return dinputs, WeightPass(groups, kept, whole)
+    # A node that computed its parameter side unasked (a compiled region) is not run again: the weight pass starts
+    # below it with what it computed, unless a boundary node of its group that does run again reaches it from above.
+    unasked = {node for node, out in made.items() if out and all(g is not None for g in out)}
+    backwards = []
+    for group in groups:
+        ahead = _below(group.nodes - unasked, dependent)
+        done = {node for node in group.nodes & unasked if node not in ahead}
+        again = group.nodes - done
+        edges: list[GradientEdge] = []
+        values: list[torch.Tensor] = []
+        for node in again:
+            for k, grad in enumerate(kept.get(node, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(node, k))
+                    values.append(grad)
+        for node in done:
+            for k, grad in zip(sides[node], made[node], strict=True):
+                child, slot = node.next_functions[k]
+                assert child is not None
+                assert grad is not None
+                edges.append(GradientEdge(child, slot))
+                values.append(grad)
+        held = {node: kept[node] for node in again if node in kept} if len(again) > 1 else {}
+        if edges:
+            backwards.append(_Backward(edges, values, group.parameters, held))
+    return dinputs, WeightPass(backwards, whole)
 
 
 def _closure(starts: set[Node], consumers: dict[Node, list[Node]], stop: set[Node] | None = None) -> set[Node]:
@@ -164,3 +209,15 @@ def _closure(starts: set[Node], consumers: dict[Node, list[Node]], stop: set[Nod
                 reached.add(consumer)
                 stack.append(consumer)
     return met if stop is not None else reached
+
+
+def _below(starts: Iterable[Node], within: set[Node]) -> set[Node]:
+    """The nodes of ``within`` that a backward from ``starts`` reaches (``starts`` not included unless reached)."""
+    reached: set[Node] = set()
+    stack = list(starts)
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child is not None and child in within and child not in reached:
+                reached.add(child)
+                stack.append(child)
+    return reached

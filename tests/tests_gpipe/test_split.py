@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 import torch
-from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss_fn, relative_error
+from helpers.models import BALANCES, HIDDEN, IN, OUT, batch, build, cells, full_batch_grads, loss_fn, relative_error
 from torch import nn
+from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_gpipe.build.compile import compile_layers
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.split import input_pass
 from lightning_gpipe.engine.stage import Stage
@@ -140,3 +143,97 @@ def full_grads(cell: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     grads = {name: p.grad.clone() for name, p in cell.named_parameters()}
     cell.zero_grad(set_to_none=True)
     return grads
+
+
+class Sine(nn.Module):
+    """A linear and a sine; compiled, its backward is one node that yields its input's and its weights' gradients."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(self.linear(x))
+
+
+COMPILE = {"backend": "aot_eager", "dynamic": False}  # the same autograd node as inductor's, compiled in a second
+
+
+def compiled_nodes(tensor: torch.Tensor) -> list[Node]:
+    """The compiled regions' backward nodes in ``tensor``'s graph."""
+    found, seen, stack = [], set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found += [node] if node.name() == "CompiledFunctionBackward" else []
+        stack += [child for child, _ in node.next_functions]
+    return found
+
+
+def test_the_weight_pass_runs_no_compiled_backward_again() -> None:
+    # A compiled region's backward computes its input's and its weights' gradients at once: the input pass ran it
+    # whole, and the weight pass, started from the gradient that reached it, ran it whole again.
+    torch.manual_seed(0)
+    cell = nn.Sequential(Sine(4), nn.Linear(4, 4), nn.Tanh(), Sine(4))  # compiled on the input and at the output
+    eager = copy.deepcopy(cell)
+    compiled = compile_layers([cell[0], cell[3]], COMPILE)
+    x, grad = torch.randn(6, 4), torch.randn(6, 4)
+    expected_input, expected = reference(eager, x, [grad])
+
+    leaf = x.detach().requires_grad_()
+    output = cell(leaf)
+    calls: list[Node] = []
+    nodes = compiled_nodes(output)
+    assert len(nodes) == 2
+    for node in nodes:
+        node.register_prehook(lambda grads, node=node: calls.append(node))
+    dinputs, weights = input_pass([output], [grad], [leaf])
+    assert len(calls) == 2
+    assert all(p.grad is None for p in cell.parameters())
+    weights.run()
+    assert len(calls) == 2  # the weight pass ran no compiled backward
+    compiled.restore()
+    assert relative_error(dinputs[0], expected_input) <= 1e-6
+    for name, p in cell.named_parameters():
+        assert relative_error(p.grad, expected[name]) <= 1e-6, name
+
+
+def test_a_weight_tied_across_an_eager_and_a_compiled_layer_gets_both_shares() -> None:
+    # The eager layer's weight pass walks down to the compiled layer holding the same weight, which then runs again
+    # there (its gradient from the input pass is not used, or the compiled share would count twice).
+    torch.manual_seed(0)
+    cell = nn.Sequential(nn.Linear(4, 4), Sine(4), nn.Linear(4, 4))
+    cell[2].weight = cell[1].linear.weight
+    eager = copy.deepcopy(cell)
+    compiled = compile_layers([cell[1]], COMPILE)
+    x, grad = torch.randn(6, 4), torch.randn(6, 4)
+    expected_input, expected = reference(eager, x, [grad])
+    leaf = x.detach().requires_grad_()
+    dinputs, weights = input_pass([cell(leaf)], [grad], [leaf])
+    weights.run()
+    compiled.restore()
+    assert relative_error(dinputs[0], expected_input) <= 1e-6
+    for name, p in cell.named_parameters():
+        assert relative_error(p.grad, expected[name]) <= 1e-6, name
+
+
+@pytest.mark.parametrize(("schedule", "v", "balance"), [("zero_bubble", 1, [4, 4]), ("zbv", 2, [2, 2, 2, 2])])
+def test_compiled_and_eager_layers_in_one_stage_train_like_plain_autograd(
+    schedule: str, v: int, balance: list[int]
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(IN, HIDDEN), Sine(HIDDEN), nn.Linear(HIDDEN, HIDDEN), Sine(HIDDEN),
+        nn.Linear(HIDDEN, HIDDEN), Sine(HIDDEN), Sine(HIDDEN), nn.Linear(HIDDEN, OUT),
+    )  # fmt: skip
+    expected = full_batch_grads(copy.deepcopy(model), batch())
+    compiled = compile_layers([layer for layer in model if isinstance(layer, Sine)], COMPILE)
+    model.zero_grad(set_to_none=True)
+    run_in_threads(
+        cells(model, balance), batch(), loss_fn, chunks=4, checkpoint="never", schedule=schedule, virtual_stages=v
+    )
+    compiled.restore()
+    for name, p in model.named_parameters():
+        assert relative_error(p.grad, expected[name]) <= 1e-6, name
