@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import multiprocessing
+import multiprocessing.connection
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -37,6 +37,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -61,6 +62,7 @@ RankFn = Callable[..., Any]
 
 _PRELOAD = ("torch", "lightning")  # imported once by the server every function rank is forked from
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
+_SETTLE = 1.0  # seconds to gather the other ranks' failures after the first, to name the one that caused them
 
 
 class JobError(RuntimeError):
@@ -155,12 +157,12 @@ def _rank_main(
     env: dict[str, str],
     threads: int,
     pg_timeout: float,
-    tag: int,
-    out: Any,
+    out: Connection,
 ) -> None:
-    """Entry point of one function rank; reports ``(tag, rank, status, value)`` to ``out`` and never raises.
+    """Entry point of one function rank; sends ``(status, value)`` through ``out`` and never raises.
 
-    ``tag`` identifies the job, so that a late message from a job already given up on is not taken for a newer one's.
+    ``out`` is the write end of this rank's own pipe, which no other process holds: when the rank dies, even halfway
+    through its message, the launcher reads the end of the pipe instead of waiting for the rest.
     """
     import torch  # here: a process that launches only single-rank jobs never imports torch
     import torch.distributed as dist
@@ -179,15 +181,30 @@ def _rank_main(
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=pg_timeout),
             )
-        value = _plain(fn(rank, world_size, *args))
+        report: tuple[str, Any] = ("ok", _plain(fn(rank, world_size, *args)))
     except BaseException:
-        # Reported before the group goes: its peers fail on the closed connection, and the cause should come first.
-        out.put((tag, rank, "error", traceback.format_exc()))
-    else:
-        out.put((tag, rank, "ok", value))
+        # When: the launcher blames the rank that failed first (one clock for every process of this host).
+        report = ("error", (time.monotonic(), traceback.format_exc()))
+    try:
+        # Sent in full before the group goes: its peers fail on the closed connection, and the cause should come first.
+        try:
+            out.send(report)
+        except Exception:  # the value does not pickle (nothing was written: send pickles first)
+            out.send(("error", (time.monotonic(), traceback.format_exc())))
     finally:
+        out.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_description(code: int | None) -> str:
+    """How a rank's process ended, for errors: ``exited with code -9 (SIGKILL)``."""
+    if code is None:
+        return "closed its results pipe while still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"exited with code {code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"
 
 
 class Launcher:
@@ -195,7 +212,8 @@ class Launcher:
 
     The ranks are forked from a server (multiprocessing's ``forkserver``, one per launching process) that imports
     ``preload`` once, so each rank starts in a fraction of a second with its own interpreter state, allocator, thread
-    pools and process group. The first launcher of a process decides what its server preloads.
+    pools and process group. The first launcher of a process decides what its server preloads. Each rank sends its
+    result through a pipe of its own, so that a rank killed while sending wedges neither its job nor the next one.
 
     Args:
         preload: modules the server imports once (the rank function's module among them).
@@ -205,8 +223,6 @@ class Launcher:
         self._context = multiprocessing.get_context("forkserver")
         # Never empty: only with modules to preload does the server get this process's sys.path (tests' folders).
         self._context.set_forkserver_preload(list(preload) or ["os"])
-        self._results = self._context.Queue()
-        self._tag = 0
         self._processes: list[multiprocessing.process.BaseProcess] = []
 
     def __enter__(self) -> Launcher:
@@ -216,7 +232,6 @@ class Launcher:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._stop_all(failed=exc_type is not None)
-        self._results.close()
 
     def run(
         self,
@@ -231,69 +246,83 @@ class Launcher:
     ) -> list[Any]:
         """Every rank's return value of ``fn(rank, world_size, *args)``, tensors as NumPy arrays.
 
-        Raises :class:`JobError` with the failing rank's traceback as soon as one rank raises or dies, and
+        Raises :class:`JobError` as soon as one rank raises or dies, with the failed rank's traceback or exit code
+        (a rank that died is named before the peers that failed on its closed connections), and
         :class:`JobTimeoutError` after ``timeout`` seconds; every other rank is then killed. Each rank runs with
         ``threads`` intra-op threads and one inter-op thread; ``label`` names the job in errors; ``pg_timeout`` is
         the gloo group's timeout.
         """
-        self._tag += 1
         store: contextlib.AbstractContextManager[dict[str, str]] = (
             loopback_store() if world_size > 1 else contextlib.nullcontext({})
         )
+        pipes = [self._context.Pipe(duplex=False) for _ in range(world_size)]
         with store as store_env:
             self._processes = [
                 self._context.Process(
                     target=_rank_main,
-                    args=(
-                        fn,
-                        args,
-                        rank,
-                        world_size,
-                        _rank_env(rank, world_size, store_env),
-                        threads,
-                        pg_timeout,
-                        self._tag,
-                        self._results,
-                    ),
+                    args=(fn, args, rank, world_size, _rank_env(rank, world_size, store_env), threads, pg_timeout, out),
                     name=f"{label}-rank{rank}",
                     daemon=True,
                 )
-                for rank in range(world_size)
+                for rank, (_, out) in enumerate(pipes)
             ]
             failed = True
             try:
-                for process in self._processes:
+                for process, (_, out) in zip(self._processes, pipes, strict=True):
                     process.start()
-                results = self._collect(world_size, timeout, label)
+                    out.close()  # the rank holds the only write end now: its death reads as the end of its pipe
+                results = self._collect([reader for reader, _ in pipes], timeout, label)
                 failed = False
                 return results
             finally:
                 self._stop_all(failed)
+                for reader, out in pipes:
+                    reader.close()
+                    out.close()
 
-    def _collect(self, world_size: int, timeout: float, label: str) -> list[Any]:
+    def _collect(self, readers: list[Connection], timeout: float, label: str) -> list[Any]:
+        """Every rank's result; after the first failure, the failures seen within ``_SETTLE`` seconds, as one error."""
         deadline = time.monotonic() + timeout
-        reported: dict[int, Any] = {}
-        while len(reported) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise JobTimeoutError(
-                    f"{label}: {world_size - len(reported)} of {world_size} rank(s) did not finish within "
-                    f"{timeout:g} s; give the launch a longer timeout if the machine is merely slow"
-                )
-            try:
-                tag, rank, status, value = self._results.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                # A rank killed by the OS (out of memory, a segfault) never reports: notice it instead of waiting.
-                dead = [p for p in self._processes if p.exitcode not in (None, 0)]
-                if dead:
-                    raise JobError(f"{label}: {dead[0].name} exited with code {dead[0].exitcode}") from None
-                continue
-            if tag != self._tag:
-                continue  # a late message from a job that was already given up on
-            if status == "error":
-                raise JobError(f"{label}: rank {rank} failed:\n{value}")
-            reported[rank] = value
-        return [reported[rank] for rank in range(world_size)]
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[float, str]] = {}  # rank: when it failed, its traceback
+        deaths: dict[int, str] = {}  # rank: how its process ended, in the order noticed
+        waiting = set(range(len(readers)))
+        settled = deadline
+        while waiting and time.monotonic() < settled:
+            # A rank's pipe is ready when it sent its report or ended; its sentinel, when its process ended.
+            handles: dict[Any, int] = {readers[rank]: rank for rank in waiting}
+            handles.update({self._processes[rank].sentinel: rank for rank in waiting})
+            for handle in multiprocessing.connection.wait(list(handles), timeout=settled - time.monotonic()):
+                rank = handles[handle]
+                if rank not in waiting:
+                    continue  # both its pipe and its sentinel were ready
+                waiting.discard(rank)
+                status, value = self._report(rank, readers[rank])
+                if status == "ok":
+                    results[rank] = value
+                    continue
+                (errors if status == "error" else deaths)[rank] = value
+                # The first failure: its peers' failures follow within moments, and the one to name is among them.
+                settled = min(settled, time.monotonic() + _SETTLE)
+        if deaths or errors:
+            raise JobError(_failure(label, deaths, errors))
+        if waiting:
+            names = ", ".join(str(rank) for rank in sorted(waiting))
+            raise JobTimeoutError(
+                f"{label}: rank(s) {names} of {len(readers)} did not finish within {timeout:g} s; give the launch a "
+                "longer timeout if the machine is merely slow"
+            )
+        return [results[rank] for rank in range(len(readers))]
+
+    def _report(self, rank: int, reader: Connection) -> tuple[str, Any]:
+        """Rank ``rank``'s ``(status, value)``: its own report, or ``("died", how)`` when it ended without one."""
+        process = self._processes[rank]
+        # A killed process may have left part of a message: read only what a living or cleanly ended rank sent.
+        if process.exitcode in (None, 0) and reader.poll():
+            with contextlib.suppress(EOFError, OSError):  # it died while sending
+                return reader.recv()
+        process.join(timeout=5)  # its pipe or its sentinel said it ended
+        return "died", f"{process.name} {_exit_description(process.exitcode)} without reporting"
 
     def _stop_all(self, failed: bool) -> None:
         # Only the processes this launcher started, each by its own handle; after a failure the survivors would only
@@ -309,6 +338,26 @@ class Launcher:
                 process.kill()
                 process.join(timeout=5)
         self._processes = []
+
+
+def _failure(label: str, deaths: dict[int, str], errors: dict[int, tuple[float, str]]) -> str:
+    """The message of a failed job: the rank to blame, then (one line each) the others that failed after it.
+
+    A rank that died is blamed before one that raised: it could not report, and the peers waiting on it fail on its
+    closed connections; among those that raised, the first to fail. The blamed rank's traceback or exit comes last,
+    so that the message ends with its cause.
+    """
+    if deaths:
+        rank = next(iter(deaths))
+        cause = f"{label}: {deaths.pop(rank)}"
+    else:
+        rank = min(errors, key=lambda failed: errors[failed][0])
+        cause = f"{label}: rank {rank} failed:\n{errors.pop(rank)[1]}"
+    others = [f"rank {other} ({how})" for other, how in deaths.items()]
+    others += [f"rank {other} ({error.strip().splitlines()[-1]})" for other, (_, error) in sorted(errors.items())]
+    if not others:
+        return cause
+    return f"{label}: rank {rank} failed first; also failed: {'; '.join(others)}\n{cause}"
 
 
 def run_processes(

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from helpers.runif import RunIf
 
@@ -52,6 +55,23 @@ def _fail_on_rank_1(rank: int, world_size: int) -> int:
         raise ValueError("rank 1 fails on purpose")
     dist.barrier()  # waits for rank 1, which never comes: only the launcher can end this rank
     return os.getpid()
+
+
+def _killed_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OS kills a rank (out of memory): no traceback, no report
+    dist.recv(torch.zeros(1), src=1)  # fails on the closed connection: a consequence, not the cause
+
+
+def _killed_while_reporting_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 0:
+        dist.recv(torch.zeros(1), src=1)  # waits for rank 1, which never sends: only the launcher can end this rank
+        return
+    # What a rank killed while writing its result leaves behind: a message's header (a 1 MiB body announced) and part
+    # of its body. The rank's end of its results pipe is `out` in the launcher's frame that called this function.
+    out = sys._getframe(1).f_locals["out"]
+    os.write(out.fileno(), struct.pack("!i", 1 << 20) + b"partial")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _sleep(rank: int, world_size: int, folder: Path) -> None:
@@ -100,6 +120,34 @@ def test_a_failing_function_rank_ends_the_job_at_once_with_its_traceback() -> No
         with pytest.raises(JobError, match=r"(?s)rank 1 failed.*ValueError: rank 1 fails on purpose"):
             launcher.run(_fail_on_rank_1, (), 2, timeout=600, pg_timeout=300)
     assert time.monotonic() - start < 60
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(120)
+def test_a_killed_function_rank_is_named_not_the_peer_that_failed_on_its_closed_connection() -> None:
+    # The peer's error used to arrive first and be raised as the job's failure; the killed rank was never named.
+    with Launcher() as launcher:
+        launcher.run(_environment, (), 2, timeout=120)  # the server's imports, out of the time measured
+        start = time.monotonic()
+        with pytest.raises(JobError, match=r"rank1 exited with code -9 \(SIGKILL\)"):
+            launcher.run(_killed_on_rank_1, (), 2, timeout=120, pg_timeout=300)
+    assert time.monotonic() - start < 60
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(120)
+def test_a_rank_killed_while_reporting_ends_the_job_and_the_launcher_runs_the_next() -> None:
+    # Hung: every rank wrote to one shared queue, and the launcher blocked reading the rest of the dead rank's message
+    # (the queue's other writers kept the pipe open), with no deadline; the torn message would also have wedged every
+    # later job of the launcher.
+    with Launcher() as launcher:
+        launcher.run(_environment, (), 2, timeout=120)  # the server's imports, out of the time measured
+        start = time.monotonic()
+        with pytest.raises(JobError, match=r"rank1 exited with code -9 \(SIGKILL\)"):
+            launcher.run(_killed_while_reporting_on_rank_1, (), 2, timeout=120, pg_timeout=300)
+        assert time.monotonic() - start < 60
+        first, second = launcher.run(_environment, (), 2, timeout=120)
+    assert (first["RANK"], second["RANK"]) == ("0", "1")
 
 
 @RunIf(multiprocess=True)
