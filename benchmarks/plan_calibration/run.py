@@ -214,10 +214,10 @@ def _predict(
     predictions: list[Any] = [None]
     if rank == 0:
         sizes = sorted({-(-batch_size // c.chunks) for c in configs} | {batch_size})
-        # The bytes "selective" keeps are what a split backward keeps for its weight pass (plan() profiles them too).
+        # The split schedules' input and weight passes are timed as the engine runs them (as plan() does).
         split = any(c.schedule in ("zero_bubble", "zbv") for c in configs)
         profile = profile_layers(
-            layers, sample, microbatch_sizes=sizes, loss_fn=loss_fn, repeats=repeats, warmup=warmup, selective=split
+            layers, sample, microbatch_sizes=sizes, loss_fn=loss_fn, repeats=repeats, warmup=warmup, split=split
         )
         predictions = [
             [

@@ -12,7 +12,9 @@ the previous layer's output, as a stage would run it:
   checkpoint wrapper, whole or selective), the seconds of one optimizer step over its parameters, its parameter,
   trainable and buffer bytes, and per sample its saved activations, output and the transient peak of its backward,
   and what ``checkpoint="selective"`` keeps of it (the outputs of the operators in
-  :data:`~lightning_gpipe.engine.rematerialization.KEPT_OPS`).
+  :data:`~lightning_gpipe.engine.rematerialization.KEPT_OPS`); with ``split=True`` also its backward split as the
+  zero-bubble schedules run it (the engine's own :mod:`~lightning_gpipe.engine.split`: the input pass, then the weight
+  pass).
 
 Bytes are counted from tensor storages (a ``TorchDispatchMode`` sees every operator), so they do not depend on the
 allocator or its cache. A model built on the meta device is profiled one layer at a time: each layer is copied to
@@ -37,6 +39,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_gpipe.engine.rematerialization import KEPT_OPS, checkpointed
+from lightning_gpipe.engine.split import input_pass
 from lightning_gpipe.engine.torch_compat import TorchDispatchMode, storage_key
 from lightning_gpipe.engine.tree import flatten, map_tensors
 
@@ -46,6 +49,7 @@ __all__ = [
     "ModelProfile",
     "OptimizerFactory",
     "Passes",
+    "Split",
     "layer_inputs",
     "leaf_input",
     "preserved_state",
@@ -103,6 +107,12 @@ class ModelProfile:
 
     The checkpoint wrapper and the optimizer step also cost something once per call, whatever the layers:
     ``recompute_call`` and ``update_call``, which a stage pays once and which ``recompute`` and ``updates`` leave out.
+
+    ``split_input[n]`` and ``split_weight[n]`` are the backward split as ``"zero_bubble"`` and ``"zbv"`` run it, per
+    layer: the engine's input pass (its walk of the autograd graph and the input's gradient) and its weight pass (one
+    autograd call per group of parameters), together more than the whole backward. ``split_walk[n]`` is the input pass
+    of a layer whose input takes no gradient, as on the first stage, where it only walks the graph and the weight pass
+    runs the whole backward. Empty when not measured.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -118,6 +128,9 @@ class ModelProfile:
     selective_forward: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: the forward's share
     updates: tuple[float, ...] = ()  # per layer: seconds of one optimizer step over its parameters; () unmeasured
     update_call: float = 0.0  # seconds per optimizer step and stage
+    split_input: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
+    split_weight: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
+    split_walk: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -150,6 +163,16 @@ class ModelProfile:
             return [0.0] * len(self.layers)
         return _at_size(table, samples)
 
+    def split_times(self, samples: int) -> tuple[list[float], list[float], list[float]] | None:
+        """Seconds of each layer's split backward for a micro-batch of ``samples`` samples (as :meth:`pass_times` fits
+        them): the input pass, the weight pass, and the input pass where the input takes no gradient (the first
+        stage's walk of the graph); ``None`` if not measured."""
+        if not self.split_input:
+            return None
+        tables = (self.split_input, self.split_weight, self.split_walk)
+        input_, weight, walk = (_at_size(table, samples) for table in tables)
+        return input_, weight, walk
+
     def stage_update(self, cell: range) -> float:
         """Seconds of the optimizer step of a stage that holds the layers ``cell`` (0 when not measured)."""
         if not self.updates:
@@ -174,6 +197,9 @@ class ModelProfile:
             selective_recompute={n: repeat(r) for n, r in self.selective_recompute.items()},
             selective_forward={n: repeat(r) for n, r in self.selective_forward.items()},
             updates=repeat(self.updates),
+            split_input={n: repeat(t) for n, t in self.split_input.items()},
+            split_weight={n: repeat(t) for n, t in self.split_weight.items()},
+            split_walk={n: repeat(t) for n, t in self.split_walk.items()},
         )
 
 
@@ -382,6 +408,53 @@ def _pass_seconds(
     return middle - start, time.perf_counter() - middle
 
 
+def _split_seconds(
+    layer: nn.Module, loss_fn: LossFn | None, value: Any, device: torch.device, input_grad: bool = True
+) -> Split:
+    """Seconds of the split backward of ``layer`` (perhaps followed by the loss) on ``value``, after an untimed
+    forward, as the engine runs it (:mod:`~lightning_gpipe.engine.split`): the input pass, the weight pass, and before
+    them the input pass of a stage whose input takes no gradient (the walk of the graph alone). The parameters'
+    ``.grad``, which the weight pass accumulates into, are restored."""
+    leaves, x = _input(value, input_grad)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    kept = [p.grad for p in params]
+    cut: list[Tensor] = []
+
+    def cut_off(t: Tensor) -> Tensor:
+        # As the engine's last stage: the loss starts from leaves cut off the output, its backward runs whole first.
+        if not t.requires_grad:
+            return t
+        cut.append(t.detach().requires_grad_())
+        return cut[-1]
+
+    try:
+        for param in params:
+            param.grad = None
+        with torch.enable_grad():
+            output = layer(x)
+            loss = loss_fn(map_tensors(cut_off, output)) if loss_fn is not None else None
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        _sync(device)
+        start = time.perf_counter()
+        input_pass(outputs, None, [])
+        _sync(device)
+        walked = time.perf_counter()
+        grads: list[Tensor] | None = None
+        if loss is not None:
+            torch.autograd.backward(loss)
+            grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in cut]
+        _, weights = input_pass(outputs, grads, leaves)
+        _sync(device)
+        middle = time.perf_counter()
+        weights.run()
+        _sync(device)
+        end = time.perf_counter()
+    finally:
+        for param, grad in zip(params, kept, strict=True):
+            param.grad = grad
+    return middle - walked, end - middle, walked - start
+
+
 def state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
     """Bytes of ``layer``'s parameters, of those that are trainable, and of its buffers, each tensor counted once over
     the calls that share ``seen`` (a tied tensor in the first layer that holds it)."""
@@ -564,11 +637,14 @@ class _Floor:
       (``DEFAULT_MICROBATCH_OVERHEAD``) is measured against the same profile and pays it once.
     - The checkpoint wrapper's own cost per call (saving and restoring the random state, its hooks' set-up): a
       re-materialized pass less a plain one.
+    - The split backward's floor (:meth:`warm_split`), from a one-element parameter-free layer, whose split runs the
+      engine's input and weight passes on a graph of no weights.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.tiny = nn.Linear(1, 1).to(device)
+        self.bare = nn.Tanh()
         self.value = torch.ones(1, 1, device=device)
 
     def timed_pass(self, rematerialized: bool = False) -> tuple[float, float]:
@@ -582,6 +658,20 @@ class _Floor:
         passes = [self.timed_pass() for _ in range(3)]
         return statistics.median(f for f, _ in passes), statistics.median(b for _, b in passes)
 
+    def warm_split(self, backward: float) -> Split:
+        """The split backward's floor now, as :meth:`warm` takes it, given the plain floor's ``backward``: the input
+        pass's is that plus what an input pass costs beyond a plain backward on the parameter-free layer (its walk of
+        the graph and set-up), so that a layer's input and weight passes less their floors exceed its backward less
+        its floor by what its own split adds. The weight pass's and the walk's are the parameter-free layer's: a
+        stage pays the weight pass's autograd call once per group of parameters, per layer with weights, and walks
+        every layer's nodes."""
+        bare = _runner(self.bare, None, False, first=False)
+        _split_seconds(self.bare, None, self.value, self.device)
+        splits = [_split_seconds(self.bare, None, self.value, self.device) for _ in range(3)]
+        plain = statistics.median(_pass_seconds(bare, self.bare, self.value, self.device)[1] for _ in range(3))
+        input_, weight, walk = (statistics.median(split[part] for split in splits) for part in range(3))
+        return backward + max(0.0, input_ - plain), weight, walk
+
     def wrapper_call(self, runs: int) -> float:
         """The wrapper's cost per call: the median of at least 15 wrapped passes, each less the plain one before it."""
         extra = []
@@ -592,19 +682,23 @@ class _Floor:
 
 
 Pass = tuple[float, float]  # (forward, backward) seconds
+Split = tuple[float, float, float]  # a split backward's (input pass, weight pass, walk alone) seconds
 
 
 @dataclass(frozen=True)
 class Passes:
     """The timed passes of every layer, warm-up dropped: ``plain[i]`` holds layer ``i``'s ``(forward, backward)``
     seconds per round, ``wrapped[i]`` the same under the engine's checkpoint wrapper (empty unless asked),
-    ``floors[i]`` the floor (a one-element layer's pass) timed at the start of each of those rounds, and
-    ``selective[i]`` the passes under the selective wrapper (empty unless asked)."""
+    ``floors[i]`` the floor (a one-element layer's pass) timed at the start of each of those rounds, ``selective[i]``
+    the passes under the selective wrapper (empty unless asked), and ``split[i]`` the split backward's seconds
+    (:data:`Split`) with ``split_floors[i]`` their floor (empty unless asked)."""
 
     plain: list[list[Pass]]
     wrapped: list[list[Pass]]
     floors: list[list[Pass]]
     selective: list[list[Pass]] = field(default_factory=list)
+    split: list[list[Split]] = field(default_factory=list)
+    split_floors: list[list[Split]] = field(default_factory=list)
 
     def medians(self) -> list[float]:
         """Per layer, the median seconds of a forward plus a backward pass, floor included."""
@@ -623,33 +717,46 @@ def timed_passes(
     input_grad: bool = False,
     floor: _Floor | None = None,
     selective: bool = False,
+    split: bool = False,
 ) -> Passes:
     """Time ``warmup + repeats`` forward and backward passes of every layer on ``device``, each on its input from
     ``sample``, and keep the last ``repeats``.
 
     Layers on the device are timed round-robin, so that a burst of load on a shared machine spreads over all layers
     instead of inflating one: every layer plain, then every layer under the checkpoint wrapper if
-    ``rematerialized``, then under the selective wrapper if ``selective``, so that each pass follows another layer's,
-    as in a stage (a layer's second pass in a row runs warm). Other layers (on the meta device, or on the CPU for a
+    ``rematerialized``, then under the selective wrapper if ``selective``, then with the backward split as the
+    engine's zero-bubble schedules split it if ``split``, so that each pass follows another layer's, as in a stage (a
+    layer's second pass in a row runs warm). Other layers (on the meta device, or on the CPU for a
     GPU) are copied there and timed one after the other, so that only one copy exists at a time. Each round starts
     with the floor. ``loss_fn`` runs after the last layer, outside the wrapper; the first layer's input gets a
     gradient only with ``input_grad``, as the model's batch gets none. The backward is ``torch.autograd.grad``, so
-    no parameter's ``.grad`` changes; buffers and the random number generators are restored (:func:`preserved_state`).
+    no parameter's ``.grad`` changes (the split's weight pass accumulates, and each parameter's ``.grad`` is put
+    back); buffers and the random number generators are restored (:func:`preserved_state`).
     """
     round_robin = all(_on(layer, device) for layer in layers)
     last = len(layers) - 1
-    # 0: plain, 1: under the checkpoint wrapper, 2: under the selective one
-    variants = (0, *([1] if rematerialized else []), *([2] if selective else []))
-    # runs[variant][layer]: (forward, backward) seconds of every timed run; floors[layer]: the floor timed just
-    # before the round (round-robin) or the layer's runs (one after the other) it belongs to
+    # 0: plain, 1: under the checkpoint wrapper, 2: under the selective one, 3: the backward split
+    variants = (0, *([1] if rematerialized else []), *([2] if selective else []), *([3] if split else []))
+    # runs[variant][layer]: (forward, backward) seconds of every timed run (split_runs: the split's); floors[layer]:
+    # the floor timed just before the round (round-robin) or the layer's runs (one after the other) it belongs to
     runs: list[list[list[Pass]]] = [[[] for _ in layers] for _ in range(3)]
+    split_runs: list[list[Split]] = [[] for _ in layers]
     floors: list[list[Pass]] = [[] for _ in layers]
+    split_floors: list[list[Split]] = [[] for _ in layers]
 
     def time_pass(layer: nn.Module, index: int, value: Any, variant: int) -> None:
-        run = _runner(layer, loss_fn if index == last else None, variant == 1, index == 0, selective=variant == 2)
+        grad = input_grad or index > 0
+        loss = loss_fn if index == last else None
+        if variant == 3:
+            split_runs[index].append(_split_seconds(layer, loss, value, device, input_grad=grad))
+            return
+        run = _runner(layer, loss, variant == 1, index == 0, selective=variant == 2)
         with torch.enable_grad():
-            grad = input_grad or index > 0
             runs[variant][index].append(_pass_seconds(run, layer, value, device, input_grad=grad))
+
+    def floor_now(floor: _Floor) -> tuple[Pass, Split]:
+        now = floor.warm()
+        return now, floor.warm_split(now[1]) if split else (0.0, 0.0, 0.0)
 
     with preserved_state(layers, sample):
         floor = floor if floor is not None else _Floor(device)  # inside: its Linear draws from the generator
@@ -658,21 +765,30 @@ def timed_passes(
             inputs.append(x)
             if not round_robin:
                 # Each pass but the first follows one of the same layer: both variants run warm alike.
-                now = floor.warm()
+                now, split_now = floor_now(floor)
                 for _ in range(warmup + repeats):
                     floors[index].append(now)
+                    split_floors[index].append(split_now)
                     for wrapped in variants:
                         time_pass(real, index, x, wrapped)
         if round_robin:
             for _ in range(warmup + repeats):
-                now = floor.warm()
-                for layer_floors in floors:
+                now, split_now = floor_now(floor)
+                for layer_floors, layer_split_floors in zip(floors, split_floors, strict=True):
                     layer_floors.append(now)
+                    layer_split_floors.append(split_now)
                 for wrapped in variants:
                     for index, layer in enumerate(layers):
                         time_pass(layer, index, inputs[index], wrapped)
     kept = [[layer_runs[warmup:] for layer_runs in variant_runs] for variant_runs in runs]
-    return Passes(kept[0], kept[1], [f[warmup:] for f in floors], kept[2] if selective else [])
+    return Passes(
+        kept[0],
+        kept[1],
+        [f[warmup:] for f in floors],
+        kept[2] if selective else [],
+        [r[warmup:] for r in split_runs] if split else [],
+        [f[warmup:] for f in split_floors] if split else [],
+    )
 
 
 def profile_layers(
@@ -688,6 +804,7 @@ def profile_layers(
     rematerialized: bool = True,
     optimizer: OptimizerFactory | None = torch.optim.Adam,
     selective: bool = False,
+    split: bool = False,
 ) -> ModelProfile:
     """Profile ``layers`` for training on ``device``.
 
@@ -707,6 +824,8 @@ def profile_layers(
             skip it when no checkpoint mode but ``"never"`` will be weighed.
         selective: also time each layer under the selective wrapper (``checkpoint="selective"``); what it keeps is
             counted either way.
+        split: also time each layer's backward split as ``"zero_bubble"`` and ``"zbv"`` run it, with the engine's
+            own input and weight passes (:mod:`~lightning_gpipe.engine.split`); skip it when neither is weighed.
         optimizer: the optimizer whose step is timed over each layer's parameters (zero-filled copies: the model is
             not changed); ``None`` leaves the step out. Neither is timed with ``flops_per_second``.
 
@@ -769,7 +888,9 @@ def profile_layers(
         if flops_per_second is not None:
             times = _flop_times(results, sizes, flops_per_second)
             return ModelProfile(tuple(results), _storage_bytes(base) / rows, times, str(target), *loss_bytes)
-        measured = _measured_times(layers, loss_fn, sample, sizes, target, repeats, warmup, rematerialized, selective)
+        measured = _measured_times(
+            layers, loss_fn, sample, sizes, target, repeats, warmup, rematerialized, selective, split
+        )
         updates, update_call = _update_times(layers, optimizer, target, repeats, warmup)
     return ModelProfile(
         tuple(results),
@@ -784,6 +905,9 @@ def profile_layers(
         selective_forward=measured.selective_forward,
         updates=updates,
         update_call=update_call,
+        split_input=measured.split_input,
+        split_weight=measured.split_weight,
+        split_walk=measured.split_walk,
     )
 
 
@@ -806,6 +930,9 @@ class _Measured:
     recompute_forward: dict[int, tuple[float, ...]]
     selective_recompute: dict[int, tuple[float, ...]]
     selective_forward: dict[int, tuple[float, ...]]
+    split_input: dict[int, tuple[float, ...]]
+    split_weight: dict[int, tuple[float, ...]]
+    split_walk: dict[int, tuple[float, ...]]
 
 
 def _measured_times(
@@ -818,6 +945,7 @@ def _measured_times(
     warmup: int,
     rematerialized: bool,
     selective: bool = False,
+    split: bool = False,
 ) -> _Measured:
     """The planner's pass times at each size: each pass less its round's floor, and what the wrappers add."""
     floor = _Floor(device)
@@ -827,6 +955,7 @@ def _measured_times(
     recompute_forward: dict[int, tuple[float, ...]] = {}
     selective_recompute: dict[int, tuple[float, ...]] = {}
     selective_forward: dict[int, tuple[float, ...]] = {}
+    split_times: list[dict[int, tuple[float, ...]]] = [{}, {}, {}]  # input, weight, walk
     for n in sizes:
         passes = timed_passes(
             layers,
@@ -838,6 +967,7 @@ def _measured_times(
             rematerialized=rematerialized,
             floor=floor,
             selective=selective,
+            split=split,
         )
         # Each pass less the floor timed at the start of its round: the median of these paired differences cancels the
         # machine's drift over the profile, which a floor timed once, before all the layers, would keep.
@@ -850,7 +980,11 @@ def _measured_times(
             recompute[n], recompute_forward[n] = _added(passes.plain, passes.wrapped, call)
         if selective:
             selective_recompute[n], selective_forward[n] = _added(passes.plain, passes.selective, call)
-    return _Measured(times, recompute, call, recompute_forward, selective_recompute, selective_forward)
+        if split:
+            pairs = list(zip(passes.split, passes.split_floors, strict=True))
+            for part, table in enumerate(split_times):
+                table[n] = tuple(_less_floor(runs, floors, part) for runs, floors in pairs)
+    return _Measured(times, recompute, call, recompute_forward, selective_recompute, selective_forward, *split_times)
 
 
 def _added(
@@ -869,8 +1003,9 @@ def _added(
     return total, forward
 
 
-def _less_floor(passes: list[Pass], floors: list[Pass], part: int) -> float:
-    """The median of the passes' ``part`` (0: forward, 1: backward), each less the floor it was timed with."""
+def _less_floor(passes: Sequence[tuple[float, ...]], floors: Sequence[tuple[float, ...]], part: int) -> float:
+    """The median of the passes' ``part`` (of a :data:`Pass` or a :data:`Split`), each less the floor it was timed
+    with."""
     return max(0.0, statistics.median(p[part] - f[part] for p, f in zip(passes, floors, strict=True)))
 
 

@@ -313,8 +313,11 @@ def evaluate(
     :func:`~lightning_gpipe.plan.simulate.simulate_step`); by default on CPU stages, whose transport is gloo.
     ``compiled`` layers (``compile=True``) re-materialize every micro-batch under ``checkpoint="selective"``, the
     last included (:func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`). The zero-bubble schedules'
-    weight gradient W is taken as half the backward of each layer with trainable parameters, none of the others'
-    (a linear layer's input and weight gradients are one matrix product each), plus the engine's cost of one pass.
+    input and weight passes I and W are the profile's times of the engine's split (``profile_layers(split=True)``):
+    on the first stage, whose input takes no gradient, I only walks the graph and W runs the whole backward. W also
+    pays the engine's cost of one pass. A profile without them (from FLOPs) takes W as half the backward of each
+    layer with trainable parameters, none of the others' (a linear layer's input and weight gradients are one matrix
+    product each).
 
     Raises:
         ValueError: ``virtual_stages`` that the schedule does not take, a ``balance`` of another number of stages, or
@@ -356,6 +359,15 @@ def evaluate(
     stage_f = [sum(forward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
     stage_b = [sum(backward[i] for i in cell) + cost / 2 + passes for cell, cost in zip(bounds, host, strict=True)]
     weight = [sum(backward[i] / 2 for i in cell if profile.layers[i].trainable_bytes) + passes for cell in bounds]
+    split = profile.split_times(n) if schedule in ("zero_bubble", "zbv") else None
+    if split is not None:  # measured: the engine's split costs more than the whole backward (its walk, its calls)
+        input_pass, weight_pass, walk = split
+        # The first stage's input takes no gradient: its input pass only walks the graph, its weight pass is whole.
+        weight = [sum((backward if s == 0 else weight_pass)[i] for i in cell) + passes for s, cell in enumerate(bounds)]
+        stage_b = [
+            sum((walk if s == 0 else input_pass)[i] for i in cell) + cost / 2 + w
+            for s, (cell, cost, w) in enumerate(zip(bounds, host, weight, strict=True))
+        ]
     transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
     # Selective re-materialization as measured under its own wrapper; unmeasured, it is charged as the whole replay.
     selective = checkpoint == "selective" and bool(profile.selective_recompute)
@@ -772,8 +784,8 @@ def plan(
             flops_per_second=flops_per_second,
             rematerialized=any(mode not in ("never", "selective") for mode in modes),
             optimizer=optimizer,
-            # What selective keeps is also what a split backward keeps for W: the weighted operations' outputs.
-            selective="selective" in modes or any(name in ("zero_bubble", "zbv") for name in kinds),
+            selective="selective" in modes,
+            split=any(name in ("zero_bubble", "zbv") for name in kinds),
         )
     options: dict[str, Any] = {
         "optimizer_slots": optimizer_slots,

@@ -922,6 +922,27 @@ def test_plan_says_why_it_did_not_weigh_a_schedule_of_several_stages_per_process
              virtual_stages=[1])  # fmt: skip
 
 
+def test_evaluate_takes_the_split_backward_from_the_profiles_measured_passes() -> None:
+    # Issue 31: the planner derived I and W from the whole backward (W = B/2), but the engine's split (its graph walk,
+    # an autograd call per group of parameters) costs more than B, so zero_bubble and zbv were predicted too fast.
+    # Measured I = W = B here; K=2, M=1: F0, F1, I1 (8B), then stage 0's split, which has no input gradient: its
+    # input pass only walks the graph (0 here) and its weight pass is the whole backward (8B).
+    ratio = meta()
+    times = {n: b for n, (_, b) in ratio.times.items()}
+    measured = replace(ratio, split_input=times, split_weight=times, split_walk=dict.fromkeys(times, (0.0,) * 16))
+    settings: dict[str, Any] = {"pipe_size": 2, "chunks": 1, "batch_size": 4, "checkpoint": "never", **FREE_LINKS}
+    forward, backward = ratio.pass_times(4)
+    F, B = 8 * forward[0], 8 * backward[0]
+    assert evaluate(measured, schedule="zero_bubble", **settings).step_time == pytest.approx(2 * F + 2 * B)
+    # Unmeasured (a profile from FLOPs): W is half of B on every stage, the first's I the other half.
+    assert evaluate(ratio, schedule="zero_bubble", **settings).step_time == pytest.approx(2 * F + 1.5 * B)
+    # The other schedules do not split: the measured passes change nothing.
+    assert (
+        evaluate(measured, schedule="1f1b", **settings).step_time
+        == evaluate(ratio, schedule="1f1b", **settings).step_time
+    )
+
+
 def test_a_split_backwards_weight_pass_pays_the_engines_cost_of_a_pass() -> None:
     # ZB-H1 on one stage has no bubble to fill: its step is 1F1B's plus one more pass per micro-batch, W, which the
     # engine runs as it runs F and B (half its cost per micro-batch each).

@@ -67,6 +67,27 @@ def test_timed_passes_keep_the_floor_of_each_round_and_leave_the_model_alone() -
     assert all(param.grad is None for param in layers.parameters())
 
 
+def test_the_split_backward_is_timed_as_the_engine_runs_it_and_costs_more_than_the_whole() -> None:
+    # Issue 31: the profile timed only the whole backward B, and the planner took W as half of it; the engine's split
+    # (lightning_gpipe.engine.split) walks the autograd graph in Python and makes one autograd call per group of
+    # parameters, so its I + W exceeds B and zero_bubble and zbv were predicted too fast.
+    layers = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU())])
+    sample = torch.randn(16, 64)
+    plain = profile.profile_layers(layers, sample, microbatch_sizes=[16], rematerialized=False, optimizer=None)
+    assert plain.split_times(16) is None  # only timed when a split schedule is weighed
+    split = profile.profile_layers(
+        layers, sample, microbatch_sizes=[16], repeats=5, rematerialized=False, optimizer=None, split=True
+    )
+    input_pass, weight_pass, walk = split.split_times(16)  # type: ignore[misc]
+    _, backward = split.pass_times(16)
+    assert len(input_pass) == len(weight_pass) == len(walk) == 8
+    assert sum(input_pass[1:]) + sum(weight_pass[1:]) > sum(backward[1:])
+    # The weight pass's autograd call is paid per layer with weights: each Linear's W exceeds a ReLU's.
+    assert min(weight_pass[0::2]) > max(weight_pass[1::2])
+    assert all(param.grad is None for param in layers.parameters())  # the weight pass's .grad were put back
+    assert split.scaled(layers=16).split_times(16)[1][8:] == weight_pass  # type: ignore[index]
+
+
 def test_the_models_input_gets_no_gradient_a_boundarys_does() -> None:
     # A parameter-free first layer saves nothing in training (the batch needs no gradient); on a boundary's input,
     # which gradients flow back to, tanh keeps its output.
