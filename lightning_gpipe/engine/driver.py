@@ -247,10 +247,16 @@ class StepDriver:
         index, stage = action.microbatch, action.stage
         if action.phase is Phase.WEIGHT:
             self.run.weight(index, stage)
-        elif action.phase is Phase.INPUT:
-            self.run.input(index, self._backward_loss(action), stage)
+            return
+        loss = self._backward_loss(action)
+        if action.phase is Phase.INPUT:
+            self.run.input(index, loss, stage)
         else:
-            self.run.backward(index, self._backward_loss(action), stage)
+            self.run.backward(index, loss, stage)
+        if loss is not None:
+            # Only its value from here: its spent graph holds the leaves a split backward cuts off the last stage's
+            # output, and with them that output and its gradient, until the step's end.
+            self._losses[index] = self._losses[index].detach()
 
     def _backward_loss(self, action: Action) -> torch.Tensor | None:
         """What the backward ``action`` starts from: its micro-batch's weighted loss on the last stage, scaled."""

@@ -94,3 +94,30 @@ def test_a_steps_peak_holds_no_loss_past_its_weighting(schedule: str, mode: str)
     predicted = (2 * blocks * rows * D + in_flight * samples * OUT) * 4
     transient = (samples * OUT + 3 * samples * D) * 4
     assert 0 <= probe.peak - predicted <= transient, (probe.peak, predicted, transient)
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_split_backward_holds_no_output_of_the_last_stage_past_its_input_pass(mode: str) -> None:
+    # Regression: the step driver kept each micro-batch's weighted loss, its graph spent, until the step's end; on the
+    # last stage of a split backward that graph ends at the leaves cut off the cell's output, so every micro-batch's
+    # output (and its gradient) stayed alive after its input pass: ZB-H1's and ZB-V's last stage held more than
+    # torch.distributed.pipelining's. Wide outputs make each N x OUT stand out.
+    N, D, OUT, blocks, M = 1024, 32, 128, 4, 8
+    peaks = {}
+    for schedule in ("1f1b", "zero_bubble"):
+        generator = torch.Generator().manual_seed(1)
+        batch = (torch.randn(N, D, generator=generator), torch.randn(N, OUT, generator=generator))
+        torch.manual_seed(0)
+        cell = nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(D, D), nn.GELU())], nn.Linear(D, OUT))
+        for parameter in cell.parameters():  # gradient buffers exist before the step: only activations are measured
+            parameter.grad = torch.zeros_like(parameter)
+        (transport,) = ThreadTransport.create(1)
+        pipeline = Pipeline(cell, transport, chunks=M, checkpoint=mode, schedule=schedule)
+        with LiveTensorBytes() as probe:
+            pipeline.train_step(batch, lambda output, microbatch: F.mse_loss(output, microbatch[1]))
+        peaks[schedule] = probe.peak
+    # From its input pass to its weight pass a micro-batch holds, beyond 1F1B's, the gradient that reached each
+    # linear layer's output (one stage: its weight pass follows at once). Each leaked output would add 2 x N/M x OUT.
+    samples = math.ceil(N / M)
+    split = (blocks * samples * D + samples * OUT) * 4
+    assert 0 <= peaks["zero_bubble"] - peaks["1f1b"] <= split, (peaks, split)
