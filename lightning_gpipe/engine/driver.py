@@ -113,9 +113,11 @@ class StepDriver:
         was given. ``keep_outputs=False`` drops each output once its loss is taken (``None`` in its place), for a
         caller that needs only the step's loss (:meth:`weigh` without ``returns_weights``): a loss may hold a buffer the
         size of the last stage's output (``mse_loss`` on the CPU), which would stay alive through the backward passes.
+        A kept output whose backward ran here holds its loss's value only (a detached copy), its other keys as returned.
         """
         run = self.run
         outputs: list[Any] = []
+        at: dict[int, int] = {}  # micro-batch: the position of its output
         try:
             if self._declare is not None and self.stage.is_last:
                 self.declared = self._declared_weights()  # known before the first forward: any schedule may use it
@@ -124,7 +126,8 @@ class StepDriver:
             for action in run.actions[: run.forward_span]:
                 mb = run.microbatches[action.microbatch]
                 if action.phase is not Phase.FORWARD:
-                    self._backward(action)
+                    if self._backward(action) and keep_outputs and action.microbatch in at:
+                        outputs[at[action.microbatch]] = _spent(outputs[at[action.microbatch]])
                     continue
                 if action.stage is not None and action.stage != self.stage.index:  # another held stage: no step
                     value = self._feed(mb) if self._feed is not None and action.stage == 0 else None
@@ -133,6 +136,7 @@ class StepDriver:
                 output = self._step(step, mb)
                 if run.training and self.stage.is_last:
                     self._losses[mb.index] = self._loss_at_forward(mb, output)
+                at[mb.index] = len(outputs)
                 outputs.append(output if keep_outputs else None)
                 del output  # the weighted loss keeps what its backward needs
             if self._held is not None:
@@ -241,13 +245,14 @@ class StepDriver:
         self._losses = {i: loss for i, loss in enumerate(weighted) if i in pending}
         return torch.stack([loss.detach() for loss in weighted]).sum()
 
-    def _backward(self, action: Action) -> None:
+    def _backward(self, action: Action) -> bool:
         """Run one of the schedule's backward actions: a whole backward, or a split backward's input pass (both start
-        from the loss on the last stage) or weight pass (which reuses the input pass's graph)."""
+        from the loss on the last stage) or weight pass (which reuses the input pass's graph). Whether it started from
+        the loss."""
         index, stage = action.microbatch, action.stage
         if action.phase is Phase.WEIGHT:
             self.run.weight(index, stage)
-            return
+            return False
         loss = self._backward_loss(action)
         if action.phase is Phase.INPUT:
             self.run.input(index, loss, stage)
@@ -257,6 +262,7 @@ class StepDriver:
             # Only its value from here: its spent graph holds the leaves a split backward cuts off the last stage's
             # output, and with them that output and its gradient, until the step's end.
             self._losses[index] = self._losses[index].detach()
+        return loss is not None
 
     def _backward_loss(self, action: Action) -> torch.Tensor | None:
         """What the backward ``action`` starts from: its micro-batch's weighted loss on the last stage, scaled."""
@@ -300,6 +306,15 @@ class StepDriver:
     def abort(self, error: BaseException) -> None:
         """Drop the step after ``error`` and tell the other stages (see :meth:`StepRun.abort`)."""
         self.run.abort(repr(error))
+
+
+def _spent(output: Any) -> Any:
+    """A step's ``output`` once the backward of its loss has run: the loss's value only (a copy: ``mse_loss``'s shares a
+    buffer the size of the stage's output on the CPU), for its graph holds the leaves a split backward cuts off that
+    output, and with them the output and its gradient. The other keys stay as they are."""
+    if isinstance(output, Mapping):
+        return {**output, "loss": output["loss"].detach().clone()}
+    return output.detach().clone()
 
 
 def _owner(method: object) -> str:
