@@ -450,6 +450,7 @@ class GradientLink:
         self.peer = peer
         # Per micro-batch: receive buffer, its wait, and the device of the output it is the gradient of.
         self._posted: dict[int, list[tuple[torch.Tensor, Callable[[], None], torch.device]]] = {}
+        self._posted_bytes = 0
 
     def send(
         self, inputs: Sequence[torch.Tensor], index: int, grads: Sequence[torch.Tensor | None] | None = None
@@ -465,6 +466,11 @@ class GradientLink:
         """The micro-batches whose gradients are posted and not yet received, in posting order."""
         return list(self._posted)
 
+    @property
+    def posted_bytes(self) -> int:
+        """The size of the buffers of the receives posted and not yet received."""
+        return self._posted_bytes
+
     def post(self, outputs: Sequence[torch.Tensor], index: int) -> None:
         """Start receiving the gradients of ``outputs``, micro-batch ``index``'s tensors that require grad."""
         assert index not in self._posted, f"the gradients of micro-batch {index} are posted twice"
@@ -475,6 +481,7 @@ class GradientLink:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.transport.device)
             wait = self.transport.post_recv(buffer, self.peer, _gradients_of(index))
             posted.append((buffer, wait, tensor.device))
+            self._posted_bytes += buffer.nbytes
         self._posted[index] = posted
 
     def recv(self, outputs: Sequence[torch.Tensor], index: int) -> list[torch.Tensor]:
@@ -484,6 +491,7 @@ class GradientLink:
             self.post(outputs, index)
         grads = []
         for buffer, wait, device in self._posted.pop(index):
+            self._posted_bytes -= buffer.nbytes
             wait()
             grads.append(buffer.to(device))  # an output left on the CPU by a stage on a GPU gets a CPU gradient
         return grads
@@ -491,6 +499,7 @@ class GradientLink:
     def clear(self) -> None:
         """Forget the posted receives (after a failed step: the transport cannot take them back)."""
         self._posted.clear()
+        self._posted_bytes = 0
 
 
 # How errors name each message, on the sending side as on the receiving one (the transport says which).

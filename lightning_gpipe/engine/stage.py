@@ -16,10 +16,12 @@ forward; the weight pass reuses that graph.
 
 Receives are posted ahead of the actions that need them (gloo parks a send until its receive is posted): the
 activations of the whole step once its header is in (:class:`~lightning_gpipe.engine.boundary.ActivationLink`), and,
-when the step's ``gradient_order`` is known, the gradients of up to :data:`GRADIENTS_AHEAD` micro-batches whose outputs
-exist, in the order the next stage sends them. Transports that run on device streams (NCCL) do not want receives
-posted long before use (:attr:`~lightning_gpipe.engine.transport.Transport.posts_ahead`): there activations are posted
-one micro-batch at a time and gradients from the first backward on.
+when the step's ``gradient_order`` is known, the gradients of the micro-batches whose outputs exist, in the order the
+next stage sends them: :data:`GRADIENTS_AHEAD` of them, and more while their buffers fit in
+:data:`GRADIENT_BYTES_AHEAD`, so that a stage of small outputs has every gradient receive of the step posted before its
+first backward. Transports that run on device streams (NCCL) do not want receives posted long before use
+(:attr:`~lightning_gpipe.engine.transport.Transport.posts_ahead`): there activations are posted one micro-batch at a
+time and gradients from the first backward on, :data:`GRADIENTS_AHEAD` at a time.
 """
 
 from __future__ import annotations
@@ -50,16 +52,23 @@ from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import Transport
 from lightning_gpipe.engine.tree import flatten, map_tensors, unflatten
 
-__all__ = ["GRADIENTS_AHEAD", "Stage"]
+__all__ = ["GRADIENTS_AHEAD", "GRADIENT_BYTES_AHEAD", "Stage"]
 
 ComputeGuard = Callable[[], AbstractContextManager[None]]
 
 GRADIENTS_AHEAD = 2
-"""How many micro-batches' gradient receives a stage keeps posted ahead of its backward passes.
+"""How many micro-batches' gradient receives a stage keeps posted ahead of its backward passes, at least.
 
-Two let the next gradient arrive while the current backward computes, even when the next stage runs ahead; each holds
-a buffer the size of a micro-batch's outputs, so posting the whole step's at once would cost a mini-batch of boundary
-memory.
+Two let the next gradient arrive while the current backward computes, even when the next stage runs ahead.
+"""
+
+GRADIENT_BYTES_AHEAD = 4 * 2**20
+"""How many bytes of buffers the gradient receives a stage keeps posted may hold in all, where the transport posts
+ahead; the first :data:`GRADIENTS_AHEAD` are posted whatever their size.
+
+Each posted receive holds a buffer the size of its micro-batch's outputs. A gloo message whose receive is posted late
+pays a rendezvous (about 0.1 ms), which is most of what a small one costs and little beside a large one's transfer:
+4 MiB takes in the whole step of small stages while bounding the memory that posting ahead adds.
 """
 
 
@@ -82,6 +91,10 @@ def _alias_leaf(tensor: torch.Tensor) -> torch.Tensor:
 def _grad_tensors(value: Any) -> list[torch.Tensor]:
     leaves, _spec = flatten(value)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _unsaved(tensor: torch.Tensor) -> None:
@@ -301,15 +314,21 @@ class Stage:
             self._inbox.post_rest(after)
 
     def _post_gradients(self, through: int | None = None) -> None:
-        """Post gradient receives in the next stage's sending order: up to :data:`GRADIENTS_AHEAD` micro-batches, or
-        every one up to and including micro-batch ``through``, whose backward needs its gradient now."""
+        """Post gradient receives in the next stage's sending order: up to :data:`GRADIENTS_AHEAD` micro-batches, more
+        while their buffers fit in :data:`GRADIENT_BYTES_AHEAD`, or every one up to and including micro-batch
+        ``through``, whose backward needs its gradient now."""
         order, inbox = self._unposted_gradients, self._grad_inbox
+        budget = GRADIENT_BYTES_AHEAD if self.transport.posts_ahead else 0
         while order:
             assert inbox is not None
-            needed = through is not None and through in order
-            if not needed and len(inbox.posted) >= GRADIENTS_AHEAD:
-                return
             index = order[0]
+            needed = through is not None and through in order
+            if (
+                not needed
+                and len(inbox.posted) >= GRADIENTS_AHEAD
+                and inbox.posted_bytes + _nbytes(self._outputs.get(index, [])) > budget
+            ):
+                return
             if index not in self._forwarded:
                 if needed:
                     raise PipelineError(

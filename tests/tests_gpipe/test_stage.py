@@ -10,19 +10,20 @@ from __future__ import annotations
 import datetime
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 from helpers.models import batch, build, cells, full_batch_grads, loss_fn
 from helpers.runif import RunIf
+from torch import nn
 
 from benchmarks.launch import run_processes
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline, first_element, run_in_threads
 from lightning_gpipe.engine.schedule import SCHEDULES, Phase, stage_actions
-from lightning_gpipe.engine.stage import GRADIENTS_AHEAD, Stage
+from lightning_gpipe.engine.stage import GRADIENT_BYTES_AHEAD, GRADIENTS_AHEAD, Stage
 from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport, Transport
 
 NESTED_BALANCE = [2, 1, 2]  # three stages; every boundary is a tuple with a bool mask and a None leaf
@@ -32,12 +33,14 @@ ONE_STAGE = [s for s in SCHEDULES if s not in ("interleaved", "zbv")]  # the sch
 
 
 class RecordingTransport(ThreadTransport):
-    """A thread transport that notes when each receive is posted and when it is waited for."""
+    """A thread transport that notes when each receive is posted (and its buffer's size) and when it is waited for."""
 
     events: list[tuple[str, str]]
+    sizes: dict[str, int]
 
     def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
         self.events.append(("post", what))
+        self.sizes[what] = self.sizes.get(what, 0) + buffer.nbytes
         wait = super().post_recv(buffer, peer, what)
 
         def recorded_wait() -> None:
@@ -65,6 +68,26 @@ def _threads(work: Callable[[int], None], num_stages: int) -> None:
         raise errors[0]
 
 
+def _recording(num_stages: int, kind: type[RecordingTransport] = RecordingTransport) -> list[RecordingTransport]:
+    transports = cast(list[RecordingTransport], kind.create(num_stages, timeout=datetime.timedelta(seconds=60)))
+    for transport in transports:
+        transport.events, transport.sizes = [], {}
+    return transports
+
+
+def _posted_ahead(transport: RecordingTransport) -> list[tuple[int, int]]:
+    """(receives, bytes) of the gradient receives posted and not yet waited for, after each posting."""
+    posted: dict[int, int] = {}
+    counts = []
+    for kind, i in _gradient_events(transport):
+        if kind == "post":
+            posted[i] = transport.sizes[f"gradients of micro-batch {i}"]
+            counts.append((len(posted), sum(posted.values())))
+        else:
+            del posted[i]
+    return counts
+
+
 def _gradient_events(transport: RecordingTransport) -> Iterator[tuple[str, int]]:
     for kind, what in transport.events:
         if what.startswith("gradients of micro-batch "):
@@ -73,9 +96,7 @@ def _gradient_events(transport: RecordingTransport) -> Iterator[tuple[str, int]]
 
 @pytest.mark.parametrize("schedule", ONE_STAGE)
 def test_gradient_receives_are_posted_ahead_in_the_next_stages_backward_order(schedule: str) -> None:
-    transports = RecordingTransport.create(2, timeout=datetime.timedelta(seconds=60))
-    for transport in transports:
-        transport.events = []
+    transports = _recording(2)
     model = build("mlp")
     stages = cells(model, [4, 4])
 
@@ -98,7 +119,55 @@ def test_gradient_receives_are_posted_ahead_in_the_next_stages_backward_order(sc
             later = backward_order[backward_order.index(i) + 1 :]
             assert later[:1] == [] or later[0] in posted, f"{schedule}: {events}"
             posted.discard(i)
-        assert len(posted) <= GRADIENTS_AHEAD, f"{schedule}: more than {GRADIENTS_AHEAD} posted ahead: {events}"
+
+
+@pytest.mark.parametrize(("width", "everything"), [(16, True), (2**16, False)])
+def test_gradient_receives_are_posted_ahead_up_to_a_byte_budget(width: int, everything: bool) -> None:
+    # gloo parks a send until its receive is posted, which costs a small message a rendezvous (~0.1 ms) each: with
+    # only GRADIENTS_AHEAD receives posted, most of a small stage's gradients paid it during its backward passes.
+    # Small outputs: the whole step's receives are up before the first backward. Large: at most the byte budget
+    # beyond GRADIENTS_AHEAD, as each posted receive holds a buffer the size of its micro-batch's outputs.
+    chunks, rows = 8, 8
+    transports = _recording(2)
+    stages = [nn.Linear(4, width), nn.Sequential(nn.Linear(width, 1), nn.Flatten(0))]
+    data = (torch.randn(chunks * rows, 4), torch.randn(chunks * rows))
+    assert 3 * rows * width * 4 > GRADIENT_BYTES_AHEAD or everything  # large: a third receive would not fit
+
+    def work(j: int) -> None:
+        Pipeline(stages[j], transports[j], chunks=chunks, schedule="gpipe").train_step(data, loss_fn)
+
+    _threads(work, 2)
+
+    events = list(_gradient_events(transports[0]))
+    first_wait = next(n for n, (kind, _i) in enumerate(events) if kind == "wait")
+    posted = _posted_ahead(transports[0])
+    if everything:
+        assert first_wait == chunks, events  # every receive of the step, then the first wait
+    else:
+        assert first_wait == GRADIENTS_AHEAD, events
+        assert all(n <= GRADIENTS_AHEAD or size <= GRADIENT_BYTES_AHEAD for n, size in posted), posted
+    assert max(n for n, _size in posted) == (chunks if everything else GRADIENTS_AHEAD)
+
+
+def test_a_transport_that_posts_when_needed_keeps_gradients_ahead_by_count_only() -> None:
+    # NCCL (posts_ahead False) posts no receive before the backward passes and then only GRADIENTS_AHEAD at a time:
+    # a posted NCCL receive is a kernel waiting on the GPU, whatever its size.
+    transports = _recording(2, _WhenNeeded)
+    model = build("mlp")
+    stages = cells(model, [4, 4])
+
+    def work(j: int) -> None:
+        Pipeline(stages[j], transports[j], chunks=CHUNKS, schedule="gpipe").train_step(batch(), loss_fn)
+
+    _threads(work, 2)
+
+    assert max(n for n, _size in _posted_ahead(transports[0])) == GRADIENTS_AHEAD
+
+
+class _WhenNeeded(RecordingTransport):
+    @property
+    def posts_ahead(self) -> bool:
+        return False
 
 
 def test_thread_receives_complete_in_posting_order_whatever_order_they_are_waited_for_in() -> None:
