@@ -11,16 +11,17 @@ stage), are back-propagated by the weight pass whole.
 
 A boundary node that computes its parameter side even when only its input side is asked for cannot be split: a
 region under ``torch.compile`` is one autograd node (``CompiledFunctionBackward``) whose backward yields every
-gradient at once, as does a custom ``autograd.Function`` that ignores ``needs_input_grad``. The input pass keeps what
-such a node computed for its parameter side (seen by a hook on the node, so detected by what it does, not by its
-type), and the weight pass starts below it with those gradients instead of running it again: its parameters'
-gradients still reach ``.grad`` through autograd, in the weight pass. The weight pass holds no reference to the node,
-so what it saved is freed after the input pass unless an eager node above it is kept for its own weight pass (the
-graph links each node to the ones below). The cost is memory: from its input pass to its weight pass a micro-batch
-holds one gradient the size of each such region's parameters (a split node holds its incoming gradient, the size of
-its output, and what it saved), so a stage with ``P`` bytes of compiled parameters holds ``P`` more per micro-batch
-whose weight pass is pending. Such a node that another boundary node of its parameters reaches from above (a weight
-tied across an eager and a compiled layer) runs again in the weight pass, reached by the walk from the other.
+gradient at once, as does a custom ``autograd.Function`` that ignores ``needs_input_grad`` (torch's own nodes compute
+only what is asked). A hook on each boundary node of a Python function sees what it computed in the input pass; where
+that is its whole parameter side, the input pass keeps those gradients and the weight pass starts below the node with
+them instead of running it again. They still reach ``.grad`` through autograd, in the weight pass. The weight pass
+holds no reference to such a node, so what it saved is freed after the input pass, unless an eager node above it is
+kept for its own weight pass (the graph links each node to the ones below). The cost is memory: from its input pass to
+its weight pass a micro-batch holds a gradient the size of each such region's parameters, where a split node holds
+the gradient of its output and what it saved for ``dW``; a stage with ``P`` bytes of compiled parameters holds ``P``
+per micro-batch whose weight pass is pending. A node of this kind that another boundary node of its parameters reaches
+from above (a weight tied across an eager and a compiled layer) runs again in the weight pass, walked to from the
+other.
 
 The walk follows ``torch.distributed.pipelining._backward`` (``stage_backward_input`` and ``stage_backward_weight``,
 torch 2.13), which misses the parameters reached only through outputs that do not depend on an input; here the
@@ -33,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
 __all__ = ["WeightPass", "input_pass"]
@@ -143,10 +145,12 @@ def input_pass(
     dependent_pairs = [(t, g) for t, g in pairs if _node(t) in dependent]
     whole = [(t, g) for t, g in pairs if _node(t) not in dependent]
 
-    # Each boundary node's edges to its parameter side, and what reaches and leaves it in the input pass.
+    # The boundary nodes of Python autograd functions (a compiled region's among them) may compute their parameter
+    # side unasked (torch's own nodes compute only what is asked); their edges to that side.
     sides = {
         node: [k for k, (child, _) in enumerate(node.next_functions) if child is not None and child not in dependent]
         for node in group_of
+        if isinstance(node, BackwardCFunction)
     }
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     made: dict[Node, list[torch.Tensor | None]] = {}
@@ -155,7 +159,7 @@ def input_pass(
         for node in group_of
     ] + [
         node.register_hook(lambda out, _in, node=node: made.__setitem__(node, [out[k] for k in sides[node]]))
-        for node in group_of
+        for node in sides
     ]
     try:
         dinputs: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
@@ -175,8 +179,9 @@ def input_pass(
     unasked = {node for node, out in made.items() if out and all(g is not None for g in out)}
     backwards = []
     for group in groups:
-        ahead = _below(group.nodes - unasked, dependent)
-        done = {node for node in group.nodes & unasked if node not in ahead}
+        done = group.nodes & unasked
+        if done and len(done) < len(group.nodes):
+            done -= _below(group.nodes - done, dependent)
         again = group.nodes - done
         edges: list[GradientEdge] = []
         values: list[torch.Tensor] = []
