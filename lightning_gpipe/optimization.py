@@ -67,7 +67,8 @@ class StageGradients:
     def _clip(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         group = self.pipeline_group if self.layout.pipe_size > 1 else None
-        clip_grad_norm(parameters, clip_val, group, self.ties.duplicates() if self.ties is not None else ())
+        with collective_errors(self.layout.stage, "summing the gradients' norm over the stages (gradient_clip_val)"):
+            clip_grad_norm(parameters, clip_val, group, self.ties.duplicates() if self.ties is not None else ())
 
     @staticmethod
     def scale_loss(plugin: Precision, trainer: Trainer) -> Callable[[Tensor], Tensor]:
