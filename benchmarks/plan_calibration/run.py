@@ -202,16 +202,19 @@ def _predict(
     repeats: int,
     warmup: int,
     balances: list[Any] | None = None,
-) -> list[Any]:
+) -> tuple[list[Any], list[float | None]]:
     """Rank 0 profiles ``layers`` (the other rank waits, as the planner runs alone) and predicts each of ``configs``;
-    every rank gets the predictions. ``balances`` keeps each configuration's balance; ``None`` lets the planner
-    choose."""
+    every rank gets the predictions, and for the split schedules the step time the planner predicted before it timed
+    their split backward (W half of the backward of the layers with weights; ``None`` for the other schedules).
+    ``balances`` keeps each configuration's balance; ``None`` lets the planner choose."""
+    from dataclasses import replace
+
     import torch.distributed as dist
 
     from lightning_gpipe.build.profile import profile_layers
     from lightning_gpipe.plan import evaluate
 
-    predictions: list[Any] = [None]
+    predictions: list[Any] = [None, None]
     if rank == 0:
         sizes = sorted({-(-batch_size // c.chunks) for c in configs} | {batch_size})
         # The split schedules' input and weight passes are timed as the engine runs them (as plan() does).
@@ -219,23 +222,28 @@ def _predict(
         profile = profile_layers(
             layers, sample, microbatch_sizes=sizes, loss_fn=loss_fn, repeats=repeats, warmup=warmup, split=split
         )
-        predictions = [
-            [
-                evaluate(
-                    profile,
-                    pipe_size=c.pipe_size,
-                    chunks=c.chunks,
-                    batch_size=batch_size,
-                    checkpoint=c.checkpoint,  # type: ignore[arg-type]
-                    schedule=c.schedule,
-                    balance=None if balances is None else balances[index],
-                    virtual_stages=c.virtual_stages,
-                )
-                for index, c in enumerate(configs)
-            ]
+        unsplit = replace(profile, split_input={}, split_weight={}, split_walk={})
+
+        def predicted(c: Config, index: int, timed: Any = profile) -> Any:
+            return evaluate(
+                timed,
+                pipe_size=c.pipe_size,
+                chunks=c.chunks,
+                batch_size=batch_size,
+                checkpoint=c.checkpoint,  # type: ignore[arg-type]
+                schedule=c.schedule,
+                balance=None if balances is None else balances[index],
+                virtual_stages=c.virtual_stages,
+            )
+
+        candidates = [predicted(c, index) for index, c in enumerate(configs)]
+        earlier = [
+            predicted(c, index, unsplit).step_time if c.schedule in ("zero_bubble", "zbv") else None
+            for index, c in enumerate(configs)
         ]
+        predictions = [candidates, earlier]
     dist.broadcast_object_list(predictions, src=0)
-    return list(predictions[0])
+    return list(predictions[0]), list(predictions[1])
 
 
 def _stages(config: Config, rank: int, cells: list[Any], device: Any) -> tuple[Any, Any, Any]:
@@ -288,7 +296,7 @@ def _job(
         # bytes are exact).
         timed = rounds > 0
         predict = functools.partial(_predict, rank, configs, scale.batch, module.layers, input_fn(batch), profile_loss)
-        first = predict(5 if timed else 1, 2 if timed else 0)
+        first, _ = predict(5 if timed else 1, 2 if timed else 0)
         runs = []
         for config, predicted in zip(configs, first, strict=True):
             active = rank < config.pipe_size
@@ -351,11 +359,12 @@ def _job(
 
         times: list[list[float]] = [[] for _ in runs]
         predicted_times: list[list[float]] = [[] for _ in runs]
+        unsplit_times: list[list[float]] = [[] for _ in runs]  # the split schedules' W = B/2 predictions
         loads: list[float] = []
         balances = [run[1].balance for run in runs]
-        closing = predict(ROUND_REPEATS, 1, balances) if timed else []
+        closing, closing_unsplit = predict(ROUND_REPEATS, 1, balances) if timed else ([], [])
         for _ in range(rounds):
-            opening = closing  # the profile that closed the previous round opens this one
+            opening, opening_unsplit = closing, closing_unsplit  # the profile that closed the previous round
             start = snapshot(ours)
             for index, run in enumerate(runs):
                 # Warm-up steps, so that the previous configuration's caches (and a rank left idle through the
@@ -372,12 +381,16 @@ def _job(
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[index].append(float(elapsed))
             loads.append(foreign_cores(start, snapshot(ours)))
-            closing = predict(ROUND_REPEATS, 1, balances)
+            closing, closing_unsplit = predict(ROUND_REPEATS, 1, balances)
             for index, (first, last) in enumerate(zip(opening, closing, strict=True)):
                 predicted_times[index].append((first.step_time + last.step_time) / 2)
+                opened, closed = opening_unsplit[index], closing_unsplit[index]
+                if opened is not None and closed is not None:
+                    unsplit_times[index].append((opened + closed) / 2)
         results[name] = {
             "configs": [run[0].label() for run in runs],
             "predicted_times": predicted_times,
+            "unsplit_times": unsplit_times,
             "predicted_memory": [[m.peak for m in run[1].stage_memory] for run in runs],
             "memory": memory,
             "allocator": allocator,
@@ -473,6 +486,22 @@ def _report(merged: dict[str, Any], timed: bool = True) -> tuple[list[str], floa
     return rows, worst_memory, worst_time
 
 
+def _unsplit_rows(merged: dict[str, Any]) -> list[str]:
+    """The split schedules' step times as predicted before the profile timed their split backward (W half of the
+    backward of the layers with weights), against the same rounds' measurements; none without such rows."""
+    rows = []
+    for name, result in merged.items():
+        for index, label in enumerate(result["configs"]):
+            earlier = result["unsplit_times"][index]
+            if earlier:
+                predicted, measured, error = _time_error(earlier, result["times"][index], result["loads"])
+                rows.append(f"| {name} | {label} | {predicted * 1e3:.1f} / {measured * 1e3:.1f} | {error:.2f} |")
+    if not rows:
+        return []
+    header = "| model | configuration | step time with W = B/2, predicted / measured (ms) | time error |"
+    return ["", header, "|---|---|---|---|", *rows]
+
+
 def _allocator_rows(merged: dict[str, Any]) -> list[str]:
     """On a GPU: each stage's growth over a step, predicted against the CUDA caching allocator's own peak (which adds
     its rounding, caching and library workspaces to the exact tensor bytes the headline compares)."""
@@ -522,6 +551,8 @@ def main(argv: list[str] | None = None) -> None:
         per_rank = launcher.run(_job, job, 2, timeout=3000, label="plan")
     merged = _merge(per_rank)
     rows, worst_memory, worst_time = _report(merged, timed=rounds > 0)
+    if rounds > 0:
+        rows += _unsplit_rows(merged)
     page, timed_block, memory_block = PAGE, (BEGIN, END), (MEMORY_BEGIN, MEMORY_END)
     if args.schedules:  # a few schedules' rows: their own block, beside the whole calibration's
         timed_block = memory_block = (SCHEDULES_BEGIN, SCHEDULES_END)
