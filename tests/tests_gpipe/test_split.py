@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpipe.build.compile import compile_layers
 from lightning_gpipe.engine.pipeline import run_in_threads
+from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.split import input_pass
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.transport import ThreadTransport
@@ -52,7 +53,7 @@ class Cell(nn.Module):
         return h * 2, self.alone * 3 + self.offset.sum()  # the second output does not depend on x
 
 
-def reference(stage: Cell, x: torch.Tensor, grads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+def reference(stage: nn.Module, x: torch.Tensor, grads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
     leaf = x.detach().requires_grad_()
     torch.autograd.backward(stage(leaf), grads)
     result = {name: p.grad.clone() for name, p in stage.named_parameters()}
@@ -219,9 +220,10 @@ def test_a_weight_tied_across_an_eager_and_a_compiled_layer_gets_both_shares() -
         assert relative_error(p.grad, expected[name]) <= 1e-6, name
 
 
+@pytest.mark.parametrize("mode", ["never", "always", "selective"])
 @pytest.mark.parametrize(("schedule", "v", "balance"), [("zero_bubble", 1, [4, 4]), ("zbv", 2, [2, 2, 2, 2])])
 def test_compiled_and_eager_layers_in_one_stage_train_like_plain_autograd(
-    schedule: str, v: int, balance: list[int]
+    schedule: str, v: int, balance: list[int], mode: CheckpointMode
 ) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -229,10 +231,13 @@ def test_compiled_and_eager_layers_in_one_stage_train_like_plain_autograd(
         nn.Linear(HIDDEN, HIDDEN), Sine(HIDDEN), Sine(HIDDEN), nn.Linear(HIDDEN, OUT),
     )  # fmt: skip
     expected = full_batch_grads(copy.deepcopy(model), batch())
-    compiled = compile_layers([layer for layer in model if isinstance(layer, Sine)], COMPILE)
+    # As assembly does: under "selective" each compiled layer re-materializes itself and the stage wraps nothing.
+    selective = mode == "selective"
+    compiled = compile_layers([layer for layer in model if isinstance(layer, Sine)], COMPILE, selective=selective)
     model.zero_grad(set_to_none=True)
+    checkpoint: CheckpointMode = "never" if selective else mode
     run_in_threads(
-        cells(model, balance), batch(), loss_fn, chunks=4, checkpoint="never", schedule=schedule, virtual_stages=v
+        cells(model, balance), batch(), loss_fn, chunks=4, checkpoint=checkpoint, schedule=schedule, virtual_stages=v
     )
     compiled.restore()
     for name, p in model.named_parameters():
