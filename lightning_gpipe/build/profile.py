@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +50,7 @@ __all__ = [
     "OptimizerFactory",
     "Passes",
     "Split",
+    "SplitTimes",
     "layer_inputs",
     "leaf_input",
     "preserved_state",
@@ -90,6 +91,20 @@ class LayerProfile:
     # layer's output, and those that are (which a stage's engine may hold already as the output it sent on).
     selective_bytes: float = 0.0
     selective_output_bytes: float = 0.0
+    graph_nodes: int = 0  # autograd nodes of its backward (counted with split=True), which a later layer's split walks
+
+
+class SplitTimes(NamedTuple):
+    """Per layer, seconds of its backward split as the engine splits it (:meth:`ModelProfile.split_times`)."""
+
+    input: list[float]  # the input pass
+    weight: list[float]  # the weight pass
+    walk: list[float]  # the input pass where the input takes no gradient (the first stage's): the walk alone
+    # What each pass adds per autograd node below the layer in its stage (``LayerProfile.graph_nodes`` of the layers
+    # before it): the weight pass's autograd call per group of parameters, and the input pass's search for the nodes
+    # each group starts from, walk the graph below.
+    input_below: list[float]
+    weight_below: list[float]
 
 
 @dataclass(frozen=True)
@@ -112,7 +127,8 @@ class ModelProfile:
     layer: the engine's input pass (its walk of the autograd graph and the input's gradient) and its weight pass (one
     autograd call per group of parameters), together more than the whole backward. ``split_walk[n]`` is the input pass
     of a layer whose input takes no gradient, as on the first stage, where it only walks the graph and the weight pass
-    runs the whole backward. Empty when not measured.
+    runs the whole backward. ``split_input_below[n]`` and ``split_weight_below[n]`` are what each pass adds per autograd
+    node of the layers below it in a stage (:class:`SplitTimes`). Empty when not measured.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -131,6 +147,8 @@ class ModelProfile:
     split_input: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
     split_weight: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
     split_walk: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
+    split_input_below: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: per node
+    split_weight_below: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: per node
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -163,15 +181,13 @@ class ModelProfile:
             return [0.0] * len(self.layers)
         return _at_size(table, samples)
 
-    def split_times(self, samples: int) -> tuple[list[float], list[float], list[float]] | None:
+    def split_times(self, samples: int) -> SplitTimes | None:
         """Seconds of each layer's split backward for a micro-batch of ``samples`` samples (as :meth:`pass_times` fits
-        them): the input pass, the weight pass, and the input pass where the input takes no gradient (the first
-        stage's walk of the graph); ``None`` if not measured."""
+        them); ``None`` if not measured."""
         if not self.split_input:
             return None
-        tables = (self.split_input, self.split_weight, self.split_walk)
-        input_, weight, walk = (_at_size(table, samples) for table in tables)
-        return input_, weight, walk
+        tables = (self.split_input, self.split_weight, self.split_walk, self.split_input_below, self.split_weight_below)
+        return SplitTimes(*(_at_size(table, samples) for table in tables))
 
     def stage_update(self, cell: range) -> float:
         """Seconds of the optimizer step of a stage that holds the layers ``cell`` (0 when not measured)."""
@@ -200,6 +216,8 @@ class ModelProfile:
             split_input={n: repeat(t) for n, t in self.split_input.items()},
             split_weight={n: repeat(t) for n, t in self.split_weight.items()},
             split_walk={n: repeat(t) for n, t in self.split_walk.items()},
+            split_input_below={n: repeat(t) for n, t in self.split_input_below.items()},
+            split_weight_below={n: repeat(t) for n, t in self.split_weight_below.items()},
         )
 
 
@@ -408,14 +426,32 @@ def _pass_seconds(
     return middle - start, time.perf_counter() - middle
 
 
+BELOW = 64
+"""Autograd nodes put below a layer to time what its split pays per node of the layers before it in a stage."""
+
+
 def _split_seconds(
-    layer: nn.Module, loss_fn: LossFn | None, value: Any, device: torch.device, input_grad: bool = True
-) -> Split:
+    layer: nn.Module,
+    loss_fn: LossFn | None,
+    value: Any,
+    device: torch.device,
+    input_grad: bool = True,
+    below: int = 0,
+) -> tuple[float, float, float]:
     """Seconds of the split backward of ``layer`` (perhaps followed by the loss) on ``value``, after an untimed
     forward, as the engine runs it (:mod:`~lightning_gpipe.engine.split`): the input pass, the weight pass, and before
-    them the input pass of a stage whose input takes no gradient (the walk of the graph alone). The parameters'
-    ``.grad``, which the weight pass accumulates into, are restored."""
+    them the input pass of a stage whose input takes no gradient (the walk of the graph alone). ``below`` views of the
+    input, shared among its tensors, stand for the layers before it in a stage. The parameters' ``.grad``, which the
+    weight pass accumulates into, are restored."""
     leaves, x = _input(value, input_grad)
+    each = below // max(1, sum(t.requires_grad for t in _tensors(x)))
+
+    def deepened(t: Tensor) -> Tensor:
+        for _ in range(each if t.requires_grad else 0):
+            t = t.view_as(t)
+        return t
+
+    x = map_tensors(deepened, x)
     params = [p for p in layer.parameters() if p.requires_grad]
     kept = [p.grad for p in params]
     cut: list[Tensor] = []
@@ -453,6 +489,31 @@ def _split_seconds(
         for param, grad in zip(params, kept, strict=True):
             param.grad = grad
     return middle - walked, end - middle, walked - start
+
+
+def _split_pass(
+    layer: nn.Module, loss_fn: LossFn | None, value: Any, device: torch.device, input_grad: bool = True
+) -> Split:
+    """:func:`_split_seconds` of ``layer``, then what :data:`BELOW` nodes below it add to its two passes."""
+    shallow = _split_seconds(layer, loss_fn, value, device, input_grad)
+    deep = _split_seconds(layer, loss_fn, value, device, input_grad, below=BELOW)
+    return (*shallow, deep[0] - shallow[0], deep[1] - shallow[1])
+
+
+def _graph_nodes(layer: nn.Module, value: Any, input_grad: bool) -> int:
+    """The autograd nodes of ``layer``'s backward on ``value``, those of its input's copy left out."""
+    x = _input(value, input_grad)[1]
+    with torch.enable_grad():
+        output = layer(x)
+    stop = {t.grad_fn for t in _tensors(x) if t.grad_fn is not None}
+    stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None and t.grad_fn not in stop]
+    seen = set(stack)
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child is not None and child not in seen and child not in stop:
+                seen.add(child)
+                stack.append(child)
+    return len(seen)
 
 
 def state_bytes(layer: nn.Module, seen: set[int]) -> tuple[int, int, int]:
@@ -664,13 +725,16 @@ class _Floor:
         the graph and set-up), so that a layer's input and weight passes less their floors exceed its backward less
         its floor by what its own split adds. The weight pass's and the walk's are the parameter-free layer's: a
         stage pays the weight pass's autograd call once per group of parameters, per layer with weights, and walks
-        every layer's nodes."""
+        every layer's nodes. What :data:`BELOW` nodes add to its passes (their own backward and walk, which any layer
+        pays) is taken off a layer's."""
         bare = _runner(self.bare, None, False, first=False)
-        _split_seconds(self.bare, None, self.value, self.device)
-        splits = [_split_seconds(self.bare, None, self.value, self.device) for _ in range(3)]
+        _split_pass(self.bare, None, self.value, self.device)
+        splits = [_split_pass(self.bare, None, self.value, self.device) for _ in range(3)]
         plain = statistics.median(_pass_seconds(bare, self.bare, self.value, self.device)[1] for _ in range(3))
-        input_, weight, walk = (statistics.median(split[part] for split in splits) for part in range(3))
-        return backward + max(0.0, input_ - plain), weight, walk
+        input_, weight, walk, input_below, weight_below = (
+            statistics.median(split[part] for split in splits) for part in range(5)
+        )
+        return backward + max(0.0, input_ - plain), weight, walk, input_below, weight_below
 
     def wrapper_call(self, runs: int) -> float:
         """The wrapper's cost per call: the median of at least 15 wrapped passes, each less the plain one before it."""
@@ -682,7 +746,8 @@ class _Floor:
 
 
 Pass = tuple[float, float]  # (forward, backward) seconds
-Split = tuple[float, float, float]  # a split backward's (input pass, weight pass, walk alone) seconds
+# A split backward's seconds: input pass, weight pass, walk alone, and what BELOW nodes below add to the two passes
+Split = tuple[float, float, float, float, float]
 
 
 @dataclass(frozen=True)
@@ -748,7 +813,7 @@ def timed_passes(
         grad = input_grad or index > 0
         loss = loss_fn if index == last else None
         if variant == 3:
-            split_runs[index].append(_split_seconds(layer, loss, value, device, input_grad=grad))
+            split_runs[index].append(_split_pass(layer, loss, value, device, input_grad=grad))
             return
         run = _runner(layer, loss, variant == 1, index == 0, selective=variant == 2)
         with torch.enable_grad():
@@ -756,7 +821,7 @@ def timed_passes(
 
     def floor_now(floor: _Floor) -> tuple[Pass, Split]:
         now = floor.warm()
-        return now, floor.warm_split(now[1]) if split else (0.0, 0.0, 0.0)
+        return now, floor.warm_split(now[1]) if split else (0.0, 0.0, 0.0, 0.0, 0.0)
 
     with preserved_state(layers, sample):
         floor = floor if floor is not None else _Floor(device)  # inside: its Linear draws from the generator
@@ -876,6 +941,7 @@ def profile_layers(
                     counted.passthrough,
                     kept_inside / rows,
                     kept_output / rows,
+                    _graph_nodes(real, x, input_grad=index > 0) if split else 0,
                 )
             )
             last = (real, x)
@@ -908,6 +974,8 @@ def profile_layers(
         split_input=measured.split_input,
         split_weight=measured.split_weight,
         split_walk=measured.split_walk,
+        split_input_below=measured.split_input_below,
+        split_weight_below=measured.split_weight_below,
     )
 
 
@@ -933,6 +1001,8 @@ class _Measured:
     split_input: dict[int, tuple[float, ...]]
     split_weight: dict[int, tuple[float, ...]]
     split_walk: dict[int, tuple[float, ...]]
+    split_input_below: dict[int, tuple[float, ...]]
+    split_weight_below: dict[int, tuple[float, ...]]
 
 
 def _measured_times(
@@ -955,7 +1025,7 @@ def _measured_times(
     recompute_forward: dict[int, tuple[float, ...]] = {}
     selective_recompute: dict[int, tuple[float, ...]] = {}
     selective_forward: dict[int, tuple[float, ...]] = {}
-    split_times: list[dict[int, tuple[float, ...]]] = [{}, {}, {}]  # input, weight, walk
+    split_times: list[dict[int, tuple[float, ...]]] = [{}, {}, {}, {}, {}]  # as SplitTimes
     for n in sizes:
         passes = timed_passes(
             layers,
@@ -983,7 +1053,8 @@ def _measured_times(
         if split:
             pairs = list(zip(passes.split, passes.split_floors, strict=True))
             for part, table in enumerate(split_times):
-                table[n] = tuple(_less_floor(runs, floors, part) for runs, floors in pairs)
+                per = BELOW if part >= 3 else 1  # the additions below are per node
+                table[n] = tuple(_less_floor(runs, floors, part) / per for runs, floors in pairs)
     return _Measured(times, recompute, call, recompute_forward, selective_recompute, selective_forward, *split_times)
 
 

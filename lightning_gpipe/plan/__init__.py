@@ -313,9 +313,10 @@ def evaluate(
     :func:`~lightning_gpipe.plan.simulate.simulate_step`); by default on CPU stages, whose transport is gloo.
     ``compiled`` layers (``compile=True``) re-materialize every micro-batch under ``checkpoint="selective"``, the
     last included (:func:`~lightning_gpipe.engine.rematerialization.checkpoint_stop`). The zero-bubble schedules'
-    input and weight passes I and W are the profile's times of the engine's split (``profile_layers(split=True)``):
-    on the first stage, whose input takes no gradient, I only walks the graph and W runs the whole backward. W also
-    pays the engine's cost of one pass. A profile without them (from FLOPs) takes W as half the backward of each
+    input and weight passes I and W are the profile's times of the engine's split (``profile_layers(split=True)``),
+    each layer's own plus what it pays per autograd node of the layers before it in its stage: on the first stage,
+    whose input takes no gradient, I only walks the graph and W runs the whole backward. W also pays the engine's cost
+    of one pass. A profile without them (from FLOPs) takes W as half the backward of each
     layer with trainable parameters, none of the others' (a linear layer's input and weight gradients are one matrix
     product each).
 
@@ -361,13 +362,14 @@ def evaluate(
     weight = [sum(backward[i] / 2 for i in cell if profile.layers[i].trainable_bytes) + passes for cell in bounds]
     split = profile.split_times(n) if schedule in ("zero_bubble", "zbv") else None
     if split is not None:  # measured: the engine's split costs more than the whole backward (its walk, its calls)
-        input_pass, weight_pass, walk = split
-        # The first stage's input takes no gradient: its input pass only walks the graph, its weight pass is whole.
-        weight = [sum((backward if s == 0 else weight_pass)[i] for i in cell) + passes for s, cell in enumerate(bounds)]
-        stage_b = [
-            sum((walk if s == 0 else input_pass)[i] for i in cell) + cost / 2 + w
-            for s, (cell, cost, w) in enumerate(zip(bounds, host, weight, strict=True))
-        ]
+        for s, (cell, cost) in enumerate(zip(bounds, host, strict=True)):
+            if s == 0:  # its input takes no gradient: the input pass only walks the graph, the weight pass is whole
+                own_input, own_weight = sum(split.walk[i] for i in cell), sum(backward[i] for i in cell)
+            else:
+                own_input = _split_stage(profile, cell, split.input, split.input_below)
+                own_weight = _split_stage(profile, cell, split.weight, split.weight_below)
+            weight[s] = own_weight + passes
+            stage_b[s] = own_input + cost / 2 + weight[s]
     transfer = [delay + n * profile.layers[cell.stop - 1].output_bytes / rate for cell in bounds[:-1]]
     # Selective re-materialization as measured under its own wrapper; unmeasured, it is charged as the whole replay.
     selective = checkpoint == "selective" and bool(profile.selective_recompute)
@@ -474,6 +476,16 @@ def _search(
                         if K > 1:
                             found.append(_memory_balanced(profile, by_time, total, options))
     return found
+
+
+def _split_stage(profile: ModelProfile, cell: range, own: Sequence[float], per_node: Sequence[float]) -> float:
+    """Seconds of one pass of a stage's split backward: its layers' own, and what each pays per autograd node of the
+    layers before it in the stage (the walks per group of parameters go down the whole graph below)."""
+    total, below = 0.0, 0
+    for i in cell:
+        total += own[i] + per_node[i] * below
+        below += profile.layers[i].graph_nodes
+    return total
 
 
 def _scattered(per_replica: int, chunks: int) -> int:

@@ -929,7 +929,15 @@ def test_evaluate_takes_the_split_backward_from_the_profiles_measured_passes() -
     # input pass only walks the graph (0 here) and its weight pass is the whole backward (8B).
     ratio = meta()
     times = {n: b for n, (_, b) in ratio.times.items()}
-    measured = replace(ratio, split_input=times, split_weight=times, split_walk=dict.fromkeys(times, (0.0,) * 16))
+    zeros = dict.fromkeys(times, (0.0,) * 16)
+    measured = replace(
+        ratio,
+        split_input=times,
+        split_weight=times,
+        split_walk=zeros,
+        split_input_below=zeros,
+        split_weight_below=zeros,
+    )
     settings: dict[str, Any] = {"pipe_size": 2, "chunks": 1, "batch_size": 4, "checkpoint": "never", **FREE_LINKS}
     forward, backward = ratio.pass_times(4)
     F, B = 8 * forward[0], 8 * backward[0]
@@ -941,6 +949,27 @@ def test_evaluate_takes_the_split_backward_from_the_profiles_measured_passes() -
         evaluate(measured, schedule="1f1b", **settings).step_time
         == evaluate(ratio, schedule="1f1b", **settings).step_time
     )
+
+
+def test_a_stages_split_pays_per_autograd_node_of_its_earlier_layers() -> None:
+    # Calibration of issue 31: summed layer by layer, the split of a stage read short of the engine's, whose weight
+    # pass makes one autograd call per group of parameters, each walking the whole graph below it (and the input pass
+    # searches below each group): a stage's later layers pay per node of its earlier ones.
+    base = meta(4)
+    times = {n: b for n, (_, b) in base.times.items()}
+    zeros = dict.fromkeys(times, (0.0,) * 4)
+    per_node = dict.fromkeys(times, (1e-6,) * 4)  # a second per million nodes below, for I and for W
+    layers = tuple(replace(layer, graph_nodes=100) for layer in base.layers)
+    flat = replace(base, layers=layers, split_input=times, split_weight=times, split_walk=zeros,
+                   split_input_below=zeros, split_weight_below=zeros)  # fmt: skip
+    deep = replace(flat, split_input_below=per_node, split_weight_below=per_node)
+    settings: dict[str, Any] = {"pipe_size": 2, "chunks": 1, "batch_size": 4, "checkpoint": "never", **FREE_LINKS}
+    # The last stage's second layer pays for its first's 100 nodes in I and in W, both on the path of M = 1 (its W
+    # ends the step, as long as stage 0's whole backward without them); the first stage pays nothing (no groups).
+    flat_step, deep_step = (evaluate(p, schedule="zero_bubble", **settings) for p in (flat, deep))
+    assert deep_step.step_time - flat_step.step_time == pytest.approx(2 * 100 * 1e-6)
+    assert deep_step.stage_busy[0] == pytest.approx(flat_step.stage_busy[0])
+    assert deep_step.stage_busy[1] == pytest.approx(flat_step.stage_busy[1] + 2 * 100 * 1e-6)
 
 
 def test_a_split_backwards_weight_pass_pays_the_engines_cost_of_a_pass() -> None:

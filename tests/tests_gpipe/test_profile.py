@@ -78,14 +78,19 @@ def test_the_split_backward_is_timed_as_the_engine_runs_it_and_costs_more_than_t
     split = profile.profile_layers(
         layers, sample, microbatch_sizes=[16], repeats=5, rematerialized=False, optimizer=None, split=True
     )
-    input_pass, weight_pass, walk = split.split_times(16)  # type: ignore[misc]
+    times = split.split_times(16)
+    assert times is not None
+    input_pass, weight_pass, walk = times.input, times.weight, times.walk
     _, backward = split.pass_times(16)
-    assert len(input_pass) == len(weight_pass) == len(walk) == 8
+    assert len(input_pass) == len(weight_pass) == len(walk) == len(times.input_below) == len(times.weight_below) == 8
+    # What a later layer of a stage walks: a Linear's addmm, transpose and two accumulators, a ReLU's one node.
+    assert [layer.graph_nodes for layer in split.layers] == [4, 1] * 4
+    assert plain.layers[0].graph_nodes == 0  # counted only with split=True
     assert sum(input_pass[1:]) + sum(weight_pass[1:]) > sum(backward[1:])
     # The weight pass's autograd call is paid per layer with weights: each Linear's W exceeds a ReLU's.
     assert min(weight_pass[0::2]) > max(weight_pass[1::2])
     assert all(param.grad is None for param in layers.parameters())  # the weight pass's .grad were put back
-    assert split.scaled(layers=16).split_times(16)[1][8:] == weight_pass  # type: ignore[index]
+    assert split.scaled(layers=16).split_times(16).weight[8:] == weight_pass  # type: ignore[union-attr]
 
 
 def test_the_models_input_gets_no_gradient_a_boundarys_does() -> None:
