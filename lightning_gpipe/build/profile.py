@@ -127,8 +127,9 @@ class ModelProfile:
     layer: the engine's input pass (its walk of the autograd graph and the input's gradient) and its weight pass (one
     autograd call per group of parameters), together more than the whole backward. ``split_walk[n]`` is the input pass
     of a layer whose input takes no gradient, as on the first stage, where it only walks the graph and the weight pass
-    runs the whole backward. ``split_input_below[n]`` and ``split_weight_below[n]`` are what each pass adds per autograd
-    node of the layers below it in a stage (:class:`SplitTimes`). Empty when not measured.
+    runs the whole backward. ``split_input_below`` and ``split_weight_below`` are what each pass adds per autograd node
+    of the layers below it in a stage (:class:`SplitTimes`), a walk whatever the size, timed at the smallest. Empty
+    when not measured.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -147,8 +148,8 @@ class ModelProfile:
     split_input: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
     split_weight: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
     split_walk: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: seconds per layer
-    split_input_below: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: per node
-    split_weight_below: dict[int, tuple[float, ...]] = field(default_factory=dict)  # per size: per node
+    split_input_below: tuple[float, ...] = ()  # per layer: seconds per node below, at every size
+    split_weight_below: tuple[float, ...] = ()  # per layer: seconds per node below, at every size
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -186,8 +187,9 @@ class ModelProfile:
         them); ``None`` if not measured."""
         if not self.split_input:
             return None
-        tables = (self.split_input, self.split_weight, self.split_walk, self.split_input_below, self.split_weight_below)
-        return SplitTimes(*(_at_size(table, samples) for table in tables))
+        tables = (self.split_input, self.split_weight, self.split_walk)
+        below = [list(b) if b else [0.0] * len(self.layers) for b in (self.split_input_below, self.split_weight_below)]
+        return SplitTimes(*(_at_size(table, samples) for table in tables), *below)
 
     def stage_update(self, cell: range) -> float:
         """Seconds of the optimizer step of a stage that holds the layers ``cell`` (0 when not measured)."""
@@ -216,8 +218,8 @@ class ModelProfile:
             split_input={n: repeat(t) for n, t in self.split_input.items()},
             split_weight={n: repeat(t) for n, t in self.split_weight.items()},
             split_walk={n: repeat(t) for n, t in self.split_walk.items()},
-            split_input_below={n: repeat(t) for n, t in self.split_input_below.items()},
-            split_weight_below={n: repeat(t) for n, t in self.split_weight_below.items()},
+            split_input_below=repeat(self.split_input_below),
+            split_weight_below=repeat(self.split_weight_below),
         )
 
 
@@ -492,10 +494,17 @@ def _split_seconds(
 
 
 def _split_pass(
-    layer: nn.Module, loss_fn: LossFn | None, value: Any, device: torch.device, input_grad: bool = True
+    layer: nn.Module,
+    loss_fn: LossFn | None,
+    value: Any,
+    device: torch.device,
+    input_grad: bool = True,
+    below: bool = True,
 ) -> Split:
-    """:func:`_split_seconds` of ``layer``, then what :data:`BELOW` nodes below it add to its two passes."""
+    """:func:`_split_seconds` of ``layer``, then (``below``) what :data:`BELOW` nodes below it add to its two passes."""
     shallow = _split_seconds(layer, loss_fn, value, device, input_grad)
+    if not below:
+        return (*shallow, 0.0, 0.0)
     deep = _split_seconds(layer, loss_fn, value, device, input_grad, below=BELOW)
     return (*shallow, deep[0] - shallow[0], deep[1] - shallow[1])
 
@@ -719,7 +728,7 @@ class _Floor:
         passes = [self.timed_pass() for _ in range(3)]
         return statistics.median(f for f, _ in passes), statistics.median(b for _, b in passes)
 
-    def warm_split(self, backward: float) -> Split:
+    def warm_split(self, backward: float, below: bool = True) -> Split:
         """The split backward's floor now, as :meth:`warm` takes it, given the plain floor's ``backward``: the input
         pass's is that plus what an input pass costs beyond a plain backward on the parameter-free layer (its walk of
         the graph and set-up), so that a layer's input and weight passes less their floors exceed its backward less
@@ -728,8 +737,8 @@ class _Floor:
         every layer's nodes. What :data:`BELOW` nodes add to its passes (their own backward and walk, which any layer
         pays) is taken off a layer's."""
         bare = _runner(self.bare, None, False, first=False)
-        _split_pass(self.bare, None, self.value, self.device)
-        splits = [_split_pass(self.bare, None, self.value, self.device) for _ in range(3)]
+        _split_pass(self.bare, None, self.value, self.device, below=below)
+        splits = [_split_pass(self.bare, None, self.value, self.device, below=below) for _ in range(3)]
         plain = statistics.median(_pass_seconds(bare, self.bare, self.value, self.device)[1] for _ in range(3))
         input_, weight, walk, input_below, weight_below = (
             statistics.median(split[part] for split in splits) for part in range(5)
@@ -783,6 +792,7 @@ def timed_passes(
     floor: _Floor | None = None,
     selective: bool = False,
     split: bool = False,
+    split_below: bool = False,
 ) -> Passes:
     """Time ``warmup + repeats`` forward and backward passes of every layer on ``device``, each on its input from
     ``sample``, and keep the last ``repeats``.
@@ -813,7 +823,7 @@ def timed_passes(
         grad = input_grad or index > 0
         loss = loss_fn if index == last else None
         if variant == 3:
-            split_runs[index].append(_split_pass(layer, loss, value, device, input_grad=grad))
+            split_runs[index].append(_split_pass(layer, loss, value, device, input_grad=grad, below=split_below))
             return
         run = _runner(layer, loss, variant == 1, index == 0, selective=variant == 2)
         with torch.enable_grad():
@@ -821,7 +831,7 @@ def timed_passes(
 
     def floor_now(floor: _Floor) -> tuple[Pass, Split]:
         now = floor.warm()
-        return now, floor.warm_split(now[1]) if split else (0.0, 0.0, 0.0, 0.0, 0.0)
+        return now, floor.warm_split(now[1], split_below) if split else (0.0, 0.0, 0.0, 0.0, 0.0)
 
     with preserved_state(layers, sample):
         floor = floor if floor is not None else _Floor(device)  # inside: its Linear draws from the generator
@@ -1001,8 +1011,8 @@ class _Measured:
     split_input: dict[int, tuple[float, ...]]
     split_weight: dict[int, tuple[float, ...]]
     split_walk: dict[int, tuple[float, ...]]
-    split_input_below: dict[int, tuple[float, ...]]
-    split_weight_below: dict[int, tuple[float, ...]]
+    split_input_below: tuple[float, ...]
+    split_weight_below: tuple[float, ...]
 
 
 def _measured_times(
@@ -1025,7 +1035,8 @@ def _measured_times(
     recompute_forward: dict[int, tuple[float, ...]] = {}
     selective_recompute: dict[int, tuple[float, ...]] = {}
     selective_forward: dict[int, tuple[float, ...]] = {}
-    split_times: list[dict[int, tuple[float, ...]]] = [{}, {}, {}, {}, {}]  # as SplitTimes
+    split_times: list[dict[int, tuple[float, ...]]] = [{}, {}, {}]  # input, weight, walk
+    below: list[tuple[float, ...]] = [(), ()]  # input, weight: per node below, at the smallest size only
     for n in sizes:
         passes = timed_passes(
             layers,
@@ -1038,6 +1049,7 @@ def _measured_times(
             floor=floor,
             selective=selective,
             split=split,
+            split_below=split and n == sizes[0],
         )
         # Each pass less the floor timed at the start of its round: the median of these paired differences cancels the
         # machine's drift over the profile, which a floor timed once, before all the layers, would keep.
@@ -1053,9 +1065,13 @@ def _measured_times(
         if split:
             pairs = list(zip(passes.split, passes.split_floors, strict=True))
             for part, table in enumerate(split_times):
-                per = BELOW if part >= 3 else 1  # the additions below are per node
-                table[n] = tuple(_less_floor(runs, floors, part) / per for runs, floors in pairs)
-    return _Measured(times, recompute, call, recompute_forward, selective_recompute, selective_forward, *split_times)
+                table[n] = tuple(_less_floor(runs, floors, part) for runs, floors in pairs)
+            if n == sizes[0]:
+                below = [tuple(_less_floor(runs, floors, part) / BELOW for runs, floors in pairs) for part in (3, 4)]
+    input_, weight, walk = split_times
+    return _Measured(
+        times, recompute, call, recompute_forward, selective_recompute, selective_forward, input_, weight, walk, *below
+    )
 
 
 def _added(

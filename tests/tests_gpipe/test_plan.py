@@ -930,14 +930,7 @@ def test_evaluate_takes_the_split_backward_from_the_profiles_measured_passes() -
     ratio = meta()
     times = {n: b for n, (_, b) in ratio.times.items()}
     zeros = dict.fromkeys(times, (0.0,) * 16)
-    measured = replace(
-        ratio,
-        split_input=times,
-        split_weight=times,
-        split_walk=zeros,
-        split_input_below=zeros,
-        split_weight_below=zeros,
-    )
+    measured = replace(ratio, split_input=times, split_weight=times, split_walk=zeros)
     settings: dict[str, Any] = {"pipe_size": 2, "chunks": 1, "batch_size": 4, "checkpoint": "never", **FREE_LINKS}
     forward, backward = ratio.pass_times(4)
     F, B = 8 * forward[0], 8 * backward[0]
@@ -958,10 +951,9 @@ def test_a_stages_split_pays_per_autograd_node_of_its_earlier_layers() -> None:
     base = meta(4)
     times = {n: b for n, (_, b) in base.times.items()}
     zeros = dict.fromkeys(times, (0.0,) * 4)
-    per_node = dict.fromkeys(times, (1e-6,) * 4)  # a second per million nodes below, for I and for W
+    per_node = (1e-6,) * 4  # a second per million nodes below, for I and for W
     layers = tuple(replace(layer, graph_nodes=100) for layer in base.layers)
-    flat = replace(base, layers=layers, split_input=times, split_weight=times, split_walk=zeros,
-                   split_input_below=zeros, split_weight_below=zeros)  # fmt: skip
+    flat = replace(base, layers=layers, split_input=times, split_weight=times, split_walk=zeros)
     deep = replace(flat, split_input_below=per_node, split_weight_below=per_node)
     settings: dict[str, Any] = {"pipe_size": 2, "chunks": 1, "batch_size": 4, "checkpoint": "never", **FREE_LINKS}
     # The last stage's second layer pays for its first's 100 nodes in I and in W, both on the path of M = 1 (its W

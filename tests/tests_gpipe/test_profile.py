@@ -83,7 +83,9 @@ def test_the_split_backward_is_timed_as_the_engine_runs_it_and_costs_more_than_t
     input_pass, weight_pass, walk = times.input, times.weight, times.walk
     _, backward = split.pass_times(16)
     assert len(input_pass) == len(weight_pass) == len(walk) == len(times.input_below) == len(times.weight_below) == 8
-    # What a later layer of a stage walks: a Linear's addmm, transpose and two accumulators, a ReLU's one node.
+    # What a later layer of a stage walks: a Linear's addmm, transpose and two accumulators, a ReLU's one node; what
+    # it pays per node is a walk, timed at one size for all.
+    assert len(split.split_weight_below) == 8
     assert [layer.graph_nodes for layer in split.layers] == [4, 1] * 4
     assert plain.layers[0].graph_nodes == 0  # counted only with split=True
     assert sum(input_pass[1:]) + sum(weight_pass[1:]) > sum(backward[1:])
