@@ -60,10 +60,11 @@ class _Group:
 
 
 class _Backward:
-    """One backward call of the weight pass: one group's starting edges and gradients.
+    """One backward call of the weight pass: one group's starting edges and their gradients.
 
-    ``held`` maps the group's boundary nodes to the gradients they had in the input pass, which a hook gives back when
-    one of them is reached again from another (a group of one node needs no hook).
+    The edges lead into the group's boundary nodes, or out of one that computed its parameter side in the input pass
+    (to the nodes below it). ``held`` maps the boundary nodes that run again to the gradients they had in the input
+    pass, which a hook gives back when one of them is reached again from another (one such node needs no hook).
     """
 
     def __init__(
