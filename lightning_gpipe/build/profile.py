@@ -800,8 +800,9 @@ def timed_passes(
     Layers on the device are timed round-robin, so that a burst of load on a shared machine spreads over all layers
     instead of inflating one: every layer plain, then every layer under the checkpoint wrapper if
     ``rematerialized``, then under the selective wrapper if ``selective``, then with the backward split as the
-    engine's zero-bubble schedules split it if ``split``, so that each pass follows another layer's, as in a stage (a
-    layer's second pass in a row runs warm). Other layers (on the meta device, or on the CPU for a
+    engine's zero-bubble schedules split it if ``split`` (and again with :data:`BELOW` autograd nodes below each layer
+    if ``split_below``), so that each pass follows another layer's, as in a stage (a layer's second pass in a row runs
+    warm). Other layers (on the meta device, or on the CPU for a
     GPU) are copied there and timed one after the other, so that only one copy exists at a time. Each round starts
     with the floor. ``loss_fn`` runs after the last layer, outside the wrapper; the first layer's input gets a
     gradient only with ``input_grad``, as the model's batch gets none. The backward is ``torch.autograd.grad``, so
