@@ -187,6 +187,58 @@ def check_threaded_engine() -> str:
     return f"max abs gradient difference {difference:.1e}"
 
 
+def check_compiled_split_backward() -> str:
+    """Under ``"zero_bubble"`` and ``"zbv"``, layers compiled by inductor train like plain autograd, and the weight pass
+    runs none of their compiled backwards again (the input pass keeps the weight gradients they computed)."""
+    import torch.nn.functional as F
+    from torch.autograd.graph import Node
+
+    from lightning_gpipe import run_in_threads
+    from lightning_gpipe.build.compile import compile_layers
+    from lightning_gpipe.engine.split import input_pass
+
+    device = torch.device(DEVICE)
+
+    def layers(count: int) -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).to(device) for _ in range(count)]
+
+    x, y = torch.randn(8, 16, 64, device=device), torch.randn(8, 16, 64, device=device)
+    cell, reference = nn.Sequential(*layers(2)), nn.Sequential(*layers(2))
+    compile_layers(list(cell), {"dynamic": False})
+    leaf = x.clone().requires_grad_()  # a stage whose input takes a gradient: its input pass runs every layer
+    output = cell(leaf)
+    nodes, stack, seen = [], [output.grad_fn], set()
+    while stack:  # the compiled regions' backward nodes
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nodes += [node] if node.name() == "CompiledFunctionBackward" else []
+            stack += [child for child, _ in node.next_functions]
+    runs: list[Node] = []
+    for node in nodes:
+        node.register_prehook(lambda grads, node=node: runs.append(node))
+    input_pass([output], [torch.ones_like(output)], [leaf])[1].run()
+    if not nodes or len(runs) != len(nodes):
+        raise AssertionError(f"{len(runs)} runs of {len(nodes)} compiled backwards in the input and weight passes")
+    reference(x).sum().backward()
+    differences = []
+    for schedule, count in (("zero_bubble", 2), ("zbv", 4)):
+        compiled, plain = layers(count), nn.Sequential(*layers(count))
+        compile_layers(compiled, {"dynamic": False})
+        loss = lambda out, batch: F.mse_loss(out, batch[1])  # noqa: E731
+        run_in_threads(compiled, (x, y), loss, chunks=4, checkpoint="never", schedule=schedule)
+        F.mse_loss(plain(x), y).backward()
+        got = [p.grad for layer in compiled for p in layer.parameters()]
+        differences.append(max((g - p.grad).abs().max().item() for g, p in zip(got, plain.parameters(), strict=True)))  # type: ignore[operator]
+    if max(differences) > 1e-4:
+        raise AssertionError(f"gradients differ from plain autograd by {max(differences):.2e} (zero_bubble, zbv)")
+    return (
+        f"{len(nodes)} compiled backwards run once each; zero_bubble / zbv gradients within "
+        f"{differences[0]:.1e} / {differences[1]:.1e} of plain autograd"
+    )
+
+
 def check_meta_init() -> str:
     """A model built in ``configure_model`` (on the meta device) materializes on the GPU and trains."""
     from lightning_gpipe import GPipeStrategy
@@ -303,6 +355,7 @@ CHECKS: dict[str, Callable[[], str]] = {
     "K=1 vs auto, 16-mixed with overflow": check_k1_fp16_overflow,
     "K=1 compile=True vs auto, bf16-mixed": check_k1_compiled_bf16,
     "threaded engine vs single device": check_threaded_engine,
+    "compiled layers under a split backward": check_compiled_split_backward,
     "meta init on CUDA": check_meta_init,
     "re-materialization peak memory": check_rematerialization_memory,
     "zoo transformer_lm K=1 bf16": check_zoo_bf16,
