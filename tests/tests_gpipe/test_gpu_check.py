@@ -13,7 +13,7 @@ def test_without_cuda_every_check_says_skipped_and_the_command_succeeds(monkeypa
     assert gpu_check.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines == [f"{name}: no CUDA device: skipped" for name in gpu_check.CHECKS]
-    assert len(lines) == 11
+    assert len(lines) == 12
 
 
 def test_only_runs_the_named_checks(monkeypatch, capsys) -> None:
