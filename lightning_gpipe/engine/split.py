@@ -128,7 +128,8 @@ def input_pass(
                 users.append(node)
     starts = {node for t in inputs if (node := _node(t)) is not None and node in consumers}
     dependent = _closure(starts, consumers)  # the nodes whose gradient depends on an input's
-    leaves = [node for node in consumers if node not in starts and hasattr(node, "variable")]
+    # With no input in the graph (the first stage) no parameter has a boundary node: skip walking up from each.
+    leaves = [node for node in consumers if node not in starts and hasattr(node, "variable")] if dependent else []
     group_of: dict[Node, _Group] = {}
     for leaf in leaves:
         met = _closure({leaf}, consumers, stop=dependent)

@@ -13,6 +13,7 @@ from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpipe.build.compile import compile_layers
+from lightning_gpipe.engine import split
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.split import input_pass
@@ -160,17 +161,22 @@ class Sine(nn.Module):
 COMPILE = {"backend": "aot_eager", "dynamic": False}  # the same autograd node as inductor's, compiled in a second
 
 
-def compiled_nodes(tensor: torch.Tensor) -> list[Node]:
-    """The compiled regions' backward nodes in ``tensor``'s graph."""
+def graph_nodes(tensor: torch.Tensor) -> list[Node]:
+    """The backward nodes in ``tensor``'s graph."""
     found, seen, stack = [], set(), [tensor.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        found += [node] if node.name() == "CompiledFunctionBackward" else []
+        found.append(node)
         stack += [child for child, _ in node.next_functions]
     return found
+
+
+def compiled_nodes(tensor: torch.Tensor) -> list[Node]:
+    """The compiled regions' backward nodes in ``tensor``'s graph."""
+    return [node for node in graph_nodes(tensor) if node.name() == "CompiledFunctionBackward"]
 
 
 def test_the_weight_pass_runs_no_compiled_backward_again() -> None:
@@ -242,3 +248,42 @@ def test_compiled_and_eager_layers_in_one_stage_train_like_plain_autograd(
     compiled.restore()
     for name, p in model.named_parameters():
         assert relative_error(p.grad, expected[name]) <= 1e-6, name
+
+
+class _Visits(dict):
+    """A consumers map counting the nodes a walk of the input pass visits (one lookup per node popped)."""
+
+    count = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        _Visits.count += 1
+        return super().get(key, default)
+
+
+class _Looks(set):
+    """A set of nodes counting the lookups a walk down the graph makes in it."""
+
+    def __contains__(self, node: object) -> bool:
+        _Visits.count += 1
+        return super().__contains__(node)
+
+
+@pytest.mark.parametrize("with_input", [True, False])
+def test_the_input_pass_walks_an_eager_graph_in_time_linear_in_its_nodes(
+    with_input: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each parameter's walk up to the nodes that depend on the input went up to the outputs when nothing did (the
+    # first stage): parameters x nodes. Each group walked everything below it when a compiled region might be there.
+    closure, below = split._closure, split._below
+    monkeypatch.setattr(
+        split, "_closure", lambda starts, consumers, stop=None: closure(starts, _Visits(consumers), stop)
+    )
+    monkeypatch.setattr(split, "_below", lambda starts, within: below(starts, _Looks(within)))
+    torch.manual_seed(0)
+    stack = nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(4, 4), nn.ReLU())])
+    leaf = torch.randn(6, 4, requires_grad=with_input)
+    output = stack(leaf)
+    nodes = len(graph_nodes(output))
+    _Visits.count = 0
+    input_pass([output], None, [leaf] if with_input else [])
+    assert _Visits.count <= 2 * nodes, (_Visits.count, nodes)  # once the input's side, at most once more the rest
