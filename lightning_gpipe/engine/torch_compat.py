@@ -92,10 +92,11 @@ def compile_in_place(module: nn.Module, options: Mapping[str, Any]) -> CompiledC
 def keep_compiled_saved_tensors() -> None:
     """Compile every later graph without donating its saved tensors' buffers to its backward (for this process).
 
-    A split backward (``"zero_bubble"``, ``"zbv"``) runs a compiled layer's backward with the graph kept, since the
-    weight pass reads it again. torch refuses that for a backward compiled to reuse its saved buffers ("compiled with
-    non-empty donated buffers"): one compiled by a backward that did not keep the graph (a first stage's whole
-    backward), which torch's compile cache then hands to other processes. Costs that reuse's memory saving.
+    A split backward (``"zero_bubble"``, ``"zbv"``) runs a compiled layer's backward with the graph kept, since its
+    input pass keeps the graph that its weight pass starts from. torch refuses that for a backward compiled to reuse
+    its saved buffers ("compiled with non-empty donated buffers"): one compiled by a backward that did not keep the
+    graph (a first stage's whole backward), which torch's compile cache then hands to other processes. Costs that
+    reuse's memory saving.
     """
     torch._functorch.config.donated_buffer = False
 
