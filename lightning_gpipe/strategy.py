@@ -469,6 +469,11 @@ class GPipeStrategy(ParallelStrategy):
         with self._collective("reducing a logged value over the ranks (self.log with sync_dist=True)"):
             return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        with self._collective("gathering a tensor from every rank (self.all_gather)"):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
     # ------------------------------------------------------------------ checkpoints
 
     def _checkpoints(self) -> StageCheckpoints:

@@ -10,7 +10,8 @@ in every rank (started by ``run_job`` like torchrun, or by Lightning's own launc
   ``"phase": "backward"`` a ``"sigkill"`` comes instead where the step's backward passes begin (``on_before_backward``,
   after every forward and the loss's broadcast), and the other ranks wait there until the killed process is gone: the
   first thing to reach it is then a send of gradients; with ``"phase": "collective"`` it is the strategy's ``reduce``
-  (what ``self.log(..., sync_dist=True)`` runs), with ``"phase": "clip"`` the norm of ``gradient_clip_val``;
+  (what ``self.log(..., sync_dist=True)`` runs), with ``"phase": "clip"`` the norm of ``gradient_clip_val``, with
+  ``"phase": "gather"`` the module's own ``self.all_gather``;
 - ``skip_sequence``: a ``training_step`` that never calls the pipelined sequence;
 - ``rank_data``: ``{rank: seed}``, ranks that read another dataset (as a sampler per stage would);
 - ``checkpoints``: a folder where ``ModelCheckpoint`` keeps every epoch's checkpoint and ``last.ckpt``;
@@ -89,7 +90,7 @@ class FaultyModule(SequentialModule):
     def on_before_backward(self, loss: torch.Tensor) -> None:
         fault = self.fault
         phase = fault.get("phase") if fault else None
-        if phase not in ("backward", "collective", "clip") or fault["step"] != self.global_step:
+        if phase not in ("backward", "collective", "clip", "gather") or fault["step"] != self.global_step:
             return
         store = dist.distributed_c10d._get_default_store()
         if fault["rank"] == self.global_rank:
@@ -101,6 +102,8 @@ class FaultyModule(SequentialModule):
             self.trainer.strategy.reduce(torch.ones((), device=self.device), reduce_op="sum")
         if fault["phase"] == "clip":  # gradient_clip_val's norm over the stages reaches it first
             self.trainer.strategy.precision_plugin.clip_grad_by_norm(self.trainer.optimizers[0], 1.0)
+        if fault["phase"] == "gather":  # a user's all_gather (as in a validation step) reaches it first
+            self.all_gather(torch.ones((), device=self.device))
 
     def _kill(self) -> None:
         print(f"rank {self.global_rank} kills itself in step {self.global_step} at {time.time():.3f}", flush=True)

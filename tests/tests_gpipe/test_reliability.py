@@ -417,7 +417,13 @@ def test_every_socket_of_the_job_listens_on_the_loopback_interface_only(catalogu
 @RunIf(multiprocess=True)
 @pytest.mark.parametrize(
     ("victim", "phase"),
-    [(1, "backward"), (1, "collective"), (1, "clip"), pytest.param(0, "forward", marks=pytest.mark.slow)],
+    [
+        (1, "backward"),
+        (1, "collective"),
+        (1, "clip"),
+        (1, "gather"),
+        pytest.param(0, "forward", marks=pytest.mark.slow),
+    ],
 )
 def test_a_rank_killed_mid_step_ends_the_job_and_its_last_checkpoint_resumes_exactly(
     tmp_path: Path, victim: int, phase: str, monkeypatch: pytest.MonkeyPatch
@@ -427,8 +433,8 @@ def test_a_rank_killed_mid_step_ends_the_job_and_its_last_checkpoint_resumes_exa
     # Rank 1 (stage 0) dies where the backward passes begin, once the survivor has every activation: the survivor's
     # first message to it is a gradient, whose isend gloo fails at once (issue 29 C5: that error escaped raw). Rank 0
     # (the last stage) dies in its forward of micro-batch 2, while its peer waits for gradients. In "collective" the
-    # survivor's first contact is Lightning's reduce instead, in "clip" the norm of gradient_clip_val (which escaped
-    # raw too).
+    # survivor's first contact is Lightning's reduce instead, in "clip" the norm of gradient_clip_val, in "gather" a
+    # user's self.all_gather (both escaped raw too: neither was wrapped).
     folder = tmp_path / "ckpt"
     run = {"pipe_size": 2, "devices": 2, "chunks": 4, "epochs": 3, "steps": -1, "checkpoints": str(folder),
            "fault": {"rank": victim, "step": 5, "microbatch": 2, "how": "sigkill", "phase": phase}}  # fmt: skip
@@ -455,6 +461,9 @@ def test_a_rank_killed_mid_step_ends_the_job_and_its_last_checkpoint_resumes_exa
         return
     if phase == "clip":
         assert re.search(r"\] summing the gradients' norm over the stages \(gradient_clip_val\) failed: ", raised)
+        return
+    if phase == "gather":
+        assert re.search(r"\] gathering a tensor from every rank \(self.all_gather\) failed: ", raised), raised
         return
     assert re.search(rf"global rank {victim}\).* failed: ", raised), raised
     if phase == "backward":
