@@ -60,7 +60,7 @@ class StageGradients:
         """
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None and not isinstance(scaler, WorldGradScaler):
-            plugin.scaler = WorldGradScaler.like(scaler, device.type)  # type: ignore[attr-defined]
+            plugin.scaler = WorldGradScaler.like(scaler, device.type, self.layout.stage)  # type: ignore[attr-defined]
         if fitting:
             replace_clipping(plugin, self._clip)
 

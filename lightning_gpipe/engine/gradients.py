@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gpipe.engine.collectives import BUCKET_BYTES, buckets
+from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.torch_compat import InfAgreeingScaler, flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = ["WorldGradScaler", "average_gradients", "clip_grad_norm"]
@@ -104,13 +105,18 @@ class WorldGradScaler(InfAgreeingScaler):
     optimizer that unscales inside its own step (``fused=True`` Adam, AdamW and SGD, for which Lightning does not call
     ``unscale_``) has them checked where ``ShardedGradScaler`` leaves them local (:class:`InfAgreeingScaler`): a stage
     with an inf would skip and halve its scale while the others step. This scaler agrees on that path too, over
-    ``process_group`` (the world by default).
+    ``process_group`` (the world by default). Either agreement fails at once when another rank died; it raises a
+    :class:`~lightning_gpipe.engine.errors.PipelineError` naming ``stage`` then.
     """
 
+    stage: int = 0
+    """The stage this process runs, named by the error of a failed agreement."""
+
     @classmethod
-    def like(cls, scaler: torch.amp.GradScaler, device: str) -> WorldGradScaler:
-        """A scaler with ``scaler``'s settings and current scale, for ``device``'s type (``"cuda"``, ``"cpu"``)."""
-        return cls(
+    def like(cls, scaler: torch.amp.GradScaler, device: str, stage: int = 0) -> WorldGradScaler:
+        """A scaler with ``scaler``'s settings and current scale, for ``device``'s type (``"cuda"``, ``"cpu"``), on
+        ``stage``."""
+        world_scaler = cls(
             device=device,
             init_scale=scaler.get_scale(),
             growth_factor=scaler.get_growth_factor(),
@@ -118,12 +124,22 @@ class WorldGradScaler(InfAgreeingScaler):
             growth_interval=scaler.get_growth_interval(),
             enabled=scaler.is_enabled(),
         )
+        world_scaler.stage = stage
+        return world_scaler
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        with collective_errors(self.stage, _AGREEING):  # ShardedGradScaler all-reduces the found infs in here
+            super().unscale_(optimizer)
 
     def agree(self, found: dict[Any, torch.Tensor]) -> None:
-        # MAX keeps each flag 0 or 1: fused optimizers skip their step when it equals one.
-        works = [
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-            for flag in found.values()
-        ]
-        for work in works:
-            work.wait()
+        with collective_errors(self.stage, _AGREEING):
+            # MAX keeps each flag 0 or 1: fused optimizers skip their step when it equals one.
+            works = [
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+                for flag in found.values()
+            ]
+            for work in works:
+                work.wait()
+
+
+_AGREEING = "agreeing with every rank on the loss scaler's found infs (precision='16-mixed')"

@@ -17,6 +17,7 @@ from torch import nn
 
 from benchmarks.launch import run_processes
 from lightning_gpipe import GPipeStrategy, PipelineError
+from lightning_gpipe.engine.gradients import WorldGradScaler
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.transport import ProcessGroupTransport
 
@@ -84,6 +85,40 @@ def test_every_operation_on_a_link_to_a_dead_peer_raises_a_pipeline_error_naming
         assert kind == "PipelineError", (kind, message)
         assert re.match(r"\[pipeline stage 0\] " + pattern + r".*Connection (closed|reset) by peer", message), message
         assert "The other stage probably failed first" in message
+        assert cause.startswith("RuntimeError("), cause  # gloo's own error stays visible as the cause
+
+
+def _scaler_against_a_dead_peer(rank: int, world_size: int) -> list[tuple[str, str, str]] | None:
+    """Rank 0's loss-scaler agreements (16-mixed's found infs) after rank 1's process has ended: what each raised."""
+    dist.barrier()
+    if rank == 1:
+        return None  # the process ends and its connections close, as a killed worker's do
+    outcomes = []
+    for fused in (False, True):  # unscale_'s all-reduce (ShardedGradScaler's), then the fused optimizer's (agree)
+        parameter = nn.Parameter(torch.ones(4))
+        optimizer = torch.optim.AdamW([parameter], lr=0.1, fused=fused)
+        scaler = WorldGradScaler.like(torch.amp.GradScaler("cpu", init_scale=8.0), "cpu", stage=1)
+        scaler.scale(torch.ones(()))  # the scale comes into being with the first scaled loss
+        parameter.grad = torch.full((4,), 8.0)
+        try:
+            scaler.step(optimizer)
+        except Exception as error:  # the test reads what escaped, whatever it is
+            outcomes.append((type(error).__name__, str(error), repr(error.__cause__)))
+        else:
+            outcomes.append(("nothing", "", ""))
+    return outcomes
+
+
+@RunIf(multiprocess=True)
+def test_the_loss_scalers_agreement_with_a_dead_peer_raises_a_pipeline_error_naming_the_stage() -> None:
+    # precision="16-mixed": WorldGradScaler all-reduces the found infs over the world (in unscale_, and in its agree
+    # for fused optimizers), and gloo's raw error escaped both when another rank had died. 16-mixed does not run on
+    # the CPU (Lightning falls back to bf16, which has no scaler), so the scaler runs alone on two gloo processes.
+    for kind, message, cause in run_processes(_scaler_against_a_dead_peer, 2, timeout=120)[0]:
+        assert kind == "PipelineError", (kind, message)
+        pattern = r"\[pipeline stage 1\] agreeing with every rank on the loss scaler's found infs .* failed: "
+        assert re.match(pattern, message), message
+        assert "Another rank of the job probably failed first" in message
         assert cause.startswith("RuntimeError("), cause  # gloo's own error stays visible as the cause
 
 
