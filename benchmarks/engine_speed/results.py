@@ -183,7 +183,8 @@ class Goals:
             elif estimate.value >= target:
                 verdict = "met"
             else:
-                verdict = f"**missed** by {(target - estimate.value) / target:.0%}"
+                # to a tenth of a percent: a value shown as 0.95 can miss a goal of 0.95
+                verdict = f"**missed** by {(target - estimate.value) / target:.1%}"
             lines.append(
                 f"- {names[attribute]}: {estimate.show()} ({estimate.spread()}; goal >= {target:.2f}): {verdict}"
             )
