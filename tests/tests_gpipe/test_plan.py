@@ -18,7 +18,7 @@ from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.build import profile as profile_module
+from lightning_gpipe.build import timing
 from lightning_gpipe.build.profile import LiveTensorBytes
 from lightning_gpipe.plan import (
     DEFAULT_BOUNDARY_OVERHEAD,
@@ -278,7 +278,7 @@ class _Clock:
 def _sixteen_one_element_layers_seconds(monkeypatch: pytest.MonkeyPatch, clock: _Clock) -> float:
     """The profiled forward and backward seconds of 16 one-element layers, summed, on ``clock``: each layer costs no
     more than the floor."""
-    monkeypatch.setattr(profile_module, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=clock))
     tiny = nn.Sequential(*[nn.Linear(1, 1) for _ in range(16)])
     profile = profile_layers(
         tiny, torch.ones(1, 1), microbatch_sizes=[1], repeats=9, warmup=2, rematerialized=False, optimizer=None
@@ -325,8 +325,8 @@ def test_a_layer_is_timed_re_materialized_after_another_layer_as_in_a_stage(monk
             return 0.0, 0.0  # the one-element layer whose pass is the cost of being timed alone: none here
         return 1e-3 + 0.5e-3 * wrapped, 2e-3 + 1.5e-3 * wrapped - 0.3e-3 * warm
 
-    monkeypatch.setattr(profile_module, "_runner", runner)
-    monkeypatch.setattr(profile_module, "_pass_seconds", pass_seconds)
+    monkeypatch.setattr(timing, "runner", runner)
+    monkeypatch.setattr(timing, "_pass_seconds", pass_seconds)
     profile = profile_layers(layers, torch.ones(1, 2), microbatch_sizes=[1], repeats=3, warmup=1, optimizer=None)
     assert profile.pass_times(1) == (pytest.approx([1e-3] * 3), pytest.approx([2e-3] * 3))
     assert profile.recompute_times(1) == pytest.approx([2e-3] * 3)
@@ -336,14 +336,14 @@ def test_a_layer_is_timed_re_materialized_after_another_layer_as_in_a_stage(monk
 def test_the_layers_optimizer_steps_are_timed_round_robin(monkeypatch: pytest.MonkeyPatch) -> None:
     # Regression: timed one layer after another, a slow moment of a shared machine inflated every sample of the layers
     # timed during it; round-robin, it costs each layer one sample, which the median drops.
-    real = profile_module._step_seconds
+    real = timing._step_seconds
     stepped: list[tuple[torch.Size, ...]] = []
 
     def recorded(optimizer: Any, shapes: Any, device: torch.device, repeats: int, warmup: int) -> float:
         stepped.append(tuple(shape for shape, _ in shapes))
         return real(optimizer, shapes, device, repeats, warmup)
 
-    monkeypatch.setattr(profile_module, "_step_seconds", recorded)
+    monkeypatch.setattr(timing, "_step_seconds", recorded)
     layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     profile = profile_layers(layers, torch.randn(2, 4), microbatch_sizes=[2], repeats=3, warmup=0, rematerialized=False)
     per_layer = [shapes for shapes in stepped if shapes[0] != torch.Size([1])]  # the fixed cost's own steps aside

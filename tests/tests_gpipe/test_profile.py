@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lightning_gpipe
-from lightning_gpipe.build import cost, profile
+from lightning_gpipe.build import cost, profile, tensor_bytes, timing
 from lightning_gpipe.build.profile import layer_inputs, saved_bytes, state_keys, timed_passes
 
 PACKAGE = Path(lightning_gpipe.__file__).parent
@@ -26,19 +26,25 @@ def test_balance_by_measurement_and_the_planner_share_one_profiler() -> None:
     # planner's activation bytes from the same count of what autograd saves.
     assert cost.timed_passes is profile.timed_passes
     assert "timed_passes" in cost.time_cost.__code__.co_names
-    assert "timed_passes" in profile._measured_times.__code__.co_names
+    assert "timed_passes" in timing.measured_times.__code__.co_names
+    assert "measured_times" in profile.profile_layers.__code__.co_names
     assert cost.saved_bytes is profile.saved_bytes
     assert "saved_bytes" in cost.memory_cost.__code__.co_names
-    assert "_saved_forward" in profile.saved_bytes.__code__.co_names
-    assert "_saved_forward" in profile._activation_bytes.__code__.co_names
+    assert "_saved_forward" in tensor_bytes.saved_bytes.__code__.co_names
+    assert "_saved_forward" in tensor_bytes.activation_bytes.__code__.co_names
     planner = importlib.import_module("lightning_gpipe.plan")  # the package; lightning_gpipe.plan is its function
     assert planner.profile_layers is profile.profile_layers
     assert "profile_layers" in planner.plan.__code__.co_names
     # Nothing else in the library reads the clock around a layer or hooks the tensors autograd saves (the engine's
     # timeline stamps spans of the running pipeline; it times no layer).
-    for needle in ("perf_counter(", "saved_tensors_hooks(", "autograd.grad("):
+    owners = {
+        "perf_counter(": ["build/timing.py"],
+        "saved_tensors_hooks(": ["build/tensor_bytes.py"],
+        "autograd.grad(": ["build/tensor_bytes.py", "build/timing.py"],
+    }
+    for needle, owner in owners.items():
         users = [name for name, text in _sources().items() if needle in text and not name.startswith("engine/")]
-        assert users == ["build/profile.py"], (needle, users)
+        assert users == owner, (needle, users)
 
 
 def test_one_walker_of_nested_values() -> None:
