@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -47,6 +49,15 @@ def test_a_silent_peer_times_out_with_the_stage_named() -> None:
         run_in_threads([nn.Sequential(Stall()), nn.Sequential(nn.Linear(6, 3))], batch(), loss_fn, chunks=2, timeout=1)
 
 
+def _escaped(operation: Callable[[], object]) -> tuple[str, str, str]:
+    """What ``operation`` raised (the test reads it, whatever it is): its type's name, message and cause."""
+    try:
+        operation()
+    except Exception as error:
+        return type(error).__name__, str(error), repr(error.__cause__)
+    return "nothing", "", ""
+
+
 def _against_a_dead_peer(rank: int, world_size: int) -> list[tuple[str, str, str]] | None:
     """Rank 0's transport operations after rank 1's process has ended: what each raised, its message and its cause."""
     transport = ProcessGroupTransport([0, 1], timeout=datetime.timedelta(seconds=60))
@@ -55,19 +66,11 @@ def _against_a_dead_peer(rank: int, world_size: int) -> list[tuple[str, str, str
     dist.barrier()
     if rank == 1:
         return None  # the process ends and its connections close, as a killed worker's do
-    outcomes = []
-    for operation in (
-        lambda: transport.recv(torch.empty(4), 1, "gradients of micro-batch 0"),  # fails once the peer is gone
-        transport.wait_sends,  # the parked send, waited for at the end of the step
-        lambda: transport.send(torch.ones(4), 1, "gradients of micro-batch 3"),  # a send posted after the peer died
-    ):
-        try:
-            operation()
-        except Exception as error:  # the test reads what escaped, whatever it is
-            outcomes.append((type(error).__name__, str(error), repr(error.__cause__)))
-        else:
-            outcomes.append(("nothing", "", ""))
-    return outcomes
+    return [
+        _escaped(lambda: transport.recv(torch.empty(4), 1, "gradients of micro-batch 0")),  # fails: the peer is gone
+        _escaped(transport.wait_sends),  # the parked send, waited for at the end of the step
+        _escaped(lambda: transport.send(torch.ones(4), 1, "gradients of micro-batch 3")),  # posted after the peer died
+    ]
 
 
 @RunIf(multiprocess=True)
@@ -100,12 +103,7 @@ def _scaler_against_a_dead_peer(rank: int, world_size: int) -> list[tuple[str, s
         scaler = WorldGradScaler.like(torch.amp.GradScaler("cpu", init_scale=8.0), "cpu", stage=1)
         scaler.scale(torch.ones(()))  # the scale comes into being with the first scaled loss
         parameter.grad = torch.full((4,), 8.0)
-        try:
-            scaler.step(optimizer)
-        except Exception as error:  # the test reads what escaped, whatever it is
-            outcomes.append((type(error).__name__, str(error), repr(error.__cause__)))
-        else:
-            outcomes.append(("nothing", "", ""))
+        outcomes.append(_escaped(functools.partial(scaler.step, optimizer)))
     return outcomes
 
 

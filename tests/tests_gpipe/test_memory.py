@@ -71,13 +71,12 @@ def test_peak_rss_drops_by_at_least_half_the_predicted_saving(measured: dict[str
     assert saving >= 0.5 * predicted, (never["rss_growth"] / MIB, always["rss_growth"] / MIB, predicted / MIB)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
-def test_a_steps_peak_holds_no_loss_past_its_weighting(schedule: str, mode: str) -> None:
-    # Regression: the step driver kept every micro-batch's unweighted loss (the step function's return) until the
-    # step's end. On the CPU mse_loss's scalar shares a buffer of the micro-batch's output size, so the backward passes
-    # ran with one more N x OUT alive than the formula. Wide outputs make that N x OUT stand out.
-    N, D, OUT, blocks, M = 1024, 32, 128, 4, 8
+WIDE = (1024, 32, 128, 4, 8)  # N, D, OUT, blocks, M: wide outputs make each leaked N x OUT stand out
+
+
+def _wide_step_peak(schedule: str, mode: str) -> int:
+    """The peak of live tensor bytes of one in-process step of Linear + GELU blocks with a wide output layer."""
+    N, D, OUT, blocks, M = WIDE
     generator = torch.Generator().manual_seed(1)
     batch = (torch.randn(N, D, generator=generator), torch.randn(N, OUT, generator=generator))
     torch.manual_seed(0)
@@ -88,6 +87,17 @@ def test_a_steps_peak_holds_no_loss_past_its_weighting(schedule: str, mode: str)
     pipeline = Pipeline(cell, transport, chunks=M, checkpoint=mode, schedule=schedule)
     with LiveTensorBytes() as probe:
         pipeline.train_step(batch, lambda output, microbatch: F.mse_loss(output, microbatch[1]))
+    return probe.peak
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+def test_a_steps_peak_holds_no_loss_past_its_weighting(schedule: str, mode: str) -> None:
+    # Regression: the step driver kept every micro-batch's unweighted loss (the step function's return) until the
+    # step's end. On the CPU mse_loss's scalar shares a buffer of the micro-batch's output size, so the backward passes
+    # ran with one more N x OUT alive than the formula. Wide outputs make that N x OUT stand out.
+    N, D, OUT, blocks, M = WIDE
+    peak = _wide_step_peak(schedule, mode)
     # The GPipe formula: 2 saved tensors per block for the micro-batches in flight, the outputs of those whose backward
     # has not run (all M under gpipe, one under 1f1b on one stage). Besides: one micro-batch's output gradient and a
     # few of its hidden ones.
@@ -96,7 +106,7 @@ def test_a_steps_peak_holds_no_loss_past_its_weighting(schedule: str, mode: str)
     rows = N if mode == "never" and schedule == "gpipe" else samples
     predicted = (2 * blocks * rows * D + in_flight * samples * OUT) * 4
     transient = (samples * OUT + 3 * samples * D) * 4
-    assert 0 <= probe.peak - predicted <= transient, (probe.peak, predicted, transient)
+    assert 0 <= peak - predicted <= transient, (peak, predicted, transient)
 
 
 @pytest.mark.parametrize("mode", ["never", "always"])
@@ -105,20 +115,8 @@ def test_a_split_backward_holds_no_output_of_the_last_stage_past_its_input_pass(
     # last stage of a split backward that graph ends at the leaves cut off the cell's output, so every micro-batch's
     # output (and its gradient) stayed alive after its input pass: ZB-H1's and ZB-V's last stage held more than
     # torch.distributed.pipelining's. Wide outputs make each N x OUT stand out.
-    N, D, OUT, blocks, M = 1024, 32, 128, 4, 8
-    peaks = {}
-    for schedule in ("1f1b", "zero_bubble"):
-        generator = torch.Generator().manual_seed(1)
-        batch = (torch.randn(N, D, generator=generator), torch.randn(N, OUT, generator=generator))
-        torch.manual_seed(0)
-        cell = nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(D, D), nn.GELU())], nn.Linear(D, OUT))
-        for parameter in cell.parameters():  # gradient buffers exist before the step: only activations are measured
-            parameter.grad = torch.zeros_like(parameter)
-        (transport,) = ThreadTransport.create(1)
-        pipeline = Pipeline(cell, transport, chunks=M, checkpoint=mode, schedule=schedule)
-        with LiveTensorBytes() as probe:
-            pipeline.train_step(batch, lambda output, microbatch: F.mse_loss(output, microbatch[1]))
-        peaks[schedule] = probe.peak
+    N, D, OUT, blocks, M = WIDE
+    peaks = {schedule: _wide_step_peak(schedule, mode) for schedule in ("1f1b", "zero_bubble")}
     # From its input pass to its weight pass a micro-batch holds, beyond 1F1B's, the gradient that reached each
     # linear layer's output (one stage: its weight pass follows at once). Each leaked output would add 2 x N/M x OUT.
     samples = math.ceil(N / M)
