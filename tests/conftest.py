@@ -43,6 +43,20 @@ def restore_environment() -> Iterator[None]:
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left() -> Iterator[None]:
+    """Fail the test that leaves a process group initialized, rather than a later test of its worker.
+
+    Regression: an in-process fit without :func:`loopback_process_group` left its world-of-one group behind; two tests
+    run after it on the same pytest worker failed (a balance broadcast over the stale group, a check that no group
+    exists).
+    """
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a process group initialized: fit in-process with the loopback_process_group fixture")
+
+
 @pytest.fixture
 def loopback_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A one-process group for a Trainer fitted in the test's process, its store on 127.0.0.1, destroyed after."""

@@ -152,6 +152,7 @@ class _Wide(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+@pytest.mark.usefixtures("loopback_process_group")
 def test_the_strategys_split_backward_holds_no_output_of_the_last_stage_past_its_input_pass() -> None:
     # Regression: the step driver kept every output the training step returned (the strategy needs their other keys)
     # through the forward phase, among whose actions the schedule's backward passes run; each loss, its graph spent,
