@@ -33,6 +33,7 @@ from lightning_gpipe.build.tensor_bytes import (
     state_bytes,
     state_keys,
     storage_bytes,
+    weighted_output_bytes,
 )
 from lightning_gpipe.build.timing import (
     OptimizerFactory,
@@ -90,6 +91,9 @@ class LayerProfile:
     selective_bytes: float = 0.0
     selective_output_bytes: float = 0.0
     graph_nodes: int = 0  # autograd nodes of its backward (counted with split=True), which a later layer's split walks
+    # Per sample, the outputs of its operations with a trainable weight: the output gradients a split backward keeps
+    # from the input pass to the weight pass.
+    weighted_output_bytes: float = 0.0
 
 
 class SplitTimes(NamedTuple):
@@ -329,6 +333,7 @@ def profile_layers(
                     kept_inside / rows,
                     kept_output / rows,
                     graph_nodes(real, x, input_grad=index > 0) if split else 0,
+                    weighted_output_bytes(real, x, input_grad=index > 0) / rows,
                 )
             )
             last = (real, x)

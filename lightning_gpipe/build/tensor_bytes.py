@@ -1,7 +1,8 @@
 """Bytes of tensors in training, counted from their storages (a ``TorchDispatchMode`` sees every operator), so they do
 not depend on the allocator or its cache: storages alive and their peak (:class:`LiveTensorBytes`), a layer's
 parameters and buffers, the activations autograd saves for its backward (:func:`saved_bytes`), its output and its
-backward's transient peak, and what ``checkpoint="selective"`` keeps of it."""
+backward's transient peak, what ``checkpoint="selective"`` keeps of it, and what a split backward keeps for its weight
+pass."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ __all__ = [
     "state_bytes",
     "state_keys",
     "storage_bytes",
+    "weighted_output_bytes",
 ]
 
 
@@ -215,6 +217,34 @@ def selective_bytes(layer: nn.Module, value: Any, input_grad: bool) -> tuple[flo
     sizes = {key: t.untyped_storage().nbytes() for key, t in recorder.kept.items()}
     inside = sum(size for key, size in sizes.items() if key not in outputs)
     return float(inside), float(sum(sizes.values()) - inside)
+
+
+class _WeightedOutputs(TorchDispatchMode):
+    """Holds, by storage, the first output of each operator that takes one of ``parameters`` with another floating
+    tensor (a convolution, a matrix multiplication, a normalization's affine step): the operations with a weight."""
+
+    def __init__(self, parameters: set[int]) -> None:
+        super().__init__()
+        self.parameters = parameters
+        self.kept: dict[int, Tensor] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        keys = [(storage_key(t), t.is_floating_point()) for t in tensor_leaves((args, kwargs))]
+        if any(k in self.parameters for k, _ in keys) and any(f and k not in self.parameters for k, f in keys):
+            first = next(iter(tensor_leaves(output)), None)  # a normalization's saved statistics are not its output
+            if first is not None:
+                self.kept[storage_key(first)] = first
+        return output
+
+
+def weighted_output_bytes(layer: nn.Module, value: Any, input_grad: bool) -> float:
+    """Bytes (not per sample) of the outputs of ``layer``'s operations with a trainable weight on ``value``: the output
+    gradients a split backward's input pass keeps for its weight pass (:mod:`lightning_gpipe.engine.split`)."""
+    recorder = _WeightedOutputs({storage_key(p) for p in layer.parameters() if p.requires_grad})
+    with torch.enable_grad(), recorder:
+        layer(training_input(value, input_grad)[1])
+    return float(sum(t.untyped_storage().nbytes() for t in recorder.kept.values()))
 
 
 def storage_bytes(value: Any) -> int:

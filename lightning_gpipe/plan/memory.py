@@ -216,10 +216,10 @@ def process_memory(
     interleaved process keeps ``(v - 1)`` rounds of micro-batches more than 1F1B on its first stage, of ``1/v`` of its
     layers each. Under ``"zero_bubble"`` and ``"zbv"`` a micro-batch keeps what its forward kept until its weight
     gradient W, and from its input gradient I on also the gradients W starts from: the output gradient of each
-    operation with a weight, counted from the matrix multiplications' outputs that the profile records for
-    ``checkpoint="selective"`` (``LayerProfile.selective_bytes``; none where it did not record them, and convolutions
-    are not among them). The first stage keeps none: with no input gradient to send, its W runs the whole backward. A
-    re-materialized micro-batch, rebuilt for I, stays rebuilt until W, which does not recompute.
+    operation with a weight (a convolution, a matrix multiplication, a normalization's affine step), the size of its
+    output (``LayerProfile.weighted_output_bytes``). The first stage keeps none: with no input gradient to send, its W
+    runs the whole backward. A re-materialized micro-batch, rebuilt for I, stays rebuilt until W, which does not
+    recompute.
 
     Args:
         cells: the layers of every stage of the pipeline, ``num_processes · stages per process`` ranges in order.
@@ -287,9 +287,7 @@ def _walk(
             # The last stage hands its output to the loss, which keeps what it needs; other stages keep the output
             # they sent until its gradient comes back.
             loss=n * profile.loss_saved_bytes if last else 0.0,
-            weight_grads=0.0 if s == 0 else n * sum(
-                layer.selective_bytes + layer.selective_output_bytes for layer in cell_layers if layer.trainable_bytes
-            ),
+            weight_grads=0.0 if s == 0 else n * sum(layer.weighted_output_bytes for layer in cell_layers),
         )  # fmt: skip
 
     def kept(held: _Held, i: int) -> float:

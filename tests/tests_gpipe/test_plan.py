@@ -976,11 +976,11 @@ def test_a_split_backwards_weight_pass_pays_the_engines_cost_of_a_pass() -> None
 def test_a_split_backward_keeps_the_output_gradients_of_its_weighted_operations_until_w() -> None:
     # Regression (calibration of issue 31): ZB-H1's last stage of a language model held 29.7 MiB against 18.8
     # predicted: the input pass I leaves each weighted operation's output gradient for W, which the model did not
-    # count. Counted from what the profile records for "selective" (0.25 MiB per sample and layer here): on K=2, M=4
-    # the last process holds two micro-batches (2 samples, 4 layers each) between I and W at its peak. The first
-    # stage keeps none (its W runs the whole backward), and 1F1B's whole backward keeps nothing past it.
+    # count. Counted from the outputs of the weighted operations the profile records (0.25 MiB per sample and layer
+    # here): on K=2, M=4 the last process holds two micro-batches (2 samples, 4 layers each) between I and W at its
+    # peak. The first stage keeps none (its W runs the whole backward), and 1F1B's whole backward keeps nothing past it.
     plain = synthetic(8)
-    recorded = replace(plain, layers=tuple(replace(layer, selective_bytes=0.25 * MiB) for layer in plain.layers))
+    recorded = replace(plain, layers=tuple(replace(layer, weighted_output_bytes=0.25 * MiB) for layer in plain.layers))
     cells = [range(0, 4), range(4, 8)]
 
     def activations(profile: ModelProfile, schedule: str) -> list[float]:
