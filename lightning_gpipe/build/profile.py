@@ -91,8 +91,8 @@ class LayerProfile:
     selective_bytes: float = 0.0
     selective_output_bytes: float = 0.0
     graph_nodes: int = 0  # autograd nodes of its backward (counted with split=True), which a later layer's split walks
-    # Per sample, the outputs of its operations with a trainable weight: the output gradients a split backward keeps
-    # from the input pass to the weight pass.
+    # Per sample, the outputs of its operations with a trainable weight (measured with split=True): the output
+    # gradients a split backward keeps from the input pass to the weight pass.
     weighted_output_bytes: float = 0.0
 
 
@@ -333,7 +333,7 @@ def profile_layers(
                     kept_inside / rows,
                     kept_output / rows,
                     graph_nodes(real, x, input_grad=index > 0) if split else 0,
-                    weighted_output_bytes(real, x, input_grad=index > 0) / rows,
+                    weighted_output_bytes(real, x, input_grad=index > 0) / rows if split else 0.0,
                 )
             )
             last = (real, x)

@@ -63,7 +63,7 @@ def test_memory_model_counts_what_input_pass_keeps_for_weight_pass(block: type[n
     torch.manual_seed(0)
     layers = [block() for _ in range(4)]
     x = torch.randn(*shape)
-    profile = profile_layers(layers, x, microbatch_sizes=[N], optimizer=None, repeats=1, warmup=0)
+    profile = profile_layers(layers, x, microbatch_sizes=[N], optimizer=None, repeats=1, warmup=0, split=True)
     measured = held_between_i_and_w(nn.Sequential(*layers[1:]), layers[0](x))
     predicted = predicted_held(profile, [range(0, 1), range(1, 4)])
     assert measured > 0
