@@ -212,13 +212,14 @@ def _predict(
     import torch.distributed as dist
 
     from lightning_gpipe.build.profile import profile_layers
+    from lightning_gpipe.engine.schedule import SPLIT_BACKWARD
     from lightning_gpipe.plan import evaluate
 
     predictions: list[Any] = [None, None]
     if rank == 0:
         sizes = sorted({-(-batch_size // c.chunks) for c in configs} | {batch_size})
         # The split schedules' input and weight passes are timed as the engine runs them (as plan() does).
-        split = any(c.schedule in ("zero_bubble", "zbv") for c in configs)
+        split = any(c.schedule in SPLIT_BACKWARD for c in configs)
         profile = profile_layers(
             layers, sample, microbatch_sizes=sizes, loss_fn=loss_fn, repeats=repeats, warmup=warmup, split=split
         )
@@ -238,7 +239,7 @@ def _predict(
 
         candidates = [predicted(c, index) for index, c in enumerate(configs)]
         earlier = [
-            predicted(c, index, unsplit).step_time if c.schedule in ("zero_bubble", "zbv") else None
+            predicted(c, index, unsplit).step_time if c.schedule in SPLIT_BACKWARD else None
             for index, c in enumerate(configs)
         ]
         predictions = [candidates, earlier]

@@ -9,13 +9,12 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from lightning_gpipe.engine.schedule import stages_of
+from lightning_gpipe.engine.schedule import SPLIT_BACKWARD, stages_of
 from lightning_gpipe.engine.timeline import Span, Timeline
 from lightning_gpipe.plan.simulate import simulate_step
 
 __all__ = ["FORMULAS", "Bubble", "bubble", "formula_bubble", "per_process"]
 
-SPLIT = frozenset({"zero_bubble", "zbv"})  # schedules whose backward is split into I and W
 
 FORMULAS = {
     "gpipe": "(K-1)/(M+K-1)",
@@ -70,7 +69,7 @@ def bubble(timeline: Timeline, schedule: str, processes: int, chunks: int) -> Bu
 
     forward = [mean_ms(s, ("forward",)) for s in range(stages)]
     backward = [mean_ms(s, ("backward", "input", "weight")) for s in range(stages)]
-    weight = [mean_ms(s, ("weight",)) for s in range(stages)] if schedule in SPLIT else None
+    weight = [mean_ms(s, ("weight",)) for s in range(stages)] if schedule in SPLIT_BACKWARD else None
     simulated = simulate_step(schedule, forward, backward, chunks, weight=weight, virtual_stages=_virtual(schedule))
     return Bubble(
         measured=per_process(timeline, schedule, processes).bubble_fraction(),

@@ -35,6 +35,7 @@ from enum import Enum
 
 __all__ = [
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "Action",
     "Phase",
     "bubble_fraction",
@@ -62,6 +63,9 @@ __all__ = [
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv")
 """The schedules: GPipe's fill-drain (all forwards, then all backwards), one-forward-one-backward, ZB-H1, and the two
 that place several stages on each process, interleaved 1F1B and ZB-V."""
+
+SPLIT_BACKWARD: frozenset[str] = frozenset({"zero_bubble", "zbv"})
+"""The schedules whose backward is split into the input gradient I and the weight gradient W."""
 
 _MULTI_STAGE = ("interleaved", "zbv")  # the schedules whose processes hold several stages
 

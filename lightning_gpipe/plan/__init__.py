@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_gpipe.build.balance import balance_by_cost, cell_bounds
 from lightning_gpipe.build.profile import LayerProfile, ModelProfile, OptimizerFactory, profile_layers
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
-from lightning_gpipe.engine.schedule import SCHEDULES, stages_of, validate_schedule
+from lightning_gpipe.engine.schedule import SCHEDULES, SPLIT_BACKWARD, stages_of, validate_schedule
 from lightning_gpipe.engine.torch_compat import BatchNormBase
 from lightning_gpipe.plan.auto import AutoPlan
 from lightning_gpipe.plan.memory import StageMemory, process_memory, stage_memory
@@ -356,11 +356,11 @@ def evaluate(
     remote = [sum(0 <= t < S and owner[t] != owner[s] for t in (s - 1, s + 1)) for s in range(S)]
     host = [engine + boundary * links for links in remote]
     # A split backward is one pass more, W, which pays the engine's cost of a pass as F and I do.
-    passes = engine / 2 if schedule in ("zero_bubble", "zbv") else 0.0
+    passes = engine / 2 if schedule in SPLIT_BACKWARD else 0.0
     stage_f = [sum(forward[i] for i in cell) + cost / 2 for cell, cost in zip(bounds, host, strict=True)]
     stage_b = [sum(backward[i] for i in cell) + cost / 2 + passes for cell, cost in zip(bounds, host, strict=True)]
     weight = [sum(backward[i] / 2 for i in cell if profile.layers[i].trainable_bytes) + passes for cell in bounds]
-    split = profile.split_times(n) if schedule in ("zero_bubble", "zbv") else None
+    split = profile.split_times(n) if schedule in SPLIT_BACKWARD else None
     if split is not None:  # measured: the engine's split costs more than the whole backward (its walk, its calls)
         for s, (cell, cost) in enumerate(zip(bounds, host, strict=True)):
             if s == 0:  # its input takes no gradient: the input pass only walks the graph, the weight pass is whole
@@ -797,7 +797,7 @@ def plan(
             rematerialized=any(mode not in ("never", "selective") for mode in modes),
             optimizer=optimizer,
             selective="selective" in modes,
-            split=any(name in ("zero_bubble", "zbv") for name in kinds),
+            split=any(name in SPLIT_BACKWARD for name in kinds),
         )
     options: dict[str, Any] = {
         "optimizer_slots": optimizer_slots,
