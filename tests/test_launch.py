@@ -10,7 +10,9 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,15 +113,23 @@ def test_function_ranks_see_their_rank_and_the_loopback_store() -> None:
     assert first["MASTER_PORT"] == second["MASTER_PORT"]
 
 
+def _fails_within_a_minute(launcher: Launcher, fn: Callable[..., Any], match: str, timeout: float) -> None:
+    """Run ``fn`` as a 2-rank job that must raise a :class:`JobError` matching ``match`` well before the group's
+    300-second timeout, the launcher's server warmed up first (its imports out of the time measured)."""
+    launcher.run(_environment, (), 2, timeout=120)
+    start = time.monotonic()
+    with pytest.raises(JobError, match=match):
+        launcher.run(fn, (), 2, timeout=timeout, pg_timeout=300)
+    assert time.monotonic() - start < 60
+
+
 @RunIf(multiprocess=True)
 def test_a_failing_function_rank_ends_the_job_at_once_with_its_traceback() -> None:
     # Rank 0 waits in a barrier for 300 s (the group's timeout); the job must not wait for it.
     with Launcher() as launcher:
-        launcher.run(_environment, (), 2, timeout=300)  # the server's imports, out of the time measured
-        start = time.monotonic()
-        with pytest.raises(JobError, match=r"(?s)rank 1 failed.*ValueError: rank 1 fails on purpose"):
-            launcher.run(_fail_on_rank_1, (), 2, timeout=600, pg_timeout=300)
-    assert time.monotonic() - start < 60
+        _fails_within_a_minute(
+            launcher, _fail_on_rank_1, r"(?s)rank 1 failed.*ValueError: rank 1 fails on purpose", 600
+        )
 
 
 @RunIf(multiprocess=True)
@@ -127,11 +137,7 @@ def test_a_failing_function_rank_ends_the_job_at_once_with_its_traceback() -> No
 def test_a_killed_function_rank_is_named_not_the_peer_that_failed_on_its_closed_connection() -> None:
     # The peer's error used to arrive first and be raised as the job's failure; the killed rank was never named.
     with Launcher() as launcher:
-        launcher.run(_environment, (), 2, timeout=120)  # the server's imports, out of the time measured
-        start = time.monotonic()
-        with pytest.raises(JobError, match=r"rank1 exited with code -9 \(SIGKILL\)"):
-            launcher.run(_killed_on_rank_1, (), 2, timeout=120, pg_timeout=300)
-    assert time.monotonic() - start < 60
+        _fails_within_a_minute(launcher, _killed_on_rank_1, r"rank1 exited with code -9 \(SIGKILL\)", 120)
 
 
 @RunIf(multiprocess=True)
@@ -141,11 +147,9 @@ def test_a_rank_killed_while_reporting_ends_the_job_and_the_launcher_runs_the_ne
     # (the queue's other writers kept the pipe open), with no deadline; the torn message would also have wedged every
     # later job of the launcher.
     with Launcher() as launcher:
-        launcher.run(_environment, (), 2, timeout=120)  # the server's imports, out of the time measured
-        start = time.monotonic()
-        with pytest.raises(JobError, match=r"rank1 exited with code -9 \(SIGKILL\)"):
-            launcher.run(_killed_while_reporting_on_rank_1, (), 2, timeout=120, pg_timeout=300)
-        assert time.monotonic() - start < 60
+        _fails_within_a_minute(
+            launcher, _killed_while_reporting_on_rank_1, r"rank1 exited with code -9 \(SIGKILL\)", 120
+        )
         first, second = launcher.run(_environment, (), 2, timeout=120)
     assert (first["RANK"], second["RANK"]) == ("0", "1")
 
