@@ -15,7 +15,7 @@ engine's wrapper and with a checkpoint inside each compiled layer (whole, or sel
 :func:`~lightning_gpipe.engine.rematerialization.selective_checkpoint`): the median time and the bytes autograd saves
 for the backward (where the wrapper's own hooks do not hide them). A second table runs the strategy's path: a stage
 (``Pipeline``, K = 1, ``--chunks`` micro-batches) over layers compiled as assembly compiles them
-(:func:`~lightning_gpipe.build.compile.compile_layers`) in each mode, with the step's peak tensor bytes.
+(:func:`~lightning_gpipe.partition.compile.compile_layers`) in each mode, with the step's peak tensor bytes.
 
 Run ``python -m benchmarks.checkpoint_modes [--width 256] [--rounds 8] [--compiled]``; ``--tiny`` checks the script
 in seconds.
@@ -36,8 +36,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.machine import cpu_model
-from lightning_gpipe.build.compile import DEFAULT_OPTIONS, compile_layers
-from lightning_gpipe.build.profile import LiveTensorBytes, profile_layers
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.rematerialization import (
     CHECKPOINT_MODES,
@@ -46,7 +44,10 @@ from lightning_gpipe.engine.rematerialization import (
     selective_checkpoint,
 )
 from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.partition.compile import DEFAULT_OPTIONS, compile_layers
 from lightning_gpipe.plan import evaluate
+from lightning_gpipe.profile.layer_profile import profile_layers
+from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 
 MiB = 2**20
 

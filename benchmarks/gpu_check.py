@@ -194,8 +194,8 @@ def check_compiled_split_backward() -> str:
     from torch.autograd.graph import Node
 
     from lightning_gpipe import run_in_threads
-    from lightning_gpipe.build.compile import compile_layers
     from lightning_gpipe.engine.split import input_pass
+    from lightning_gpipe.partition.compile import compile_layers
 
     device = torch.device(DEVICE)
 

@@ -1,7 +1,7 @@
 """Checkpoint IO of a partitioned model: every stage's part gathered and merged on one rank, and split back on load.
 
 A checkpoint holds the whole model, keyed as the unpartitioned module's ``state_dict`` and optimizer state are
-(:mod:`lightning_gpipe.build.state_dict`), so that it loads into any number of stages, or none. Saving is a
+(:mod:`lightning_gpipe.partition.state_dict`), so that it loads into any number of stages, or none. Saving is a
 collective of the pipeline: each stage sends its part to the pipeline's last-stage rank (global rank 0 for the first
 pipeline), which merges them and writes the file beside its target, then renames it.
 """
@@ -19,7 +19,11 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule
 
-from lightning_gpipe.build.state_dict import (
+from lightning_gpipe.compat import optimizers_to_device
+from lightning_gpipe.engine.collectives import portable
+from lightning_gpipe.engine.errors import collective_errors
+from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.partition.state_dict import (
     ModelNames,
     check_loadable,
     local_optimizer_state,
@@ -27,10 +31,6 @@ from lightning_gpipe.build.state_dict import (
     merge_state_dicts,
     optimizer_state_by_name,
 )
-from lightning_gpipe.compat import optimizers_to_device
-from lightning_gpipe.engine.collectives import portable
-from lightning_gpipe.engine.errors import collective_errors
-from lightning_gpipe.engine.layout import ProcessLayout
 
 __all__ = ["StageCheckpoints", "save_atomically"]
 

@@ -7,9 +7,9 @@ from typing import Literal
 
 import torch
 
-from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.compat import default_process_group_backend
 from lightning_gpipe.engine.config import validate_flag
+from lightning_gpipe.partition.config import BuildConfig
 
 __all__ = ["START_METHODS", "StartMethod", "StrategyConfig"]
 
@@ -21,10 +21,10 @@ START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
 
 @dataclass(frozen=True)
 class StrategyConfig(BuildConfig):
-    """The strategy's settings: a build's (:class:`~lightning_gpipe.build.config.BuildConfig`), and how to run it.
+    """The strategy's settings: a build's (:class:`~lightning_gpipe.partition.config.BuildConfig`), and how to run it.
 
     The attributes mean what the strategy's arguments of the same names mean; ``None`` for ``pipe_size`` and
-    ``chunks`` defers to the world size (see :meth:`~lightning_gpipe.build.config.BuildConfig.resolve`).
+    ``chunks`` defers to the world size (see :meth:`~lightning_gpipe.partition.config.BuildConfig.resolve`).
     """
 
     process_group_backend: str | None = None

@@ -20,12 +20,12 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
-from lightning_gpipe.build.sequence import Partition
-from lightning_gpipe.build.tied import TiedCopies
 from lightning_gpipe.compat import replace_clipping
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.partition.sequence import Partition
+from lightning_gpipe.partition.tied import TiedCopies
 
 __all__ = ["StageGradients", "setup_stage_optimizers"]
 

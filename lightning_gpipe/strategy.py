@@ -29,10 +29,6 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
-from lightning_gpipe.build.config import Balance, ResolvedPipeline
-from lightning_gpipe.build.sequence import find_sequence
-from lightning_gpipe.build.state_dict import ModelNames
 from lightning_gpipe.checkpoint_io import StageCheckpoints, save_atomically
 from lightning_gpipe.compat import (
     MultiProcessingLauncher,
@@ -55,6 +51,10 @@ from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
 from lightning_gpipe.log_mirror import LogRecorder, mirror_logs, sharing_from_last_stage, sync_metrics_over
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
+from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
+from lightning_gpipe.partition.config import Balance, ResolvedPipeline
+from lightning_gpipe.partition.sequence import find_sequence
+from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.plan.auto import AutoPlan, auto_plan, planned_settings
 from lightning_gpipe.summary import describe_pipeline
 from lightning_gpipe.user_step import (

@@ -10,8 +10,8 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_gpipe.build.assembly import AssembledStage
 from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.partition.assembly import AssembledStage
 
 __all__ = ["describe_pipeline"]
 

@@ -22,7 +22,6 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_gpipe.build.sequence import Partition, PipelinedSequential
 from lightning_gpipe.compat import recording_log
 from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.driver import StepDriver
@@ -31,6 +30,7 @@ from lightning_gpipe.engine.microbatch import Microbatch, batch_size, gather, st
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.log_mirror import LogRecorder
+from lightning_gpipe.partition.sequence import Partition, PipelinedSequential
 from lightning_gpipe.plan.auto import check_planned_batch
 
 __all__ = [

@@ -103,13 +103,18 @@ def _overrides(cls: type, name: str) -> bool:
 
 
 def _public_modules(package: ModuleType) -> list[str]:
-    # lightning_gpipe's layers (engine/, build/, plan/) document every module; the zoo documents its subpackages whole.
+    # lightning_gpipe's layers (engine/, profile/, partition/, plan/) document every module; the zoo documents its
+    # subpackages whole. The deprecated alias lightning_gpipe.build is not walked (importing it warns).
     walk = pkgutil.walk_packages if package.__name__ == "lightning_gpipe" else pkgutil.iter_modules
     return [
         info.name
         for info in walk(package.__path__, prefix=f"{package.__name__}.")
-        if not any(part.startswith("_") for part in info.name.split("."))
+        if not any(part.startswith("_") for part in info.name.split(".")) and not _deprecated(info.name)
     ]
+
+
+def _deprecated(name: str) -> bool:
+    return name == "lightning_gpipe.build" or name.startswith("lightning_gpipe.build.")
 
 
 def _param(key: str, *values: Any) -> Any:

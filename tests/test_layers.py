@@ -1,7 +1,8 @@
 """The layers of the code base: every import runs the right way, and the engine runs without Lightning.
 
-``lightning_gpipe`` is four layers (docs/design.md, "Package map"): the engine (``lightning_gpipe/engine/``), the
-build layer (``build/``), the planner (``plan/``) and the Lightning layer (the modules at the top). A module may import
+``lightning_gpipe`` is five layers (docs/design.md, "Package map"): the engine (``lightning_gpipe/engine/``), the
+profile (``profile/``), partitioning (``partition/``), the planner (``plan/``) and the Lightning layer (the modules at
+the top). A module may import
 its own layer and those below it. Outside the package: the library never imports the zoo, the benchmarks or the
 tests; the zoo never imports the tests or the benchmarks, and its modules import each other without cycles; the
 benchmarks never import the tests. Imports are read from the source with ``ast``, function-level ones included.
@@ -19,7 +20,7 @@ from helpers.runif import RunIf
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("lightning_gpipe", "zoo", "benchmarks")
-LAYERS = ("engine", "build", "planner", "lightning")  # bottom to top
+LAYERS = ("engine", "profile", "partition", "planner", "lightning")  # bottom to top
 LIGHTNING = ("lightning", "lightning_utilities", "torchmetrics")  # what only the Lightning layer may import
 TESTS = ("tests", "helpers")  # tests/ is on the path of the test run, so its helpers import as `helpers`
 
@@ -58,7 +59,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "lightning_gpipe":
         return None
-    if len(parts) > 1 and parts[1] in ("engine", "build"):
+    if len(parts) > 1 and parts[1] in ("engine", "profile", "partition"):
         return parts[1]
     return "planner" if len(parts) > 1 and parts[1] == "plan" else "lightning"
 
@@ -126,23 +127,23 @@ def test_the_checker_reads_every_kind_of_import() -> None:
         """
         import lightning.pytorch as pl
         from . import stage
-        from ..build.sequence import find_sequence
+        from ..partition.sequence import find_sequence
         def later():
             from lightning_gpipe import strategy
         """
     )
     known = frozenset({"lightning_gpipe.engine.stage", "lightning_gpipe.strategy"})
     imported = imports_of(source, "lightning_gpipe.engine.step", known=known)
-    assert imported == ["lightning.pytorch", "lightning_gpipe.engine.stage", "lightning_gpipe.build.sequence",
+    assert imported == ["lightning.pytorch", "lightning_gpipe.engine.stage", "lightning_gpipe.partition.sequence",
                         "lightning_gpipe.strategy"]  # fmt: skip
     reasons = [wrong_way("lightning_gpipe.engine.step", name) for name in imported]
     assert reasons == [
         "the engine layer imports lightning, which only the Lightning layer may",
         None,
-        "the engine layer imports the build layer above it",
+        "the engine layer imports the partition layer above it",
         "the engine layer imports the lightning layer above it",
     ]
-    assert wrong_way("lightning_gpipe.build.assembly", "torchmetrics") is not None
+    assert wrong_way("lightning_gpipe.partition.assembly", "torchmetrics") is not None
     assert wrong_way("lightning_gpipe.plan.auto", "lightning_gpipe.config") is not None
     assert wrong_way("lightning_gpipe.strategy", "lightning_gpipe.plan.auto") is None
     assert wrong_way("lightning_gpipe.plan", "zoo") == "the library imports zoo"
@@ -155,9 +156,11 @@ def test_the_checker_reads_every_kind_of_import() -> None:
 def test_every_layer_exists_and_holds_modules() -> None:
     held = {layer_of(module) for module in MODULES if module.startswith("lightning_gpipe")}
     assert held == set(LAYERS)
-    assert {"lightning_gpipe.engine.stage", "lightning_gpipe.build.assembly", "lightning_gpipe.plan.simulate"} <= set(
-        MODULES
-    )
+    assert {
+        "lightning_gpipe.engine.stage",
+        "lightning_gpipe.partition.assembly",
+        "lightning_gpipe.plan.simulate",
+    } <= set(MODULES)
 
 
 def test_no_import_runs_the_wrong_way() -> None:

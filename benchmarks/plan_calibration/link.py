@@ -42,9 +42,9 @@ def _job(rank: int, world_size: int, device_name: str, repeats: int) -> dict[str
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_gpipe.build.profile import profile_layers
     from lightning_gpipe.engine.pipeline import Pipeline
     from lightning_gpipe.engine.transport import ProcessGroupTransport
+    from lightning_gpipe.profile.layer_profile import profile_layers
 
     class Idle(torch.autograd.Function):
         """Sleeps ``IDLE`` seconds in both passes: a stage whose host waits, as it does for a GPU or a peer."""

@@ -6,7 +6,7 @@ For each model (the zoo's Transformer-L and AmoebaNet-D, scaled down, and a timm
 {1, 2}, M in {1, 4, 8}, checkpoint modes, the five schedules: interleaved with two stages per process, and ZB-V's two,
 over two processes), one job of two processes (one thread each, gloo on loopback):
 
-1. rank 0 profiles the model with :func:`~lightning_gpipe.build.profile.profile_layers` (the planner's own profile) and
+1. rank 0 profiles the model with :func:`~lightning_gpipe.profile.profile_layers` (the planner's own profile) and
    predicts every configuration with :func:`~lightning_gpipe.plan.evaluate`, which also chooses the balance;
 2. each configuration is built with that balance and trained with :class:`~lightning_gpipe.Pipeline` and Adam: one
    warm-up step, then one step whose peak is counted in exact tensor bytes (a ``TorchDispatchMode``, independent of
@@ -211,9 +211,9 @@ def _predict(
 
     import torch.distributed as dist
 
-    from lightning_gpipe.build.profile import profile_layers
     from lightning_gpipe.engine.schedule import SPLIT_BACKWARD
     from lightning_gpipe.plan import evaluate
+    from lightning_gpipe.profile.layer_profile import profile_layers
 
     predictions: list[Any] = [None, None]
     if rank == 0:
@@ -274,10 +274,10 @@ def _job(
     import torch
     import torch.distributed as dist
 
-    from lightning_gpipe.build.balance import split
-    from lightning_gpipe.build.profile import LiveTensorBytes
     from lightning_gpipe.engine.pipeline import Pipeline
     from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
+    from lightning_gpipe.partition.balance import split
+    from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 
     device = torch.device(device_name)
     scale, configs = SCALES[device.type], _configs(device.type, schedules)

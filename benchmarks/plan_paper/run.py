@@ -3,7 +3,7 @@
 ``python -m benchmarks.plan_paper.run [--no-docs]``
 
 Nothing here trains. The zoo's Transformer-L and AmoebaNet-D are built on the meta device at the paper's sizes and
-profiled analytically (:func:`~lightning_gpipe.build.profile.profile_layers` with ``flops_per_second``: FLOPs and
+profiled analytically (:func:`~lightning_gpipe.profile.profile_layers` with ``flops_per_second``: FLOPs and
 exact saved-tensor bytes, no data); :func:`~lightning_gpipe.plan.evaluate` then simulates each configuration with
 :func:`~lightning_gpipe.plan.simulate.simulate_step` and walks each stage's memory through its schedule.
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import zoo
 from benchmarks.docs_page import write_block
-from lightning_gpipe.build.balance import balance_by_cost
+from lightning_gpipe.partition.balance import balance_by_cost
 from lightning_gpipe.plan import ModelProfile, evaluate, profile_layers
 
 __all__ = ["main"]

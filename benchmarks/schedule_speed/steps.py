@@ -215,7 +215,7 @@ def _ours_step(job: ScheduleJob, cells: dict[int, nn.Sequential], timeline: Time
     if not engine_runs(schedule):
         raise RuntimeError(f"our engine does not run schedule={schedule!r} yet (it runs {', '.join(SCHEDULES)})")
     if variant == "compiled":
-        from lightning_gpipe.build.compile import compile_layers
+        from lightning_gpipe.partition.compile import compile_layers
 
         compile_layers([layer for cell in cells.values() for layer in cell], {"dynamic": False})
     v = stages_per_process(schedule)

@@ -17,7 +17,7 @@ memory is all activations, and measures the growth from just before the first st
   memory, so on CUDA this is the figure to read.
 
 The result holds the model's shape, the GPipe paper's prediction counted in
-bytes for these layer types, ``lightning_gpipe.build.cost.memory_cost``'s count as a cross-check, and every run's
+bytes for these layer types, ``lightning_gpipe.profile.cost.memory_cost``'s count as a cross-check, and every run's
 numbers.
 """
 
@@ -41,8 +41,8 @@ from torch.utils.data import DataLoader
 
 from benchmarks.trainer import quiet_trainer
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.build.cost import memory_cost
-from lightning_gpipe.build.profile import LiveTensorBytes
+from lightning_gpipe.profile.cost import memory_cost
+from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 
 __all__ = ["hidden_activation_bytes", "measure", "measure_runs", "predicted_growth_bytes"]
 
@@ -96,7 +96,7 @@ def predicted_growth_bytes(mode: str, chunks: int) -> int:
 
 
 def memory_cost_activation_bytes(samples: int) -> int:
-    """``lightning_gpipe.build.cost.memory_cost``'s activation count for the same stack, on the meta device (no memory).
+    """``profile.cost.memory_cost``'s activation count for the same stack, on the meta device (no memory).
 
     memory_cost counts, per layer, saved tensors plus parameters and gradients (no optimizer state with
     ``optimizer_slots=0``); the first layer's saved input is the stage input, which ``hidden_activation_bytes`` leaves

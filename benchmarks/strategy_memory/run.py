@@ -49,7 +49,7 @@ def markdown(result: dict, command: str, started: datetime.datetime, load: str, 
         "each run in a fresh process.",
         "",
         f"Saved activations of the whole batch (analytic: 2 tensors of N x {model['width']} float32 per block): "
-        f"{_mib(result['hidden_activation_bytes'])} MiB; `lightning_gpipe.build.cost.memory_cost` counts "
+        f"{_mib(result['hidden_activation_bytes'])} MiB; `lightning_gpipe.profile.cost.memory_cost` counts "
         f"{_mib(result['memory_cost_activation_bytes'])} MiB.",
         "",
         "Predicted growth (GPipe paper): `never` keeps every layer's activations of all N samples, O(L·N); `always` "

@@ -1,7 +1,7 @@
 """One memory probe: two real training steps of a scaled-down zoo model in one setting, counted in exact tensor bytes.
 
 The settings and models are in :mod:`benchmarks.zoo_memory.scales`. Memory is counted by
-``lightning_gpipe.build.profile.LiveTensorBytes`` (a ``TorchDispatchMode`` that sees every operator and frees a
+``lightning_gpipe.profile.layer_profile.LiveTensorBytes`` (a ``TorchDispatchMode`` that sees every operator and frees a
 storage's bytes when it dies): independent of the allocator and of the machine's load. The first step creates the
 gradients and the optimizer state (gradients are zeroed in place, so they stay allocated); the second step's peak is
 the one reported: parameters + batch + everything alive at that step's worst moment.
@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 import zoo
 from benchmarks.zoo_memory.scales import MODELS, SEQUENCE_LENGTH, ModelScale, Probe
-from lightning_gpipe.build.balance import balance_by_cost, split
-from lightning_gpipe.build.cost import memory_cost
-from lightning_gpipe.build.profile import LiveTensorBytes
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.partition.balance import balance_by_cost, split
+from lightning_gpipe.profile.cost import memory_cost
+from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 
 __all__ = ["ProbeResult", "measure_rank"]
 

@@ -6,7 +6,7 @@ Settings (the GPipe paper's Table 1 columns):
 - ``pipeline-1``: the engine on one rank, ``Pipeline(chunks=M, checkpoint="always")``: M micro-batches, every
   micro-batch re-materialized during backward;
 - ``pipeline-2``: the same on K = 2 ranks (one process each, gloo over loopback), the layers split by
-  ``lightning_gpipe.build.cost.memory_cost`` with ``balance_by_cost``.
+  ``lightning_gpipe.profile.cost.memory_cost`` with ``balance_by_cost``.
 """
 
 from __future__ import annotations

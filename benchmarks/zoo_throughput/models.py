@@ -5,7 +5,7 @@ Shapes: ``B`` samples per mini-batch, ``T`` tokens per sample, ``V`` vocabulary,
 Every configuration of a workload trains the same model (same seed) on the same mini-batch with the model's own
 training loss and plain SGD, so the configurations differ only in how the work is spread over threads,
 micro-batches and processes. The stage split is the same for every pipeline: the cut that balances the layers'
-forward FLOPs (:func:`lightning_gpipe.build.balance.balance_by_cost`, as ``GPipeStrategy`` balances zoo models).
+forward FLOPs (:func:`lightning_gpipe.partition.balance.balance_by_cost`, as ``GPipeStrategy`` balances zoo models).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import zoo
-from lightning_gpipe.build.balance import balance_by_cost
-from lightning_gpipe.build.cost import flops_cost
+from lightning_gpipe.partition.balance import balance_by_cost
+from lightning_gpipe.profile.cost import flops_cost
 from zoo.transformer.objective import sequence_cross_entropy
 
 __all__ = ["WORKLOADS", "Batch", "LossFn", "Workload", "balance"]

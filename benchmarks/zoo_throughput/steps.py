@@ -28,10 +28,10 @@ from torch import nn
 import zoo
 from benchmarks.engine_speed.workloads import schedule_step
 from benchmarks.zoo_throughput.models import Batch, LossFn, Workload
-from lightning_gpipe.build.balance import split
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport, Transport
+from lightning_gpipe.partition.balance import split
 
 __all__ = ["CONFIGS", "PROCESSES", "Step", "build_step"]
 

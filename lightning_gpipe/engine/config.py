@@ -18,9 +18,9 @@ class PipelineConfig:
 
     Each bad value raises a ``ValueError`` or ``TypeError`` that names it, the rule and the fix; the layers that
     receive a valid configuration need not check it again. The settings of the layers above (how the module is cut,
-    how the strategy starts its processes) extend this class: :class:`~lightning_gpipe.build.config.BuildConfig`,
+    how the strategy starts its processes) extend this class: :class:`~lightning_gpipe.partition.config.BuildConfig`,
     :class:`~lightning_gpipe.config.StrategyConfig`. ``chunks=None`` defers to the world size, as
-    :meth:`~lightning_gpipe.build.config.BuildConfig.resolve` resolves it; a ``Pipeline`` needs it set.
+    :meth:`~lightning_gpipe.partition.config.BuildConfig.resolve` resolves it; a ``Pipeline`` needs it set.
 
     ``virtual_stages`` is the number of stages each process holds under ``schedule="interleaved"`` (2 or more); ZB-V
     always places two (``"zbv"`` takes 1 or 2); the other schedules one. :attr:`stages_per_process` says how many.

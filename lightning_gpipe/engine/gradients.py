@@ -5,7 +5,7 @@ Each stage owns a disjoint slice of the parameters, so the norm of the whole mod
 sum over stages of each stage's squared norm. Clipping by a stage's local norm would scale the stages differently
 and change the training (off by 1e-3 after a few steps in our measurements); clipping here matches
 ``torch.nn.utils.clip_grad_norm_`` on the unpartitioned model. A tied parameter, whose copies on several stages hold
-the same summed gradient (:mod:`lightning_gpipe.build.tied`), counts once: its other copies are scaled, not counted.
+the same summed gradient (:mod:`lightning_gpipe.partition.tied`), counts once: its other copies are scaled, not counted.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def checkpoint_stop(mode: CheckpointMode, num_microbatches: int, *, compiled: bo
     ``except_last`` spares the last micro-batch because its backward runs first, right after its forward, so
     recomputing it would buy no memory; with a single micro-batch it therefore checkpoints nothing. ``selective``
     spares it for the same reason, unless the layers are ``compiled``: each then re-materializes itself, inside its
-    graph, on every micro-batch (see :mod:`lightning_gpipe.build.compile`).
+    graph, on every micro-batch (see :mod:`lightning_gpipe.partition.compile`).
     """
     if compiled and mode == "selective":
         return num_microbatches

@@ -1,6 +1,6 @@
 """The planner: K, M, balance, re-materialization and schedule for a model, a device count and a memory budget.
 
-:func:`plan` profiles the model's layers (:func:`~lightning_gpipe.build.profile.profile_layers`), then, for every
+:func:`plan` profiles the model's layers (:func:`~lightning_gpipe.profile.profile_layers`), then, for every
 pipeline size K that divides the device count, every M, both balances (by time and by memory), every checkpoint mode
 and schedule (``"interleaved"`` with each of a few ``virtual_stages``), predicts each process's peak memory
 (:func:`~lightning_gpipe.plan.memory.process_memory`, its stages together) and the step time
@@ -20,14 +20,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.build.balance import balance_by_cost, cell_bounds
-from lightning_gpipe.build.profile import LayerProfile, ModelProfile, OptimizerFactory, profile_layers
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
 from lightning_gpipe.engine.schedule import SCHEDULES, SPLIT_BACKWARD, stages_of, validate_schedule
 from lightning_gpipe.engine.torch_compat import BatchNormBase
+from lightning_gpipe.partition.balance import balance_by_cost, cell_bounds
 from lightning_gpipe.plan.auto import AutoPlan
 from lightning_gpipe.plan.memory import StageMemory, process_memory, stage_memory
 from lightning_gpipe.plan.simulate import simulate_step
+from lightning_gpipe.profile.layer_profile import LayerProfile, ModelProfile, profile_layers
+from lightning_gpipe.profile.timing import OptimizerFactory
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
@@ -687,7 +688,7 @@ def _batch_norm_pipe_sizes(
 def _layers_of(model: nn.Module) -> nn.Sequential:
     if isinstance(model, nn.Sequential):
         return model
-    from lightning_gpipe.build.sequence import find_sequence
+    from lightning_gpipe.partition.sequence import find_sequence
 
     return find_sequence(model)[1]
 

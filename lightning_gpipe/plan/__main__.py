@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.build.sequence import find_sequence
 from lightning_gpipe.engine.schedule import SCHEDULES
 from lightning_gpipe.engine.tree import map_tensors
+from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.plan import DEFAULT_VIRTUAL_STAGES, InfeasiblePlanError, plan
 
 __all__ = ["build_model", "main"]

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.engine.rematerialization import validate_mode
 from lightning_gpipe.engine.schedule import validate_schedule
 from lightning_gpipe.engine.tree import flatten
+from lightning_gpipe.partition.config import BuildConfig
 
 if TYPE_CHECKING:
     from lightning_gpipe.plan import Plan

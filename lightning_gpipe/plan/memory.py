@@ -26,9 +26,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_gpipe.build.profile import LayerProfile, ModelProfile
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop
 from lightning_gpipe.engine.schedule import Action, Phase, cached_process_actions, stages_of
+from lightning_gpipe.profile.layer_profile import LayerProfile, ModelProfile
 
 __all__ = ["StageBytes", "StageMemory", "process_memory", "stage_bytes", "stage_memory"]
 
@@ -66,7 +66,7 @@ class StageBytes:
 def stage_bytes(profile: ModelProfile, cell: range, *, last: bool) -> StageBytes:
     """Per-sample bytes of one micro-batch on the stage that holds layers ``cell``, each tensor counted once.
 
-    With per-leaf profiles (:func:`~lightning_gpipe.build.profile.profile_layers` records which input and output
+    With per-leaf profiles (:func:`~lightning_gpipe.profile.layer_profile.profile_layers` records which input and output
     leaves each layer saves, and which outputs are inputs passed on unchanged), every tensor that crosses a layer
     boundary is followed through the stage by an identity: a tensor saved by several layers (an AmoebaNet cell's
     input, which the cell two layers on uses again), saved and also sent on, or received and passed on to the

@@ -14,9 +14,9 @@ import torch
 from helpers.models import IN, batch, build, loss_fn
 from torch import nn
 
-from lightning_gpipe.build.assembly import AssembledStage, assemble_stage, resolve_balance
-from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage, resolve_balance
+from lightning_gpipe.partition.config import BuildConfig
 
 CPU = torch.device("cpu")
 
@@ -131,9 +131,9 @@ def test_assembly_takes_the_resolved_settings_and_hands_their_engine_part_down()
 def test_a_zbv_process_holds_two_slices_that_share_one_tied_parameter() -> None:
     from helpers.tied_job import tied_lm
 
-    from lightning_gpipe.build.sequence import partition_module
-    from lightning_gpipe.build.tied import ties_between_processes
     from lightning_gpipe.engine.layout import ProcessLayout
+    from lightning_gpipe.partition.sequence import partition_module
+    from lightning_gpipe.partition.tied import ties_between_processes
 
     layout = ProcessLayout(2, 2, 0, "zbv")  # rank 0: stages 0 and 3, the embedding and the head tied to it
     lm = tied_lm()

@@ -193,7 +193,7 @@ def _private_torch_names(path: pathlib.Path) -> list[str]:
 
 
 def test_torch_private_names_are_used_in_torch_compat_only() -> None:
-    # Four modules of the engine, build and plan layers used _BatchNorm and build/profile.py imported
+    # Four modules of the engine, partition and plan layers used _BatchNorm and the profile imported
     # torch.utils._python_dispatch themselves, unchecked here; a torch upgrade could break them unnoticed.
     package = pathlib.Path(torch_compat.__file__).resolve().parents[1]
     uses = {

@@ -22,14 +22,14 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.build.assembly import AssembledStage, assemble_stage
-from lightning_gpipe.build.compile import DEFAULT_OPTIONS, compile_layers, replayed_by_engine
-from lightning_gpipe.build.config import BuildConfig
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, commit_running_stats
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.torch_compat import compile_in_place, restore_compiled_call
 from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
+from lightning_gpipe.partition.compile import DEFAULT_OPTIONS, compile_layers, replayed_by_engine
+from lightning_gpipe.partition.config import BuildConfig
 
 WIDTH, OUT, BATCH, STEPS = 6, 3, 33, 2  # 33 rows in 8 micro-batches: 5, 4, ..., 4
 

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_gpipe.build.config import Balance, BuildConfig, ResolvedPipeline
-from lightning_gpipe.build.cost import COST_SOURCES
 from lightning_gpipe.config import StrategyConfig
 from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.partition.config import Balance, BuildConfig, ResolvedPipeline
+from lightning_gpipe.profile.cost import COST_SOURCES
 
 
 def test_a_valid_configuration_is_frozen_and_keeps_its_values() -> None:

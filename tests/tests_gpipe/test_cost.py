@@ -10,7 +10,7 @@ import torch
 from helpers.runif import RunIf
 from torch import Tensor, nn
 
-from lightning_gpipe.build.cost import COST_SOURCES, flops_cost, layer_costs, memory_cost, param_cost, time_cost
+from lightning_gpipe.profile.cost import COST_SOURCES, flops_cost, layer_costs, memory_cost, param_cost, time_cost
 
 FLOAT32 = 4  # bytes
 
@@ -345,7 +345,7 @@ class _DeviceProbe(nn.Module):
 def test_strategy_measures_costs_on_the_stages_device() -> None:
     # R19: balance="time"/"memory" measured the CPU copy of the model before it moved to the GPU. The meta device
     # stands in for the GPU here (memory_cost runs there): the measurement must see it, the model must stay put.
-    from lightning_gpipe.build.assembly import measured_costs
+    from lightning_gpipe.partition.assembly import measured_costs
 
     sequence = nn.Sequential(_DeviceProbe(), nn.Tanh(), nn.Linear(4, 2))
     on_device = measured_costs(sequence, "memory", torch.randn(3, 4), torch.device("meta"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.build.balance import balance_by_cost, cell_bounds, in_place_starts, split, validate_balance
+from lightning_gpipe.partition.balance import balance_by_cost, cell_bounds, in_place_starts, split, validate_balance
 
 
 def all_balances(num_layers: int, num_stages: int) -> list[list[int]]:

@@ -6,7 +6,7 @@ from helpers.models import mlp
 from helpers.runif import RunIf
 from torch import nn
 
-from lightning_gpipe.build.sequence import PipelinedSequential, find_sequence, materialize, partition_module
+from lightning_gpipe.partition.sequence import PipelinedSequential, find_sequence, materialize, partition_module
 
 
 class Holder(nn.Module):

@@ -18,8 +18,6 @@ from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.build import timing
-from lightning_gpipe.build.profile import LiveTensorBytes
 from lightning_gpipe.plan import (
     DEFAULT_BOUNDARY_OVERHEAD,
     DEFAULT_MICROBATCH_OVERHEAD,
@@ -34,6 +32,8 @@ from lightning_gpipe.plan import (
     stage_memory,
 )
 from lightning_gpipe.plan.memory import process_memory, stage_bytes
+from lightning_gpipe.profile import timing
+from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 
 MiB = 2**20
 

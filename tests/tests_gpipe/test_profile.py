@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 import lightning_gpipe
-from lightning_gpipe.build import cost, profile, tensor_bytes, timing
-from lightning_gpipe.build.profile import layer_inputs, saved_bytes, state_keys, timed_passes
+from lightning_gpipe.profile import cost, layer_profile, tensor_bytes, timing
+from lightning_gpipe.profile.layer_run import layer_inputs
+from lightning_gpipe.profile.tensor_bytes import saved_bytes, state_keys
+from lightning_gpipe.profile.timing import timed_passes
 
 PACKAGE = Path(lightning_gpipe.__file__).parent
 
@@ -24,23 +26,23 @@ def test_balance_by_measurement_and_the_planner_share_one_profiler() -> None:
     # Issue 30: cost.py, measure.py and plan/profile.py each ran and timed layers, in copies that could drift apart.
     # balance="time" and the planner's pass times now come from the same timing loop, balance="memory" and the
     # planner's activation bytes from the same count of what autograd saves.
-    assert cost.timed_passes is profile.timed_passes
+    assert cost.timed_passes is timing.timed_passes
     assert "timed_passes" in cost.time_cost.__code__.co_names
     assert "timed_passes" in timing.measured_times.__code__.co_names
-    assert "measured_times" in profile.profile_layers.__code__.co_names
-    assert cost.saved_bytes is profile.saved_bytes
+    assert "measured_times" in layer_profile.profile_layers.__code__.co_names
+    assert cost.saved_bytes is tensor_bytes.saved_bytes
     assert "saved_bytes" in cost.memory_cost.__code__.co_names
     assert "_saved_forward" in tensor_bytes.saved_bytes.__code__.co_names
     assert "_saved_forward" in tensor_bytes.activation_bytes.__code__.co_names
     planner = importlib.import_module("lightning_gpipe.plan")  # the package; lightning_gpipe.plan is its function
-    assert planner.profile_layers is profile.profile_layers
+    assert planner.profile_layers is layer_profile.profile_layers
     assert "profile_layers" in planner.plan.__code__.co_names
     # Nothing else in the library reads the clock around a layer or hooks the tensors autograd saves (the engine's
     # timeline stamps spans of the running pipeline; it times no layer).
     owners = {
-        "perf_counter(": ["build/timing.py"],
-        "saved_tensors_hooks(": ["build/tensor_bytes.py"],
-        "autograd.grad(": ["build/tensor_bytes.py", "build/timing.py"],
+        "perf_counter(": ["profile/timing.py"],
+        "saved_tensors_hooks(": ["profile/tensor_bytes.py"],
+        "autograd.grad(": ["profile/tensor_bytes.py", "profile/timing.py"],
     }
     for needle, owner in owners.items():
         users = [name for name, text in _sources().items() if needle in text and not name.startswith("engine/")]
@@ -54,7 +56,9 @@ def test_one_walker_of_nested_values() -> None:
     assert private == []
     recursive = re.compile(r"def (_\w+)\(value[^)]*\)[^:]*:\n(?:[^\n]*\n){0,6}?[^\n]*\b\1\(item", re.MULTILINE)
     copies = [
-        name for name, text in _sources().items() if recursive.search(text) and name.startswith(("build/", "plan/"))
+        name
+        for name, text in _sources().items()
+        if recursive.search(text) and name.startswith(("partition/", "profile/", "plan/"))
     ]
     assert copies == []
 
@@ -79,9 +83,9 @@ def test_the_split_backward_is_timed_as_the_engine_runs_it_and_costs_more_than_t
     # parameters, so its I + W exceeds B and zero_bubble and zbv were predicted too fast.
     layers = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU())])
     sample = torch.randn(16, 64)
-    plain = profile.profile_layers(layers, sample, microbatch_sizes=[16], rematerialized=False, optimizer=None)
+    plain = layer_profile.profile_layers(layers, sample, microbatch_sizes=[16], rematerialized=False, optimizer=None)
     assert plain.split_times(16) is None  # only timed when a split schedule is weighed
-    split = profile.profile_layers(
+    split = layer_profile.profile_layers(
         layers, sample, microbatch_sizes=[16], repeats=5, rematerialized=False, optimizer=None, split=True
     )
     times = split.split_times(16)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_gpipe.build.profile import LayerProfile, ModelProfile
 from lightning_gpipe.plan.memory import process_memory, stage_memory
+from lightning_gpipe.profile.layer_profile import LayerProfile, ModelProfile
 
 MiB = 2**20
 LAYERS, SAVED, OUTPUT, TRANSIENT = 16, 0.5 * MiB, 0.125 * MiB, 0.25 * MiB

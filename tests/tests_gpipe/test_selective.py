@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_gpipe.build.profile import LayerProfile, LiveTensorBytes, ModelProfile, profile_layers
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop, checkpointed, selective_checkpoint
 from lightning_gpipe.engine.transport import ThreadTransport
 from lightning_gpipe.plan import _memory_balanced, evaluate, plan
 from lightning_gpipe.plan.memory import stage_memory
+from lightning_gpipe.profile.layer_profile import LayerProfile, ModelProfile, profile_layers
+from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 
 WIDTH, HEADS, TOKENS = 32, 4, 16
 

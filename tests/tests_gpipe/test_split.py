@@ -12,13 +12,13 @@ from torch import nn
 from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_gpipe.build.compile import compile_layers
 from lightning_gpipe.engine import split
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.split import input_pass
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.partition.compile import compile_layers
 
 
 class Counted(torch.autograd.Function):

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.build.profile import LiveTensorBytes, ModelProfile, profile_layers
 from lightning_gpipe.engine.split import input_pass
 from lightning_gpipe.plan.memory import process_memory
+from lightning_gpipe.profile.layer_profile import ModelProfile, profile_layers
+from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 
 N = 4
 

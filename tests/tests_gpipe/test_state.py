@@ -5,7 +5,7 @@ import torch
 from helpers.models import cells, mlp
 from torch import nn
 
-from lightning_gpipe.build.state_dict import (
+from lightning_gpipe.partition.state_dict import (
     check_loadable,
     local_optimizer_state,
     merge_optimizer_states,

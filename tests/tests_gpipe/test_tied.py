@@ -24,17 +24,17 @@ from torch import nn
 
 from benchmarks.launch import run_processes
 from lightning_gpipe import Pipeline, run_in_threads
-from lightning_gpipe.build.balance import split
-from lightning_gpipe.build.sequence import materialize, partition_module
-from lightning_gpipe.build.state_dict import (
+from lightning_gpipe.engine.gradients import clip_grad_norm
+from lightning_gpipe.engine.transport import ProcessGroupTransport
+from lightning_gpipe.partition.balance import split
+from lightning_gpipe.partition.sequence import materialize, partition_module
+from lightning_gpipe.partition.state_dict import (
     local_optimizer_state,
     merge_optimizer_states,
     optimizer_state_by_name,
     parameter_aliases,
 )
-from lightning_gpipe.build.tied import Tie, TiedCopies, find_ties, retie
-from lightning_gpipe.engine.gradients import clip_grad_norm
-from lightning_gpipe.engine.transport import ProcessGroupTransport
+from lightning_gpipe.partition.tied import Tie, TiedCopies, find_ties, retie
 
 
 class Holder(nn.Module):

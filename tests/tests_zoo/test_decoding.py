@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import zoo
-from lightning_gpipe.build.sequence import PipelinedSequential
+from lightning_gpipe.partition.sequence import PipelinedSequential
 from zoo.tasks.translation import Transformer
 from zoo.transformer.decoding import (
     BOS_ID,

@@ -154,7 +154,7 @@ def test_sampled_generation_with_a_seed_equals_library_generate(
 
 
 def test_generation_through_the_pipelined_sequence_equals_the_whole_model(llama: Path) -> None:
-    from lightning_gpipe.build.sequence import PipelinedSequential
+    from lightning_gpipe.partition.sequence import PipelinedSequential
 
     model = zoo.load_pretrained(llama)
     ids, mask = prompts(model.hparams["config"]["vocab_size"])

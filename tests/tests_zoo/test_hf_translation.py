@@ -159,7 +159,7 @@ def test_two_stage_gpipe_step_equals_the_plain_step(saved: Path) -> None:
     # The shared embedding lives on both stages (source embedding on stage 0; decoder embedding and output projection
     # on stage 1): GPipe with K = 2 and 2 micro-batches must give the plain model's gradients and step.
     from lightning_gpipe import run_in_threads
-    from lightning_gpipe.build.balance import split
+    from lightning_gpipe.partition.balance import split
 
     model = zoo.load_pretrained(saved)
     plain = zoo.load_pretrained(saved)
@@ -201,7 +201,7 @@ def test_a_loaded_model_starts_in_training_mode(saved: Path) -> None:
 
 
 def test_greedy_generation_through_the_pipelined_sequence_equals_the_whole_model(saved: Path) -> None:
-    from lightning_gpipe.build.sequence import PipelinedSequential
+    from lightning_gpipe.partition.sequence import PipelinedSequential
     from zoo.hf.generation import greedy_generate
 
     model = zoo.load_pretrained(saved)

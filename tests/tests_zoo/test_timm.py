@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from timm.models import save_for_hf
 from torch import nn
 
-import lightning_gpipe.build.sequence
+import lightning_gpipe.partition.sequence
 import zoo
 from zoo.timm_models import TokenEmbedding, flatten_timm_model
 
@@ -173,7 +173,7 @@ def test_on_meta_the_vit_materializes_every_parameter_including_its_tokens() -> 
     assert embedding.pos_embed is not None
     assert embedding.pos_embed.is_meta
     # As GPipeStrategy does for its stage: allocate uninitialized memory, then reset_parameters on every module.
-    lightning_gpipe.build.sequence.materialize(list(enumerate(model.layers)), torch.device("cpu"), seed=0)
+    lightning_gpipe.partition.sequence.materialize(list(enumerate(model.layers)), torch.device("cpu"), seed=0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert 0.01 < embedding.pos_embed.std().item() < 0.03  # timm's N(0, 0.02), not whatever memory held
     assert embedding.cls_token is not None

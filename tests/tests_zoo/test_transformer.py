@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import zoo
-from lightning_gpipe.build.sequence import materialize
+from lightning_gpipe.partition.sequence import materialize
 from zoo.transformer.layers import Softmax, XavierLinear, sinusoidal_positions
 from zoo.transformer.network import decoder_slice, encoder_slice, transformer_layers, transformer_lm_layers
 from zoo.transformer.objective import sequence_cross_entropy

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.build.layer_run import (
+from lightning_gpipe.engine.split import input_pass
+from lightning_gpipe.engine.tree import map_tensors
+from lightning_gpipe.profile.layer_run import (
     LossFn,
     layer_inputs,
     on_device,
@@ -24,8 +26,6 @@ from lightning_gpipe.build.layer_run import (
     tensor_leaves,
     training_input,
 )
-from lightning_gpipe.engine.split import input_pass
-from lightning_gpipe.engine.tree import map_tensors
 
 __all__ = [
     "BELOW",

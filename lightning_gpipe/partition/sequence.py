@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gpipe.build.balance import cell_bounds
-from lightning_gpipe.build.tied import Tie, find_ties, retie, set_aside
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
+from lightning_gpipe.partition.balance import cell_bounds
+from lightning_gpipe.partition.tied import Tie, find_ties, retie, set_aside
 
 __all__ = ["Partition", "PipelinedSequential", "RemoteLayers", "find_sequence", "materialize", "partition_module"]
 
@@ -373,8 +373,8 @@ def partition_module(
     index of ``balance``, or several: the stages one process holds under ``"interleaved"`` or ``"zbv"``).
 
     Refuses trainable parameters outside the sequence, which one stage alone would update. A tensor (or module) that
-    layers of several stages share stays on every stage that uses it; :mod:`lightning_gpipe.build.tied` keeps its copies
-    equal.
+    layers of several stages share stays on every stage that uses it; :mod:`lightning_gpipe.partition.tied` keeps its
+    copies equal.
     """
     _check_aliases(module, path, sequence)
     inside = {id(p) for p in sequence.parameters()}

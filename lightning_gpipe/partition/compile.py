@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gpipe.build.balance import in_place_starts
 from lightning_gpipe.engine.rematerialization import replayed_layer, selective_checkpoint, tracks_running_stats
 from lightning_gpipe.engine.torch_compat import (
     CompiledCall,
@@ -37,6 +36,7 @@ from lightning_gpipe.engine.torch_compat import (
     keep_compiled_saved_tensors,
     restore_compiled_call,
 )
+from lightning_gpipe.partition.balance import in_place_starts
 
 __all__ = [
     "DEFAULT_OPTIONS",

@@ -1,7 +1,7 @@
 """The profile: what each layer of a sequence costs in training (:class:`LayerProfile`, :class:`ModelProfile`), and
 :func:`profile_layers`, which measures it for the planner, each layer run alone on the previous one's output
-(:mod:`~lightning_gpipe.build.layer_run`): pass times per micro-batch size (:mod:`~lightning_gpipe.build.timing`, or
-the analytic time of its FLOPs) and bytes (:mod:`~lightning_gpipe.build.tensor_bytes`). A model built on the meta
+(:mod:`~lightning_gpipe.profile.layer_run`): pass times per micro-batch size (:mod:`~lightning_gpipe.profile.timing`, or
+the analytic time of its FLOPs) and bytes (:mod:`~lightning_gpipe.profile.tensor_bytes`). A model built on the meta
 device is profiled one layer at a time, so only one layer must fit; the model itself is left unchanged."""
 
 from __future__ import annotations
@@ -16,54 +16,31 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_gpipe.build.layer_run import (
+from lightning_gpipe.engine.tree import map_tensors
+from lightning_gpipe.profile.layer_run import (
     LossFn,
     layer_inputs,
     layer_output,
-    leaf_input,
     preserved_state,
     resized,
     tensor_leaves,
 )
-from lightning_gpipe.build.tensor_bytes import (
-    LiveTensorBytes,
+from lightning_gpipe.profile.tensor_bytes import (
     activation_bytes,
-    saved_bytes,
     selective_bytes,
     state_bytes,
     state_keys,
     storage_bytes,
     weighted_output_bytes,
 )
-from lightning_gpipe.build.timing import (
+from lightning_gpipe.profile.timing import (
     OptimizerFactory,
-    Passes,
-    Split,
     graph_nodes,
     measured_times,
-    timed_passes,
     update_times,
 )
-from lightning_gpipe.engine.tree import map_tensors
 
-# The names of layer_run, tensor_bytes and timing that callers import from here are re-exported.
-__all__ = [
-    "LayerProfile",
-    "LiveTensorBytes",
-    "ModelProfile",
-    "OptimizerFactory",
-    "Passes",
-    "Split",
-    "SplitTimes",
-    "layer_inputs",
-    "leaf_input",
-    "preserved_state",
-    "profile_layers",
-    "saved_bytes",
-    "state_bytes",
-    "state_keys",
-    "timed_passes",
-]
+__all__ = ["LayerProfile", "ModelProfile", "SplitTimes", "profile_layers"]
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.build.layer_run import tensor_leaves, training_input
 from lightning_gpipe.engine.rematerialization import KEPT_OPS
 from lightning_gpipe.engine.torch_compat import TorchDispatchMode, storage_key
 from lightning_gpipe.engine.tree import flatten
+from lightning_gpipe.profile.layer_run import tensor_leaves, training_input
 
 __all__ = [
     "LiveTensorBytes",

@@ -1,7 +1,7 @@
 """Per-layer costs that partitioning balances (the paper's c_i).
 
 Each source returns one non-negative float per layer of an ``nn.Sequential``, for
-:func:`~lightning_gpipe.build.balance.balance_by_cost`:
+:func:`~lightning_gpipe.partition.balance.balance_by_cost`:
 
 - :func:`param_cost`: parameters per layer. Needs no input and works on the meta device.
 - :func:`flops_cost`: analytic forward FLOPs on a sample. Deterministic, works on the meta device.
@@ -12,8 +12,8 @@ Each source returns one non-negative float per layer of an ``nn.Sequential``, fo
 The sources that run the layers (flops, time, memory) feed each layer the previous layer's output, as
 ``nn.Sequential`` does, and leave the module as they found it: buffers (BatchNorm running statistics) and the torch
 random number generators are restored, parameter ``.grad`` is never touched. Time and memory are measured by the
-profiler the planner uses (:mod:`lightning_gpipe.build.profile`). Layers run in whatever mode (train or eval) they are
-in; call ``.train()`` first to profile training.
+profiler the planner uses (:mod:`lightning_gpipe.profile.layer_profile`). Layers run in whatever mode (train or
+eval) they are in; call ``.train()`` first to profile training.
 """
 
 from __future__ import annotations
@@ -26,15 +26,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_gpipe.build.profile import (
-    layer_inputs,
-    preserved_state,
-    saved_bytes,
-    state_bytes,
-    state_keys,
-    timed_passes,
-)
 from lightning_gpipe.engine.tree import flatten, map_tensors
+from lightning_gpipe.profile.layer_run import layer_inputs, preserved_state
+from lightning_gpipe.profile.tensor_bytes import saved_bytes, state_bytes, state_keys
+from lightning_gpipe.profile.timing import timed_passes
 
 __all__ = [
     "COST_SOURCES",
@@ -172,7 +167,7 @@ def time_cost(layers: Iterable[nn.Module], sample: Any, *, repeats: int = 5, war
 
     The backward pass is ``torch.autograd.grad`` with respect to the layer's input and parameters, with ones as the
     output gradient, so parameter ``.grad`` is left untouched. CUDA work is synchronised before the clock is read.
-    The passes are :func:`~lightning_gpipe.build.profile.timed_passes`, the planner's; unlike the planner, the cost
+    The passes are :func:`~lightning_gpipe.profile.timing.timed_passes`, the planner's; unlike the planner, the cost
     keeps the floor every timed pass pays (a stage pays it once per micro-batch), which is the same for every layer.
 
     Raises:

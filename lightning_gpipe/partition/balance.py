@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from torch import nn
 
-from lightning_gpipe.build.tied import find_ties
+from lightning_gpipe.partition.tied import find_ties
 
 __all__ = [
     "balance_by_cost",
@@ -317,7 +317,7 @@ def split(module: nn.Sequential, balance: Sequence[int], *, allow_shared: bool =
     in separate processes would each update a copy of their own. In one process
     (:func:`~lightning_gpipe.run_in_threads`) the cells use the very tensor and its gradient accumulates from both;
     across processes,
-    :class:`~lightning_gpipe.build.tied.TiedCopies` keeps the copies equal.
+    :class:`~lightning_gpipe.partition.tied.TiedCopies` keeps the copies equal.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
@@ -336,7 +336,7 @@ def split(module: nn.Sequential, balance: Sequence[int], *, allow_shared: bool =
             f"share one {'parameter' if tie.is_parameter else 'buffer'}: cells trained in separate processes would "
             "each update their own copy of it. Run the cells in one process (run_in_threads, where they share the "
             "tensor and its gradient sums) and pass split(..., allow_shared=True); across processes pass "
-            "allow_shared=True and keep the copies equal with lightning_gpipe.build.tied.TiedCopies (GPipeStrategy "
+            "allow_shared=True and keep the copies equal with lightning_gpipe.partition.tied.TiedCopies (GPipeStrategy "
             "does it for you)."
         )
     return [

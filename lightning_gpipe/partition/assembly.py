@@ -4,7 +4,7 @@
 rank follows (several steps are collectives): find the ``nn.Sequential``, record the whole module's names for
 checkpoints, resolve the balance (measured on rank 0 and broadcast), cut the module down to this stage's layers,
 allocate and initialize layers built on the meta device, convert BatchNorm to :class:`DeferredBatchNorm` when asked,
-compile each layer in place when asked (:mod:`lightning_gpipe.build.compile`), give the replicas of the stage the
+compile each layer in place when asked (:mod:`lightning_gpipe.partition.compile`), give the replicas of the stage the
 same weights, set up the copies of tensors tied across processes, and wrap the cell in a
 :class:`~lightning_gpipe.engine.pipeline.Pipeline` over the given transport.
 
@@ -28,13 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.build.balance import balance_by_cost, checked_total, in_place_starts
-from lightning_gpipe.build.compile import CompiledLayers, compile_layers
-from lightning_gpipe.build.config import ResolvedPipeline
-from lightning_gpipe.build.cost import layer_costs
-from lightning_gpipe.build.sequence import Partition, find_sequence, materialize, partition_module
-from lightning_gpipe.build.state_dict import ModelNames
-from lightning_gpipe.build.tied import TiedCopies, retie, ties_between_processes
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.collectives import broadcast_tensors, to_device
 from lightning_gpipe.engine.errors import collective_errors
@@ -43,6 +36,13 @@ from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import Transport
+from lightning_gpipe.partition.balance import balance_by_cost, checked_total, in_place_starts
+from lightning_gpipe.partition.compile import CompiledLayers, compile_layers
+from lightning_gpipe.partition.config import ResolvedPipeline
+from lightning_gpipe.partition.sequence import Partition, find_sequence, materialize, partition_module
+from lightning_gpipe.partition.state_dict import ModelNames
+from lightning_gpipe.partition.tied import TiedCopies, retie, ties_between_processes
+from lightning_gpipe.profile.cost import layer_costs
 
 __all__ = ["AssembledStage", "assemble_stage", "measured_costs", "parameter_counts", "resolve_balance"]
 
@@ -89,7 +89,7 @@ class AssembledStage:
 
         Every stage of the pipeline calls it; ``group`` is the pipeline's group (for objects: gloo keeps the parts in
         host memory), unused with a single stage. Tied tensors get back their shared value and deferred BatchNorm
-        layers become plain BatchNorm again (:meth:`~lightning_gpipe.build.sequence.Partition.reassemble`), and
+        layers become plain BatchNorm again (:meth:`~lightning_gpipe.partition.sequence.Partition.reassemble`), and
         compiled layers run as they did before assembly: the module is the user's again, on every rank alike.
         """
         self.compiled.restore()
@@ -118,9 +118,10 @@ def assemble_stage(
 
     Args:
         module: the user's module, holding the ``nn.Sequential`` to pipeline (``settings.module_name``, else the
-            only one); it is changed in place (see :mod:`lightning_gpipe.build.sequence`).
+            only one); it is changed in place (see :mod:`lightning_gpipe.partition.sequence`).
         settings: the settings resolved for this process
-            (:meth:`BuildConfig.resolve <lightning_gpipe.build.config.BuildConfig.resolve>`): K, M, this rank's place.
+            (:meth:`BuildConfig.resolve <lightning_gpipe.partition.config.BuildConfig.resolve>`): K, M, this rank's
+            place.
         device: where this stage's layers are allocated and run.
         transport: the links to this pipeline's other stages; with several stages per process, one per held stage.
         sample: one input of the sequence, for a balance measured on it (``"flops"``, ``"time"``, ``"memory"``).

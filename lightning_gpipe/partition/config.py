@@ -13,28 +13,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from lightning_gpipe.build.balance import checked_entries
-from lightning_gpipe.build.compile import Compile, check_compile, compile_options
-from lightning_gpipe.build.cost import COST_SOURCES, CostFn
 from lightning_gpipe.engine.config import PipelineConfig, validate_flag
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.transport import DEFAULT_TIMEOUT
+from lightning_gpipe.partition.balance import checked_entries
+from lightning_gpipe.partition.compile import Compile, check_compile, compile_options
+from lightning_gpipe.profile.cost import COST_SOURCES, CostFn
 
 __all__ = ["Balance", "BuildConfig", "ResolvedPipeline"]
 
 Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
 """Layers per stage (a list of ``K·v`` ints: one per stage of the pipeline), or how to find them: a cost name of
-:data:`~lightning_gpipe.build.cost.COST_SOURCES`, a callable ``cost(layer)``, or ``None``."""
+:data:`~lightning_gpipe.profile.cost.COST_SOURCES`, a callable ``cost(layer)``, or ``None``."""
 
 
 @dataclass(frozen=True)
 class BuildConfig(PipelineConfig):
-    """The settings of :func:`~lightning_gpipe.build.assembly.assemble_stage`: a pipeline's, and how to build it.
+    """The settings of :func:`~lightning_gpipe.partition.assembly.assemble_stage`: a pipeline's, and how to build it.
 
     ``pipe_size=None`` and ``chunks=None`` defer to the world size (see :meth:`resolve`); ``timeout`` is how long a
     stage waits for a peer, in the pipeline and in the collectives of the build; ``compile`` compiles each layer of
-    the stage (``True`` or ``torch.compile``'s keyword arguments, see :mod:`lightning_gpipe.build.compile`).
+    the stage (``True`` or ``torch.compile``'s keyword arguments, see :mod:`lightning_gpipe.partition.compile`).
     """
 
     pipe_size: int | None = None
