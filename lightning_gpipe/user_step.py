@@ -115,7 +115,7 @@ class UserSteps:
         batch, rest = args[0], args[1:]
         training = hook == "training_step"
         processes, samples = num_stages // len(self.pipeline.stages), batch_size(batch)
-        self.batches.check(hook, samples, module.training, self.pipeline.chunks, processes)
+        self.batches.check(hook, samples, self.pipeline.chunks)
         if training and samples < self.pipeline.chunks:
             check_rounds(self.pipeline.config, samples, processes)
         # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
@@ -236,14 +236,19 @@ def _routed(stand_in: PipelinedSequential, driver: StepDriver) -> Iterator[None]
 
 
 class BatchChecks:
-    """A step's batch checked: enough samples for the stages, the planned size, and (a warning, once) for ``chunks``."""
+    """A step's batch checked: the planned size, and (a warning, once) fewer samples than ``chunks``.
+
+    A batch of fewer samples than stages trains: its micro-batches (one per sample) run through every stage as
+    ``chunks < pipe_size`` does, each schedule ordering any number of them (``"interleaved"``'s rounds aside, refused
+    by :func:`check_rounds`).
+    """
 
     def __init__(self) -> None:
         self.planned: int | None = None  # plan="auto"'s batch per pipeline, until the first training batch
         self._sized: set[str] | None = set()  # the step hooks whose first batch was checked against chunks
 
-    def check(self, hook: str, samples: int, training: bool, chunks: int, pipe_size: int) -> None:
-        """Refuse a batch that cannot fill the stages, or that the plan did not plan; warn once about a small one."""
+    def check(self, hook: str, samples: int, chunks: int) -> None:
+        """Refuse a batch that the plan did not plan; warn once about one of fewer samples than ``chunks``."""
         if hook == "training_step" and self.planned is not None:
             check_planned_batch(self.planned, samples)
             self.planned = None
@@ -257,8 +262,3 @@ class BatchChecks:
                     f"not {chunks}. Set chunks={samples} (or fewer) to say so, or use batches of at least "
                     f"{chunks} samples."
                 )
-        if samples < pipe_size and training:
-            raise ValueError(
-                f"a batch of {samples} samples cannot fill {pipe_size} pipeline stages; "
-                "use a batch size of at least pipe_size (and drop_last=True if the last batch is smaller)"
-            )
