@@ -257,10 +257,13 @@ class GPipeStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        self._settings = None
         if self._auto_plan is not None:
+            self._settings = None
             return  # K is known once the plan is made, in setup (_follow_plan resolves the settings then)
-        self._settings = self.config.resolve(self.world_size, self.global_rank, self._planned)  # checks the world
+        # Lightning's connector and setup_environment both call this: resolve (and warn) once per world and rank.
+        known = self._settings.layout if self._settings is not None else None
+        if known is None or (known.world_size, known.rank) != (self.world_size, self.global_rank):
+            self._settings = self.config.resolve(self.world_size, self.global_rank, self._planned)  # checks the world
 
     @override
     def setup_environment(self) -> None:
@@ -321,7 +324,7 @@ class GPipeStrategy(ParallelStrategy):
             devices=self.world_size, device=self.root_device, compiled=self.config.compile is not False,
             rank=self.global_rank, broadcast=self.broadcast, report=rank_zero_info,
         )  # fmt: skip
-        self._auto_plan = None
+        self._auto_plan, self._settings = None, None
         self._batches.planned = batch if module.trainer.state.fn == TrainerFn.FITTING else None
         self.set_world_ranks()
         self._new_groups()

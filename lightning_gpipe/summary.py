@@ -27,11 +27,15 @@ def describe_pipeline(layout: ProcessLayout, chunks: int, assembled: AssembledSt
     dist.all_gather_object(rows, own)
     pipelines = "pipeline" if layout.num_replicas == 1 else "data-parallel pipelines"
     per = len(layout.stages)
-    stages = f"{layout.pipe_size} stages" if per == 1 else f"{layout.num_stages} stages ({per} per process)"
-    lines = [
-        f"GPipe: {layout.num_replicas} {pipelines} of {stages}, up to chunks={chunks} "
-        f"micro-batches per batch (a batch of N < {chunks} samples runs N); {path!r} has {num_layers} layers"
-    ]
+    stages = f"{layout.num_stages} stage{'s' if layout.num_stages > 1 else ''}"
+    if per > 1:
+        stages += f" ({per} per process)"
+    microbatches = (
+        "one micro-batch per batch (chunks=1)"
+        if chunks == 1
+        else f"up to chunks={chunks} micro-batches per batch (a batch of N < {chunks} samples runs N)"
+    )
+    lines = [f"GPipe: {layout.num_replicas} {pipelines} of {stages}, {microbatches}; {path!r} has {num_layers} layers"]
     for _replica, _first, rank, held, (count, trainable) in sorted(row for row in rows if row[0] == 0):
         stages = ", ".join(str(stage) for stage, _ in held)
         ranges = " and ".join(f"{layers[0]}-{layers[-1]}" for _, layers in held)

@@ -340,3 +340,12 @@ def test_chunks_larger_than_the_batch_warns_once_with_the_number_used(caplog: py
     assert "runs 8 micro-batches of one sample, not 16. Set chunks=8 (or fewer)" in messages[0]
     assert "up to chunks=16 micro-batches per batch (a batch of N < 16 samples runs N)" in caplog.text
     assert len(model.seen) == 2 * 8
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+def test_the_setup_line_of_one_micro_batch_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    # Regression: with chunks=1 the setup line read "(a batch of N < 1 samples runs N)" (and "1 stages").
+    with caplog.at_level(logging.INFO):
+        _trainer(chunks=1).fit(_TextModel(), DataLoader(_Texts(), batch_size=8))
+    assert "GPipe: 1 pipeline of 1 stage, one micro-batch per batch (chunks=1);" in caplog.text
+    assert "N < 1" not in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -154,6 +155,21 @@ def test_bad_configuration_fails_when_the_trainer_is_built() -> None:
         L.Trainer(strategy=GPipeStrategy(chunks=1), accelerator="cpu", devices=2)
     with pytest.raises(ValueError, match=r"balance=\[1, 1, 1\] has 3 stages but the pipelines have 2"):
         L.Trainer(strategy=GPipeStrategy(balance=[1, 1, 1]), accelerator="cpu", devices=2)
+
+
+def test_the_chunks_warning_prints_once_per_rank() -> None:
+    # Regression: Lightning's accelerator connector and setup_environment both set the world ranks, and each resolved
+    # the settings again, so "chunks=1 is smaller than pipe_size=2" printed twice on every rank.
+    from lightning_gpipe import GPipeStrategy
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = L.Trainer(strategy=GPipeStrategy(chunks=1), accelerator="cpu", devices=2).strategy
+        strategy.set_world_ranks()  # what setup_environment does in every process
+    assert [str(w.message) for w in caught if "smaller than pipe_size" in str(w.message)] == [
+        "chunks=1 is smaller than pipe_size=2: at most 1 of 2 stages can work at once. Use chunks >= 8 for a small "
+        "bubble."
+    ]
 
 
 @RunIf(multiprocess=True)
