@@ -19,8 +19,10 @@ first process, or one process holding every stage), stage 0's input comes from `
 
 The loss-weighting rule: micro-batch ``i`` weighs ``w_i``, declared from its batch before the step (a module's
 ``batch_loss_weight``), else the ``loss_weight`` its step returned where the schedule allows it, else its share of the
-samples (:func:`~lightning_gpipe.engine.microbatch.loss_weights`). A loss is weighed at its forward when its weight is
-known then (declared, by samples, or needed by a backward pass among the forwards); else once the forwards are over.
+samples (:func:`~lightning_gpipe.engine.microbatch.loss_weights`); declared or returned counts that sum to zero (every
+label ignored) weigh by samples too, never ``0 / 0`` (:func:`~lightning_gpipe.engine.microbatch.count_weights`). A
+loss is weighed at its forward when its weight is known then (declared, by samples, or needed by a backward pass among
+the forwards); else once the forwards are over.
 """
 
 from __future__ import annotations
@@ -194,7 +196,8 @@ class StepDriver:
                 f"batch_loss_weight is a {type(declare).__name__}; GPipeStrategy calls it as a method "
                 "batch_loss_weight(batch) -> the number of elements the loss of `batch` averages over; rename it"
             )
-        return count_weights([declare(mb.value) for mb in self.run.microbatches], self.stage.transport.device)
+        microbatches = self.run.microbatches
+        return count_weights([declare(mb.value) for mb in microbatches], microbatches, self.stage.transport.device)
 
     def _loss_at_forward(self, mb: Microbatch, output: Any) -> torch.Tensor:
         """The loss ``output`` holds for ``mb``, weighted if its weight is known at its forward."""

@@ -260,14 +260,16 @@ def loss_weights(outputs: Sequence[Any], microbatches: Sequence[Microbatch], dev
             f"the step returned 'loss_weight' for {sum(given)} of {len(given)} micro-batches; return it for every "
             "batch (the number of elements the loss averages over, e.g. the batch's non-padding tokens)"
         )
-    return count_weights([output["loss_weight"] for output in outputs], device)
+    return count_weights([output["loss_weight"] for output in outputs], microbatches, device)
 
 
-def count_weights(counts: Sequence[Any], device: torch.device) -> torch.Tensor:
+def count_weights(counts: Sequence[Any], microbatches: Sequence[Microbatch], device: torch.device) -> torch.Tensor:
     """Micro-batch ``i``'s share ``n_i / sum(n)`` of a mean over ``sum(n)`` elements, given each one's count ``n_i``.
 
     A count is a number or a one-element tensor (``loss_weight``); the result is a float64 tensor on ``device``,
-    computed without reading a value on the host.
+    computed without reading a value on the host. Counts that sum to zero (nothing to average over: every label of the
+    batch ignored) give each micro-batch its share of the samples instead of ``0 / 0``: a loss the module keeps finite
+    for such a batch (``sum / max(n, 1)``, which is 0) then stays 0 in the step and its logs, as on one device.
     """
     tensors = [torch.as_tensor(count, device=device) for count in counts]
     if any(count.numel() != 1 or count.is_complex() for count in tensors):
@@ -277,7 +279,9 @@ def count_weights(counts: Sequence[Any], device: torch.device) -> torch.Tensor:
             f"values of shape {shapes[0] if shapes else 'complex'}; return e.g. (target != ignore_index).sum()"
         )
     weights = torch.stack([count.reshape(()) for count in tensors]).to(torch.float64)
-    return weights / weights.sum()
+    total = weights.sum()
+    by_samples = torch.tensor([mb.weight for mb in microbatches], dtype=torch.float64, device=device)
+    return torch.where(total == 0, by_samples, weights / total)  # the 0 / 0 of an empty batch is never chosen
 
 
 def step_extras(outputs: Sequence[Any], sizes: Sequence[int] | None = None) -> dict[str, Any] | None:

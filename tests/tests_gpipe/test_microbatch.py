@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_gpipe import GPipeStrategy, Unbatched
-from lightning_gpipe.engine.microbatch import batch_size, gather, loss_weights, scatter
+from lightning_gpipe.engine.microbatch import batch_size, count_weights, gather, loss_weights, scatter
 
 Batch = namedtuple("Batch", ["x", "y"])
 
@@ -146,6 +146,14 @@ def test_loss_weight_makes_a_token_mean_over_micro_batches_the_batch_token_mean(
         loss_weights(
             [{"loss": o["loss"], "loss_weight": torch.ones(2)} for o in outputs], microbatches, torch.device("cpu")
         )
+
+
+def test_counts_that_sum_to_zero_weigh_the_micro_batches_by_their_samples() -> None:
+    # Regression: a batch whose labels were all ignored weighed each micro-batch 0 / 0, so its loss and logs were NaN.
+    microbatches = scatter(torch.zeros(7, 2), 3)  # 3, 2 and 2 samples
+    weights = count_weights([torch.tensor(0), 0, torch.tensor(0.0)], microbatches, torch.device("cpu"))
+    assert weights.tolist() == pytest.approx([3 / 7, 2 / 7, 2 / 7])
+    assert count_weights([1, 0, 3], microbatches, torch.device("cpu")).tolist() == [0.25, 0.0, 0.75]
 
 
 def test_step_extras_join_the_other_keys_of_the_micro_batches_outputs() -> None:
@@ -349,3 +357,55 @@ def test_the_setup_line_of_one_micro_batch_says_so(caplog: pytest.LogCaptureFixt
         _trainer(chunks=1).fit(_TextModel(), DataLoader(_Texts(), batch_size=8))
     assert "GPipe: 1 pipeline of 1 stage, one micro-batch per batch (chunks=1);" in caplog.text
     assert "N < 1" not in caplog.text
+
+
+class _IgnoredLabels(L.LightningModule):
+    """Token classification whose labels may all be ignored (-100): its loss is ``sum / max(count, 1)``, 0 then."""
+
+    returns_weight = False  # return {"loss", "loss_weight"} instead of declaring batch_loss_weight
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 10))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        ids, labels = batch
+        logits = self.layers(ids)
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        count = (labels != -100).sum()
+        loss = total / count.clamp(min=1)
+        self.log("train_loss", loss)
+        return {"loss": loss, "loss_weight": count} if self.returns_weight else loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _DeclaredIgnoredLabels(_IgnoredLabels):
+    def batch_loss_weight(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (batch[1] != -100).sum()
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+@pytest.mark.parametrize(
+    ("schedule", "virtual_stages", "declared"),
+    [("gpipe", 1, True), ("gpipe", 1, False), ("1f1b", 1, True), ("zero_bubble", 1, True), ("interleaved", 2, True),
+     ("zbv", 2, True)],
+)  # fmt: skip
+def test_a_batch_whose_labels_are_all_ignored_logs_a_zero_loss(
+    schedule: str, virtual_stages: int, declared: bool
+) -> None:
+    # Regression: each micro-batch weighed count_i / sum(count) = 0 / 0, so the step's loss and the logged train_loss
+    # were NaN where plain Lightning logs the module's 0 (EarlyStopping(check_finite=True) stopped on it).
+    model = _DeclaredIgnoredLabels() if declared else _IgnoredLabels()
+    model.returns_weight = not declared
+    ids = torch.randint(0, 10, (6, 5), generator=torch.Generator().manual_seed(0))
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(pipe_size=1, chunks=3, schedule=schedule, virtual_stages=virtual_stages),
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader([(ids, torch.full_like(ids, -100))], batch_size=None))
+    assert trainer.callback_metrics["train_loss"].item() == 0.0
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())

@@ -47,7 +47,8 @@ def test_declared_token_counts_make_the_micro_batches_token_means_the_batch_s(na
     with torch.no_grad():
         whole = step_loss(model, batch).double()
         losses = torch.stack([step_loss(model, mb.value).double() for mb in microbatches])
-        weights = count_weights([model.batch_loss_weight(mb.value) for mb in microbatches], torch.device("cpu"))
+        counts = [model.batch_loss_weight(mb.value) for mb in microbatches]
+        weights = count_weights(counts, microbatches, torch.device("cpu"))
     torch.testing.assert_close((weights * losses).sum(), whole, atol=1e-6, rtol=0)
     by_samples = sum(mb.weight * loss for mb, loss in zip(microbatches, losses, strict=True))
     assert abs(by_samples - whole) > 1e-3, "the batch is not padded unevenly enough to tell the weightings apart"
