@@ -4,8 +4,8 @@
 one repeated tiny batch with ``strategy="gpipe"`` (K = 2, M = CHUNKS), then rank 0 saves the whole trained state dict to
 ``OUT/NAME.pt`` and a full checkpoint to ``OUT/NAME.ckpt`` (for the fine-tuning tests). ``NAME:CHUNKS:SCHEDULE`` runs
 that schedule and saves ``OUT/NAME-SCHEDULE.pt``. ``NAME`` is a registered zoo model, or ``hf_causal_lm``
-(``hf_causal_lm_lora``: with LoRA adapters): the Hugging Face language model saved in ``OUT/hf_causal_lm-source`` with
-a padded collator batch (:func:`causal_lm`).
+(``hf_causal_lm_lora``: with LoRA adapters; ``hf_causal_lm_packed``: on packed sequences, :func:`packed_batch`): the
+Hugging Face language model saved in ``OUT/hf_causal_lm-source`` with a padded collator batch (:func:`causal_lm`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def _size(batch: Any) -> int:
 
 CAUSAL_LM = "hf_causal_lm"
 CAUSAL_LM_LORA = "hf_causal_lm_lora"  # the same model with LoRA adapters of rank 4 on every linear layer
+CAUSAL_LM_PACKED = "hf_causal_lm_packed"  # the same model on a batch of packed sequences (packed_batch)
 
 
 def causal_lm(root: Path, lora: bool = False) -> tuple[L.LightningModule, dict[str, torch.Tensor]]:
@@ -69,6 +70,21 @@ def causal_lm(root: Path, lora: bool = False) -> tuple[L.LightningModule, dict[s
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :2] = -100
     return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def packed_batch() -> dict[str, torch.Tensor]:
+    """Two rows of packed sequences as ``DataCollatorWithFlattening`` makes each (``input_ids``, ``labels`` -100 at
+    each sequence's first token, ``position_ids`` restarting at 0; no ``attention_mask``), sequences of 3, 5 and 2
+    tokens in one row and 4 and 6 in the other, so that each micro-batch of a K = 2, M = 2 step is one row."""
+    from transformers import DataCollatorWithFlattening
+
+    collator = DataCollatorWithFlattening()
+    generator = torch.Generator().manual_seed(2)
+    rows = [
+        collator([{"input_ids": torch.randint(3, 96, (length,), generator=generator).tolist()} for length in lengths])
+        for lengths in ([3, 5, 2], [4, 6])
+    ]
+    return {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
 
 
 def train_on_repeats(
@@ -91,8 +107,9 @@ def train_on_repeats(
 
 def fit(name: str, steps: int, strategy: Any, devices: int, root: Path) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
-    if name in (CAUSAL_LM, CAUSAL_LM_LORA):
+    if name in (CAUSAL_LM, CAUSAL_LM_LORA, CAUSAL_LM_PACKED):
         model, batch = causal_lm(root, lora=name == CAUSAL_LM_LORA)
+        batch = packed_batch() if name == CAUSAL_LM_PACKED else batch
     else:
         model, batch = tiny_model(name), tiny_batch(name)
     trainer = train_on_repeats(model, batch, strategy, devices, root, steps)

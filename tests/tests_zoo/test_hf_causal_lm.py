@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 from zoo.hf.causal_lm_tiny import CAUSAL_FAMILIES, save_tiny_causal_lm, tiny_causal_config  # noqa: E402
 
-TIED = {"qwen2", "gemma", "gpt2"}
+TIED = {"qwen2", "gemma", "gemma3_text", "gpt2"}
+PER_LAYER_TYPE_ROTARY = ("gemma3_text", "olmo3")  # a rotary table per layer type: sliding and full attention
 TEXTS = ["the cat sat on the mat.", "a dog runs in the park.", "hello world, this is a small test."]
 
 
@@ -191,6 +192,148 @@ def test_the_loss_is_the_library_loss_over_the_learned_tokens(llama: Path) -> No
     assert int(model.batch_loss_weight(batch)) == int((batch["labels"][:, 1:] != -100).sum())
 
 
+@pytest.mark.parametrize("family", PER_LAYER_TYPE_ROTARY)
+def test_a_training_step_of_a_model_with_a_rotary_table_per_layer_type_equals_the_library(
+    family: str, tmp_path: Path
+) -> None:
+    # Regression: Gemma 3 loaded, then its first forward raised a TypeError (its rotary module takes the layer type).
+    # Each layer now gets its type's table: loss and every gradient are the library's (a layer given the other table,
+    # of another base, would differ), on a padded batch longer than the sliding window.
+    source = save_tiny_causal_lm(tmp_path / family, family, layers=4, init_std=0.3)
+    model, theirs = zoo.load_pretrained(source), transformers.AutoModelForCausalLM.from_pretrained(source)
+    ids, mask = prompts()
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    model.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    model.training_step(batch, 0).backward()
+    expected = theirs(**batch, position_ids=positions(mask))
+    expected.loss.backward()
+    torch.testing.assert_close(model.training_step(batch, 0), expected.loss, atol=1e-5, rtol=0)
+    library_parameters = dict(theirs.named_parameters())
+    for name, parameter in model.named_parameters():
+        expected_grad = library_parameters[model.library_keys[name]].grad
+        torch.testing.assert_close(parameter.grad, expected_grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_rotary_table_per_layer_type_is_refused_for_the_families_not_reproduced() -> None:
+    from zoo.hf.causal_lm import check_causal_config
+
+    mellum = transformers.AutoConfig.for_model("mellum", num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"is a 'mellum' model and its rotary embedding has a table per layer type, "):
+        check_causal_config(mellum, "mellum-dir")
+    embedding = transformers.Gemma3TextConfig(use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match=r"its config sets \['use_bidirectional_attention'\]"):
+        check_causal_config(embedding, "embeddinggemma")
+
+
+def test_a_sequence_longer_than_gpt2_s_positions_is_refused_before_any_layer_runs(tmp_path: Path) -> None:
+    # Regression: 200 tokens into a GPT-2 of 128 positions raised a bare IndexError inside the position embedding, on
+    # stage 0 only under the pipeline (gloo's "Connection closed by peer" on the others).
+    source = save_tiny_causal_lm(tmp_path / "gpt2", "gpt2")
+    model = zoo.load_pretrained(source)
+    ids = torch.randint(3, 96, (2, 200))
+    ran = []
+    model.layers[0].register_forward_pre_hook(lambda *args: ran.append(True))
+    message = r"a sequence of 200 tokens exceeds the model's 128 learned positions \(n_positions\); truncate to 128, "
+    with pytest.raises(ValueError, match=message + r"e.g. tokenizer\(..., truncation=True, max_length=128\)"):
+        model.training_step({"input_ids": ids, "labels": ids}, 0)
+    with pytest.raises(ValueError, match=r"a prompt and its max_new_tokens of 130 tokens exceeds"):
+        model.generate(ids[:, :120], max_new_tokens=10)
+    assert not ran, "refused before the first layer: under the pipeline, on every stage alike"
+    model.generate(ids[:, :120], max_new_tokens=8)  # up to the limit
+
+
+def test_a_rotary_model_runs_past_max_position_embeddings_as_the_library_does(llama: Path) -> None:
+    model = zoo.load_pretrained(llama).eval()
+    assert model.hparams["config"]["max_position_embeddings"] == 128
+    ids = torch.randint(3, 96, (1, 200))
+    torch.testing.assert_close(model(ids), library(llama)(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_a_batch_that_is_not_a_mapping_gets_the_same_type_error_from_every_hook(llama: Path) -> None:
+    # Regression: the strategy calls batch_loss_weight on the last stage first, which raised an AttributeError
+    # ('list' object has no attribute 'get') where training_step raised the TypeError that says what a batch is.
+    model = zoo.load_pretrained(llama)
+    ids = torch.randint(3, 96, (2, 8))
+    message = r"a PretrainedCausalLM batch is a mapping with 'input_ids' .* not a list"
+    for hook in (model.batch_loss_weight, lambda batch: model.training_step(batch, 0)):
+        with pytest.raises(TypeError, match=message):
+            hook([ids, torch.ones_like(ids)])
+
+
+def test_test_step_logs_the_token_mean_as_validation_does(llama: Path) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    model = zoo.load_pretrained(llama)
+    ids, mask = prompts()
+    loader = DataLoader([{"input_ids": ids, "attention_mask": mask}], batch_size=None)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    (tested,) = trainer.test(model, loader, verbose=False)
+    (validated,) = trainer.validate(model, loader, verbose=False)
+    assert tested["test_loss"] == validated["val_loss"] > 0
+
+
+def test_the_sample_input_is_one_sequence_of_the_context_and_feeds_the_model_summary(llama: Path) -> None:
+    # plan="auto" stopped at setup asking for a sample: the model now has one, which Lightning's model summary (run
+    # by a plain fit) reads for the layers' input and output sizes.
+    import lightning as L
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    model = zoo.load_pretrained(llama)
+    assert model.example_input_array.shape == (1, 128)
+    assert model.example_input_array.dtype == torch.long
+    summary = ModelSummary(model, max_depth=2)
+    assert summary.in_sizes[summary.layer_names.index("layers")] == [[1, 128], [1, 128]]  # ids and mask
+    assert summary.out_sizes[summary.layer_names.index("layers")] == [1, 128, model.hparams["config"]["vocab_size"]]
+    ids, mask = prompts()
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False)
+    trainer.fit(model, torch.utils.data.DataLoader([{"input_ids": ids, "attention_mask": mask}], batch_size=None))
+    config = {**model.hparams["config"], "max_position_embeddings": 32_768}
+    with torch.device("meta"):
+        meta = zoo.PretrainedCausalLM("unused", config=config, pretrained=False)
+    assert meta.example_input_array.shape == (1, 2048)
+    assert meta.example_input_array.is_meta
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+def test_plan_auto_plans_a_language_model_without_a_hand_made_sample(llama: Path) -> None:
+    import lightning as L
+
+    from lightning_gpipe import GPipeStrategy
+    from lightning_gpipe.plan import AutoPlan
+
+    model = zoo.load_pretrained(llama)
+    ids, mask = prompts()
+    rows = [{"input_ids": row, "attention_mask": m} for row, m in zip(ids, mask, strict=True)]
+    trainer = L.Trainer(
+        strategy=GPipeStrategy(plan=AutoPlan(memory_per_device="1GB")), accelerator="cpu", devices=1, max_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    trainer.fit(model, torch.utils.data.DataLoader(rows, batch_size=3))
+    assert trainer.global_step == 1
+    assert model.example_input_array is not None, "the strategy puts the sample back at teardown"
+
+
+def test_export_adapter_loads_into_peft_s_model_of_the_library(saved: Path, tmp_path: Path) -> None:
+    # LoRA exported only merged, and peft's state dict of model.layers matched none of the library model's names.
+    peft = pytest.importorskip("peft")
+    model = zoo.load_pretrained(saved, lora={"r": 4, "lora_alpha": 8})
+    with torch.no_grad():  # as if trained: the adapters away from their zero initialization
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)
+    exported = model.export_adapter(tmp_path / "adapter")
+    assert sorted(path.name for path in exported.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    theirs = peft.PeftModel.from_pretrained(library(saved), exported).eval()
+    ids, _ = prompts()
+    with torch.no_grad():
+        adapted = model.eval()(ids)
+        torch.testing.assert_close(theirs(ids).logits, adapted, atol=1e-4, rtol=0)
+        assert not torch.allclose(library(saved)(ids).logits, adapted, atol=1e-3), "the adapters change the model"
+    with pytest.raises(ValueError, match=r"export_adapter writes LoRA adapters, and this model has none"):
+        zoo.load_pretrained(saved).export_adapter(tmp_path / "none")
+
+
 def test_the_generation_config_gives_the_end_tokens_and_is_exported(tmp_path: Path) -> None:
     # Llama 3 Instruct ends a turn with one of several tokens, listed in generation_config.json, not in config.json.
     source = save_tiny_causal_lm(tmp_path / "source", "llama", init_std=0.3)
@@ -297,13 +440,13 @@ def test_classification_arguments_are_refused(llama: Path) -> None:
 def pipelined_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``hf_causal_lm.pt`` and ``.ckpt`` of the tiny tied Gemma after two AdamW steps with K = 2, M = 4 (the
     embedding on stage 0, its tied output projection on stage 1), ``hf_causal_lm-1f1b.pt`` under ``schedule="1f1b"``
-    and ``hf_causal_lm_lora.pt`` with LoRA adapters (both run first: the fill-drain run's checkpoint is the one read),
-    and the predictions."""
+    and ``hf_causal_lm_lora.pt`` with LoRA adapters, ``hf_causal_lm_packed.pt`` on packed sequences (all run first:
+    the fill-drain run's checkpoint is the one read), and the predictions."""
     from helpers.jobs import run_job
 
     out = tmp_path_factory.mktemp("causal-lm-gpipe")
     save_tiny_causal_lm(out / "hf_causal_lm-source", "gemma", init_std=0.3)
-    runs = ["hf_causal_lm:4:1f1b", "hf_causal_lm_lora:4", "hf_causal_lm:4"]
+    runs = ["hf_causal_lm:4:1f1b", "hf_causal_lm_lora:4", "hf_causal_lm_packed:2", "hf_causal_lm:4"]
     results = run_job("helpers.zoo_job", [str(out), "2", *runs], 2, timeout=600)
     for rank, result in enumerate(results):
         assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
@@ -313,12 +456,19 @@ def pipelined_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    ("name", "schedule"), [("hf_causal_lm", "gpipe"), ("hf_causal_lm", "1f1b"), ("hf_causal_lm_lora", "gpipe")]
+    ("name", "schedule"),
+    [
+        ("hf_causal_lm", "gpipe"),
+        ("hf_causal_lm", "1f1b"),
+        ("hf_causal_lm_lora", "gpipe"),
+        ("hf_causal_lm_packed", "gpipe"),
+    ],
 )
 def test_a_two_stage_fit_equals_the_plain_fit(pipelined_run: Path, tmp_path: Path, name: str, schedule: str) -> None:
     # Rows of 4 to 10 tokens with prompts left out: the micro-batches learn 2 to 8 tokens each, so weighing them by
     # their samples instead of their tokens (batch_loss_weight) would move every weight. With LoRA only the adapters
-    # (peft's, inside the library's layers on both stages) train.
+    # (peft's, inside the library's layers on both stages) train. Packed rows (positions restarting, attention kept
+    # within each sequence by the masks stage 0 builds from the positions) train as in the plain fit.
     from helpers.zoo_job import fit
 
     (tmp_path / "hf_causal_lm-source").symlink_to(pipelined_run / "hf_causal_lm-source")

@@ -1,11 +1,14 @@
 """Conversion of a Hugging Face decoder-only language model into the zoo's flat layer sequence, by its structure.
 
 One adapter serves every model of the common structure, whatever its family (Llama, Mistral, Qwen2, Qwen3, Gemma,
-Phi-3, OLMo, ...): a ``...ForCausalLM`` holding ``model`` and ``lm_head``, whose ``model`` holds exactly
-``embed_tokens``, ``layers`` (decoder layers taking ``position_embeddings``), ``norm`` and ``rotary_emb``. A second,
-small one serves GPT-2 (``transformer`` with ``wte``, ``wpe``, ``drop``, ``h``, ``ln_f``: learned positions). Any other
-structure is refused, naming the model type: its forward may do something between the modules that the sequence would
-leave out (Gemma 2's logit soft-capping, a second rotary table, ...). The sequence::
+Gemma 3, Phi-3, OLMo, OLMo 3, ...): a ``...ForCausalLM`` holding ``model`` and ``lm_head``, whose ``model`` holds
+exactly ``embed_tokens``, ``layers`` (decoder layers taking ``position_embeddings``), ``norm`` and ``rotary_emb``. A
+second, small one serves GPT-2 (``transformer`` with ``wte``, ``wpe``, ``drop``, ``h``, ``ln_f``: learned positions).
+Any other structure is refused, naming the model type: its forward may do something between the modules that the
+sequence would leave out (Gemma 2's logit soft-capping, ...). A rotary module with one table per layer type (its
+config's ``rope_parameters`` keyed by the layer types) is reproduced for the families whose forward was checked
+against the library's (:data:`ROTARY_PER_LAYER_TYPE`: each layer gets its type's table) and refused for the others.
+The sequence::
 
     TokenEmbedding, CausalDecoderLayer x N, FinalNorm, LanguageModelHead
 
@@ -24,7 +27,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from zoo.hf.causal_lm_layers import CausalDecoderLayer, FinalNorm, LanguageModelHead, TokenEmbedding
 
-__all__ = ["SUPPORTED_STRUCTURE", "build_causal_lm", "causal_layers", "check_causal_config", "check_causal_structure"]
+__all__ = [
+    "ROTARY_PER_LAYER_TYPE",
+    "SUPPORTED_STRUCTURE",
+    "build_causal_lm",
+    "causal_layers",
+    "check_causal_config",
+    "check_causal_structure",
+]
 
 _COMMON = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _GPT2 = {"wte", "wpe", "drop", "h", "ln_f"}
@@ -33,13 +43,28 @@ SUPPORTED_STRUCTURE = (
     "'rotary_emb' (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, OLMo, ...), or GPT-2"
 )
 """What the adapters convert, as refusals name it."""
+ROTARY_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
+"""The model types whose rotary module has one table per layer type and whose forward the adapter reproduces (each
+layer its type's table, mask and nothing else: checked against the library's logits)."""
 # Config settings by which a model of the common structure computes something its modules' calls do not show.
 _UNSUPPORTED_SETTINGS = ("final_logit_softcapping", "logit_scale", "embedding_multiplier", "logits_scaling")
+
+
+def rotary_types(config: PretrainedConfig) -> tuple[str, ...]:
+    """The layer types of a rotary module with one table per layer type (its config's ``rope_parameters`` holds one
+    dict per type), in its order (sorted, as Gemma 3's and OLMo 3's modules keep them); empty for one table."""
+    parameters = getattr(config, "rope_parameters", None)
+    if isinstance(parameters, dict) and parameters and all(isinstance(value, dict) for value in parameters.values()):
+        return tuple(sorted(set(getattr(config, "layer_types", None) or parameters)))
+    return ()
 
 
 def check_causal_config(config: PretrainedConfig, source: str) -> None:
     """Refuse, naming the model type and the structure supported, a config the adapters cannot reproduce."""
     settings = [name for name in _UNSUPPORTED_SETTINGS if getattr(config, name, None) not in (None, 1.0)]
+    if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma: not a causal language model
+        settings.append("use_bidirectional_attention")
+    per_type = rotary_types(config) and config.model_type not in ROTARY_PER_LAYER_TYPE
     reason = (
         "it is an encoder-decoder"
         if config.is_encoder_decoder
@@ -47,6 +72,8 @@ def check_causal_config(config: PretrainedConfig, source: str) -> None:
         if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         else f"its config sets {settings}"
         if settings
+        else f"its rotary embedding has a table per layer type, reproduced for {list(ROTARY_PER_LAYER_TYPE)} only"
+        if per_type
         else ""
     )
     if reason:
@@ -113,13 +140,15 @@ def causal_layers(model: nn.Module) -> nn.Sequential:
     else:
         base = library.model
         tokens, blocks, norm = base.embed_tokens, base.layers, base.norm
-        extra = {"rotary": base.rotary_emb}
+        extra = {"rotary": base.rotary_emb, "rotary_types": rotary_types(config)}
     sliding = [_sliding(config, index) for index in range(len(blocks))]
     # The embedding builds the masks of the kinds the layers use, as the library's forward does.
     embedding = TokenEmbedding(tokens, config, full=not all(sliding), sliding=any(sliding), **extra)
+    types = extra.get("rotary_types") or ()
+    tables = [types.index(config.layer_types[index]) if types else 0 for index in range(len(blocks))]
     return nn.Sequential(
         embedding,
-        *[CausalDecoderLayer(block, kind) for block, kind in zip(blocks, sliding, strict=True)],
+        *[CausalDecoderLayer(block, sliding[index], tables[index]) for index, block in enumerate(blocks)],
         FinalNorm(norm),
         LanguageModelHead(library.lm_head),
     )

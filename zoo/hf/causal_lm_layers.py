@@ -11,17 +11,22 @@ every attention implementation gets the mask it expects) and GPT-2's learned pos
 values between entries are tensors (or ``None``) or tuples of them, so any entry can be a pipeline stage boundary:
 
 - input ``(input_ids [B, T] long, attention_mask [B, T] long)``, 1 at real tokens (either padding side), or
-  ``input_ids`` alone (no padding);
+  ``input_ids`` alone (no padding), or ``(input_ids, attention_mask or None, position_ids [B, T] long)``: packed
+  sequences (``DataCollatorWithFlattening``: positions restart at 0 with each sequence, no ``attention_mask``);
   ``attention_mask`` is [B, C + T] when a key/value cache holds ``C`` earlier tokens;
 - stream ``(x [B, T, D], full, sliding, positions [B, T] long, *rotary)``: ``full`` and ``sliding`` are the masks of
   the full-attention and the sliding-window layers in the attention implementation's format ([B, 1, T, C + T] for
   SDPA and eager attention), ``None`` where the model has no such layer or the implementation needs none (SDPA's
-  causal kernel, nothing padded); ``rotary = (cos [B, T, H], sin [B, T, H])`` for models with rotary embeddings,
+  causal kernel, nothing padded); ``rotary`` holds one ``(cos [B, T, H], sin [B, T, H])`` pair per rotary table (one
+  for most models; Gemma 3 and OLMo 3 have one per layer type, the full-attention and the sliding-window layers'),
   empty for GPT-2;
 - after the final norm, ``x [B, T, D]``; after the head, logits [B, T, V].
 
-Positions count the real tokens (``attention_mask.cumsum(-1) - 1``, 0 at padding), as ``generate`` numbers them: with
-right padding or none they are ``0, 1, 2, ...`` at every real token, as in the library's forward.
+Positions are the ``position_ids`` given, else count the real tokens (``attention_mask.cumsum(-1) - 1``, 0 at
+padding), as ``generate`` numbers them: with right padding or none they are ``0, 1, 2, ...`` at every real token, as
+in the library's forward. Given ``position_ids`` and no ``attention_mask``, the library's mask functions find the
+packed sequences from the positions (a new sequence wherever they do not go up by one) and keep attention within each,
+as the library's forward does.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ Stream = tuple[Any, ...]  # tensors, and None for a mask not needed
 
 
 class TokenEmbedding(nn.Module):
-    """First entry: ``(input_ids, attention_mask)`` -> stream. Runs the model's token embedding (Gemma's scales
-    itself), GPT-2's learned positions and embedding dropout where given, the rotary module where given, and builds
-    the masks of the decoder layers' kinds (``full``, ``sliding``) for the attention implementation of ``config``.
+    """First entry: ``(input_ids, attention_mask[, position_ids])`` -> stream. Runs the model's token embedding
+    (Gemma's scales itself), GPT-2's learned positions and embedding dropout where given, the rotary module where given
+    (once per table: ``rotary_types`` names the layer types of a module with one table each, empty for one table), and
+    builds the masks of the decoder layers' kinds (``full``, ``sliding``) for the attention implementation of
+    ``config``.
 
     ``cache``, set for the duration of a decoding on the whole model (:mod:`zoo.hf.causal_lm_generation`), is the
     library's key/value cache, whose lengths the masks cover (read before any layer extends it, as the library does).
@@ -58,6 +65,7 @@ class TokenEmbedding(nn.Module):
         rotary: nn.Module | None = None,
         positions: nn.Embedding | None = None,
         dropout: nn.Module | None = None,
+        rotary_types: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.tokens = tokens
@@ -67,22 +75,32 @@ class TokenEmbedding(nn.Module):
         self.rotary = rotary
         self.positions = positions
         self.dropout = dropout
+        self.rotary_types = rotary_types
 
-    def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Stream:
+    def forward(self, inputs: torch.Tensor | tuple[Any, ...]) -> Stream:
         # input_ids alone (no padding) is what a profiler or planner feeds the first layer from a sample shape.
-        ids, mask = (inputs, torch.ones_like(inputs)) if isinstance(inputs, torch.Tensor) else inputs
-        # mask [B, C + T]: it also covers the C tokens of a key/value cache
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -ids.shape[1] :]  # [B, T]
+        ids: torch.Tensor = inputs if isinstance(inputs, torch.Tensor) else inputs[0]
+        mask, given = (None, None) if isinstance(inputs, torch.Tensor) else (*inputs[1:], None)[:2]
+        if given is None:  # mask [B, C + T]: it also covers the C tokens of a key/value cache
+            mask = torch.ones_like(ids) if mask is None else mask
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -ids.shape[1] :]  # [B, T]
+        else:
+            positions = given  # packed sequences (no mask) or the caller's own positions
         x = self.tokens(ids)  # [B, T, D]
         if self.positions is not None:
             x = x + self.positions(positions)
         if self.dropout is not None:
             x = self.dropout(x)
-        rotary = tuple(self.rotary(x, positions)) if self.rotary is not None else ()
+        if self.rotary is None:
+            rotary: tuple[torch.Tensor, ...] = ()
+        elif self.rotary_types:  # one table per layer type, in the order the layers index them
+            rotary = tuple(part for kind in self.rotary_types for part in self.rotary(x, positions, kind))
+        else:
+            rotary = tuple(self.rotary(x, positions))
         # Once per forward, not per layer: SDPA's "is anything padded?" check reads the mask's values (a host sync).
         # The fourth argument (the cache) goes by position: transformers renamed it past_key_values -> cache.
         # On the meta device (sizing a model, planning it) there are no values to read: build the masks unpadded.
-        padding, order = (None, None) if mask.is_meta else (mask, positions)
+        padding, order = (None, None) if ids.is_meta else (mask, positions)
         arguments = (self.config, x, padding, self.cache, order)
         full = create_causal_mask(*arguments) if self.full else None
         sliding = create_sliding_window_causal_mask(*arguments) if self.sliding else None
@@ -90,7 +108,8 @@ class TokenEmbedding(nn.Module):
 
 
 class CausalDecoderLayer(nn.Module):
-    """Stream -> stream through one library decoder layer, with the stream's causal (or sliding-window) mask.
+    """Stream -> stream through one library decoder layer, with the stream's causal (or sliding-window) mask and its
+    rotary table ``table`` (0 but for models with one table per layer type).
 
     ``cache``, set for the duration of a decoding on the whole model (:mod:`zoo.hf.causal_lm_generation`), is the
     library's key/value cache that the layer reads and extends; the stream then holds the new tokens only.
@@ -98,14 +117,16 @@ class CausalDecoderLayer(nn.Module):
 
     cache: Any = None
 
-    def __init__(self, layer: nn.Module, sliding: bool) -> None:
+    def __init__(self, layer: nn.Module, sliding: bool, table: int = 0) -> None:
         super().__init__()
         self.layer = layer
         self.sliding = sliding
+        self.table = table
 
     def forward(self, stream: Stream) -> Stream:
         x, full, sliding, positions, *rotary = stream
-        extra: dict[str, Any] = {"position_embeddings": tuple(rotary)} if rotary else {}
+        pair = tuple(rotary[2 * self.table : 2 * self.table + 2])
+        extra: dict[str, Any] = {"position_embeddings": pair} if pair else {}
         if self.cache is not None:
             extra.update(cache=self.cache, use_cache=True)
         x = self.layer(x, attention_mask=sliding if self.sliding else full, position_ids=positions, **extra)

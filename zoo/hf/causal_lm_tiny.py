@@ -18,7 +18,7 @@ from tokenizers import decoders as token_decoders
 
 __all__ = ["CAUSAL_FAMILIES", "save_tiny_causal_lm", "tiny_causal_config"]
 
-CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "gpt2")
+CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo", "olmo3", "gpt2")
 """The ``model_type`` of every family :func:`save_tiny_causal_lm` writes."""
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0, 1, 2, 3
 
@@ -27,8 +27,10 @@ def tiny_causal_config(
     family: str = "llama", *, hidden_size: int = 32, layers: int = 2, vocab_size: int = 96, dropout: float = 0.0
 ) -> transformers.PretrainedConfig:
     """A tiny config of ``family``: 4 attention heads over 2 key/value heads (grouped-query attention), pad 0,
-    ``<s>`` 1, ``</s>`` 2. Mistral attends within a window of 4 tokens, Qwen2 in its second layer only, so that
-    sequences longer than that exercise the sliding-window masks; Qwen2 and Gemma tie their embeddings, as GPT-2 does.
+    ``<s>`` 1, ``</s>`` 2. Mistral attends within a window of 4 tokens, Qwen2 in its second layer only, Gemma 3 and
+    OLMo 3 in every other layer from the first, so that sequences longer than that exercise the sliding-window masks;
+    Gemma 3 and OLMo 3 give their sliding and full layers rotary tables of different bases (a layer given the other
+    table would compute other logits); Qwen2, Gemma and Gemma 3 tie their embeddings, as GPT-2 does.
     """
     ids: dict[str, Any] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "vocab_size": vocab_size}
     if family == "gpt2":
@@ -59,6 +61,18 @@ def tiny_causal_config(
         return transformers.Qwen3Config(**common)
     if family == "gemma":
         return transformers.GemmaConfig(**common)
+    alternating: dict[str, Any] = {
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention" if index % 2 == 0 else "full_attention" for index in range(layers)],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+    }
+    if family == "gemma3_text":
+        return transformers.Gemma3TextConfig(**common, **alternating)
+    if family == "olmo3":
+        return transformers.Olmo3Config(**common, **alternating)
     if family == "phi3":
         return transformers.Phi3Config(**common, resid_pdrop=dropout, embd_pdrop=dropout)
     if family == "olmo":

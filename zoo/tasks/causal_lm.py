@@ -9,6 +9,8 @@ Importing this module imports ``transformers``, so ``import zoo`` leaves it out 
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,9 +24,11 @@ from zoo.hf.causal_lm_generation import MAX_NEW_TOKENS, generate
 from zoo.hf.conversion import export_state_dict, key_map
 from zoo.tasks.base import ZooModule
 
-__all__ = ["IGNORE_INDEX", "PretrainedCausalLM"]
+__all__ = ["IGNORE_INDEX", "SAMPLE_TOKENS", "PretrainedCausalLM"]
 
 IGNORE_INDEX = -100  # the label of tokens left out of the loss, as Hugging Face's collators write it
+SAMPLE_TOKENS = 2048
+"""The length of ``example_input_array``'s sequence, at most: the planned length of the docs' recipe."""
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # what save_pretrained writes for every tokenizer
 
 
@@ -42,9 +46,14 @@ class PretrainedCausalLM(ZooModule):
     (optional: the ``input_ids``, padding left out), ``-100`` where a token is not learned. Position ``t`` learns
     ``labels[t + 1]``, as the library's own loss does; the loss is the mean over the batch's learned tokens, whose
     count :meth:`batch_loss_weight` declares, so a pipelined step with any number of micro-batches, under every
-    schedule, trains as the whole batch does.
-    Validation logs ``val_loss``, the same token mean. ``predict_step`` returns :meth:`generate`'s tokens for the
-    batch's (left-padded) prompts, with the ``generation`` settings.
+    schedule, trains as the whole batch does. A packed batch (``DataCollatorWithFlattening``: ``position_ids`` [B, T]
+    restarting at each sequence, no ``attention_mask``) runs as the library's forward runs it: positions restart and
+    attention stays within each sequence.
+    Validation logs ``val_loss`` and test ``test_loss``, the same token mean. ``predict_step`` returns
+    :meth:`generate`'s tokens for the batch's (left-padded) prompts, with the ``generation`` settings.
+    ``example_input_array`` is one sequence of :data:`SAMPLE_TOKENS` tokens (fewer if the model's context is shorter),
+    what ``GPipeStrategy(plan="auto")`` and ``balance="flops"`` measure the layers on: set it to one sequence of your
+    training length to plan for that.
 
     Args:
         name_or_path: where the weights (with ``pretrained``) and the tokenizer, if any, come from.
@@ -56,8 +65,8 @@ class PretrainedCausalLM(ZooModule):
         freeze_backbone: train the final norm and the output projection only (with tied embeddings, the embedding
             is the output projection and trains too).
         lora: LoRA adapters, as ``peft.LoraConfig`` keyword arguments (e.g. ``{"r": 8, "lora_alpha": 16}``;
-            ``target_modules`` defaults to every linear layer of the decoder layers): only the adapters train, and
-            :meth:`export_pretrained` writes the merged weights.
+            ``target_modules`` defaults to every linear layer of the decoder layers): only the adapters train,
+            :meth:`export_pretrained` writes the merged weights and :meth:`export_adapter` the adapters alone.
         generation: keyword arguments of :func:`~zoo.hf.causal_lm_generation.generate` for ``predict_step`` (e.g.
             ``{"max_new_tokens": 64, "do_sample": True, "top_p": 0.9, "seed": 0}``).
         generation_config: the library's generation config as a dict; filled in from ``name_or_path`` (its
@@ -113,17 +122,36 @@ class PretrainedCausalLM(ZooModule):
             self.freeze_backbone_parameters()
         if lora is not None:
             self._add_lora(lora)
+        self.example_input_array = self.sample_input()
         # from_pretrained returns the library model in eval mode, and Lightning keeps each module's mode.
         self.train()
 
     # The model.
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, T, V] of the token after each position of ``input_ids`` [B, T] (padding 0 in
-        ``attention_mask``, either side)."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        return self.layers((input_ids, attention_mask))
+        ``attention_mask``, either side; ``position_ids`` without ``attention_mask``: packed sequences)."""
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return self.layers(self._inputs({key: value for key, value in batch.items() if value is not None}))
+
+    def sample_input(self) -> torch.Tensor:
+        """One sequence of token ids [1, T] (zeros), ``T`` the model's context up to :data:`SAMPLE_TOKENS`: the
+        default ``example_input_array``, on the default device (meta within ``torch.device("meta")``)."""
+        config = self.hparams["config"]
+        context = config.get("max_position_embeddings") or config.get("n_positions") or SAMPLE_TOKENS
+        return torch.zeros(1, min(int(context), SAMPLE_TOKENS), dtype=torch.long)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model's learned positions cover (GPT-2's ``n_positions``); ``None`` for rotary
+        positions, which run past ``max_position_embeddings`` as the library's do."""
+        config = self.hparams["config"]
+        return int(config["n_positions"]) if config.get("model_type") == "gpt2" else None
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
@@ -176,11 +204,19 @@ class PretrainedCausalLM(ZooModule):
 
     @staticmethod
     def _targets(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """What positions ``0 .. T - 2`` learn, [B, T - 1]: the labels shifted, -100 where nothing is learned."""
+        """What positions ``0 .. T - 2`` learn, [B, T - 1]: the labels shifted, -100 where nothing is learned.
+
+        Without ``labels``: the ``input_ids``, less the padding and, in a packed batch, each sequence's first token
+        (where the positions do not go up by one, as the library's masks find the sequences), which the previous
+        sequence's last token must not learn."""
         labels = batch.get("labels")
         if labels is None:
-            mask = batch.get("attention_mask")
-            labels = batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, IGNORE_INDEX)
+            labels = batch["input_ids"]
+            if (mask := batch.get("attention_mask")) is not None:
+                labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
+            if (positions := batch.get("position_ids")) is not None:
+                starts = torch.diff(positions, prepend=positions[:, :1] - 1) != 1
+                labels = labels.masked_fill(starts, IGNORE_INDEX)
         return labels[:, 1:]
 
     def batch_loss_weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -189,7 +225,7 @@ class PretrainedCausalLM(ZooModule):
         ``GPipeStrategy`` weighs each micro-batch's token mean by it under every schedule, so a pipelined step is the
         whole batch's token mean, padding and prompts of any length included; plain Lightning never calls it.
         """
-        return (self._targets(batch) != IGNORE_INDEX).sum()
+        return (self._targets(_mapping(batch)) != IGNORE_INDEX).sum()
 
     def _loss(self, batch: Mapping[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The sum of the learned tokens' cross-entropies and their count."""
@@ -199,15 +235,25 @@ class PretrainedCausalLM(ZooModule):
         )
         return total, (targets != IGNORE_INDEX).sum()
 
-    def _inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(batch, Mapping) or "input_ids" not in batch:
-            raise TypeError(
-                f"a PretrainedCausalLM batch is a mapping with 'input_ids' (and 'attention_mask', 'labels'), as "
-                f"Hugging Face's collators make it, not a {type(batch).__name__}"
+    def _inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+        """The first layer's input: ``(input_ids, attention_mask)``, or ``(input_ids, attention_mask or None,
+        position_ids)`` when the batch gives positions (a packed batch); checked against the model's positions before
+        any layer runs, so that under the pipeline every stage refuses it alike."""
+        ids = _mapping(batch)["input_ids"]
+        mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+        if self.max_positions is not None:  # learned positions: refused past them here, not by an embedding's index
+            self._check_length(ids.shape[1] if positions is None else int(positions.max()) + 1, "a sequence")
+        if positions is None:
+            return ids, torch.ones_like(ids) if mask is None else mask
+        return ids, mask, positions
+
+    def _check_length(self, tokens: int, what: str) -> None:
+        limit = self.max_positions
+        if limit is not None and tokens > limit:
+            raise ValueError(
+                f"{what} of {tokens} tokens exceeds the model's {limit} learned positions (n_positions); truncate to "
+                f"{limit}, e.g. tokenizer(..., truncation=True, max_length={limit})"
             )
-        ids = batch["input_ids"]
-        mask = batch.get("attention_mask")
-        return ids, torch.ones_like(ids) if mask is None else mask
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self.layers(self._inputs(batch))
@@ -218,16 +264,22 @@ class PretrainedCausalLM(ZooModule):
         return loss
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluate(batch, "val_loss")
+
+    def test_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluate(batch, "test_loss")
+
+    def _evaluate(self, batch: Mapping[str, torch.Tensor], name: str) -> None:
         logits = self.layers(self._inputs(batch))
         total, count = self._loss(batch, logits)
         tokens = max(int(count), 1)
-        # Weighted by their tokens, the batches' losses average to the token mean of the whole validation set.
-        self.log("val_loss", total / tokens, prog_bar=True, sync_dist=True, batch_size=tokens)
+        # Weighted by their tokens, the batches' losses average to the token mean of the whole set.
+        self.log(name, total / tokens, prog_bar=True, sync_dist=True, batch_size=tokens)
 
     def predict_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """The prompts and their continuations, [B, P + max_new_tokens], padded after the rows that ended early (so
         that the micro-batches of a pipelined step, which stop on their own, join into one tensor)."""
-        ids, mask = self._inputs(batch)
+        ids, mask, *_ = self._inputs(batch)
         settings = self.hparams.get("generation") or {}
         tokens = self.generate(ids, mask, **settings)
         width = ids.shape[1] + settings.get("max_new_tokens", MAX_NEW_TOKENS)
@@ -238,6 +290,8 @@ class PretrainedCausalLM(ZooModule):
         continuations, [B, P + n]."""
         settings.setdefault("eos_token_id", self.eos_ids)
         settings.setdefault("pad_token_id", self.pad_id)
+        length = input_ids.shape[1] + settings.get("max_new_tokens", MAX_NEW_TOKENS)
+        self._check_length(length, "a prompt and its max_new_tokens")
         return generate(self, input_ids, attention_mask, **settings)
 
     def configure_optimizers(self) -> Any:
@@ -269,6 +323,50 @@ class PretrainedCausalLM(ZooModule):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(out)
         return out
+
+    def export_adapter(self, directory: str | Path) -> Path:
+        """Write the LoRA adapters alone as ``peft`` writes them (``adapter_config.json``,
+        ``adapter_model.safetensors``), named for the ``transformers`` model: ``peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(name_or_path), directory)`` gives this model's logits."""
+        from peft import get_peft_model_state_dict
+        from peft.utils import SAFETENSORS_WEIGHTS_NAME
+        from safetensors.torch import save_file
+
+        configs = getattr(self.layers, "peft_config", None)
+        if not configs:
+            raise ValueError(
+                "export_adapter writes LoRA adapters, and this model has none: load it with lora={'r': 8, ...}, or "
+                "write the whole model with export_pretrained(directory)"
+            )
+        # A zoo module path (`1.layer.self_attn.q_proj`) -> the library's (`model.layers.0.self_attn.q_proj`).
+        modules = {
+            zoo.removeprefix("layers.").rsplit(".", 1)[0]: library.rsplit(".", 1)[0]
+            for zoo, library in self.library_keys.items()
+        }
+        state = {}
+        for key, value in get_peft_model_state_dict(self.layers, save_embedding_layers=False).items():
+            module, _, rest = key.partition(".lora_")
+            state[f"base_model.model.{modules[module]}.lora_{rest}"] = value.detach().cpu().contiguous()
+        config = copy.copy(configs["default"])
+        config.base_model_name_or_path, config.task_type = str(self.hparams["name_or_path"]), "CAUSAL_LM"
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out) as staging:  # each file moved in whole: none is ever half-written
+            config.save_pretrained(staging)
+            save_file(state, Path(staging) / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+            for written in Path(staging).iterdir():
+                os.replace(written, out / written.name)
+        return out
+
+
+def _mapping(batch: Any) -> Mapping[str, torch.Tensor]:
+    """``batch`` if it is a collator's mapping with ``input_ids``; else the ``TypeError`` that says what one is."""
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        raise TypeError(
+            f"a PretrainedCausalLM batch is a mapping with 'input_ids' (and 'attention_mask', 'labels'), as "
+            f"Hugging Face's collators make it, not a {type(batch).__name__}"
+        )
+    return batch
 
 
 def _first_set(*values: Any) -> Any:
