@@ -46,6 +46,7 @@ def test_configs_exist_for_every_task() -> None:
         "timm/resnet50_cifar100.yaml",
         "timm/convnext_tiny_food101.yaml",
         "timm/vit_small_cifar10.yaml",
+        "causal_lm/finetune_local.yaml",
     } <= names
 
 
@@ -142,3 +143,29 @@ def test_a_timm_config_fine_tunes_from_a_local_weights_file_with_two_stages(tmp_
     expected = [value for key, value in original.named_parameters() if not key.startswith("fc.")]
     assert len(weights) == len(expected)
     assert sorted(w.sum().item() for w in weights) == pytest.approx(sorted(e.sum().item() for e in expected), abs=1e-5)
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(900)
+def test_the_language_model_config_fine_tunes_a_local_model_on_local_text_with_two_stages(tmp_path: Path) -> None:
+    # `python -m zoo fit` had no language-model config or data module. The shipped config, as its comment says to run
+    # it, on a local text file instead of the embedded corpus, for two steps.
+    from zoo.hf.causal_lm_tiny import main as save_tiny
+
+    source = save_tiny([str(tmp_path / "out/zoo/tiny-causal-lm"), "--layers", "2"])  # where the config reads it
+    lines = [f"sentence number {index} is about {'cats' if index % 2 else 'dogs'}." for index in range(64)]
+    (tmp_path / "train.txt").write_text("\n".join(lines), encoding="utf-8")
+    run = zoo_cli(
+        "fit",
+        "--config",
+        str(REPO / "configs/causal_lm/finetune_local.yaml"),
+        "--trainer.max_steps=2",
+        "--data.init_args.source=train.txt",
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    checkpoint = torch.load(tmp_path / "out/zoo/causal-lm-local/lm/last.ckpt", weights_only=True)
+    assert checkpoint["zoo_model"] == "hf_causal_lm"
+    assert checkpoint["global_step"] == 2
+    assert checkpoint["hyper_parameters"]["name_or_path"] == "out/zoo/tiny-causal-lm"
+    assert (source / "tokenizer.json").is_file()

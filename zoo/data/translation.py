@@ -31,7 +31,7 @@ from zoo.data.sampling import TemperatureSampler, temperature_probabilities
 from zoo.data.synthetic_text import DEFAULT_SIZES, make_synthetic_corpus
 from zoo.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, SubwordTokenizer
 
-__all__ = ["LanguageModelDataModule", "TranslationDataModule", "pad_sequences"]
+__all__ = ["LanguageModelDataModule", "TranslationDataModule", "load_text_splits", "pad_sequences"]
 
 SPLITS = ("train", "validation", "test")
 DIRECTIONS = ("forward", "both")
@@ -532,31 +532,38 @@ class LanguageModelDataModule(_TokenizerState, L.LightningDataModule):
         return text
 
     def _load_external(self) -> dict[str, list[str]]:
-        root = Path(self.source)
-        if root.exists():
-            if (root / "dataset_dict.json").is_file():
-                loaded: Any = load_from_disk(str(root))
-            elif all((root / f"{split}.txt").is_file() for split in SPLITS):
-                return {
-                    split: [line for line in (root / f"{split}.txt").read_text("utf-8").splitlines() if line.strip()]
-                    for split in SPLITS
-                }
-            else:
-                raise ValueError(
-                    f"{str(root)!r} holds neither a DatasetDict.save_to_disk nor train/validation/test.txt files."
-                )
+        return load_text_splits(self.source, self.text_column, self.hub_config)
+
+
+def load_text_splits(source: str, text_column: str = "text", hub_config: str | None = None) -> dict[str, list[str]]:
+    """The non-empty texts of each split of :data:`SPLITS`, from a local directory (a ``DatasetDict.save_to_disk`` or
+    ``train.txt``/``validation.txt``/``test.txt``, one text per line) or a Hugging Face hub dataset (``hub_config``
+    its config, ``text_column`` the column of a dataset's texts)."""
+    root = Path(source)
+    if root.exists():
+        if (root / "dataset_dict.json").is_file():
+            loaded: Any = load_from_disk(str(root))
+        elif all((root / f"{split}.txt").is_file() for split in SPLITS):
+            return {
+                split: [line for line in (root / f"{split}.txt").read_text("utf-8").splitlines() if line.strip()]
+                for split in SPLITS
+            }
         else:
-            try:
-                loaded = load_dataset(self.source, self.hub_config)
-            except Exception as exc:  # offline, unknown id and unknown config all land here
-                raise ValueError(
-                    f"Could not load {self.source!r} (config {self.hub_config!r}) from the Hugging Face hub ({exc}). "
-                    "Offline, save it once with DatasetDict.save_to_disk(<dir>) and pass source=<dir>."
-                ) from exc
-        missing = [split for split in SPLITS if split not in loaded]
-        if missing or self.text_column not in loaded["train"].column_names:
             raise ValueError(
-                f"{self.source!r} needs splits {SPLITS} with a {self.text_column!r} column; it has splits "
-                f"{sorted(loaded)} and columns {loaded[next(iter(loaded))].column_names}. Set text_column."
+                f"{str(root)!r} holds neither a DatasetDict.save_to_disk nor train/validation/test.txt files."
             )
-        return {split: [t for t in loaded[split][self.text_column] if t and t.strip()] for split in SPLITS}
+    else:
+        try:
+            loaded = load_dataset(source, hub_config)
+        except Exception as exc:  # offline, unknown id and unknown config all land here
+            raise ValueError(
+                f"Could not load {source!r} (config {hub_config!r}) from the Hugging Face hub ({exc}). "
+                "Offline, save it once with DatasetDict.save_to_disk(<dir>) and pass source=<dir>."
+            ) from exc
+    missing = [split for split in SPLITS if split not in loaded]
+    if missing or text_column not in loaded["train"].column_names:
+        raise ValueError(
+            f"{source!r} needs splits {SPLITS} with a {text_column!r} column; it has splits "
+            f"{sorted(loaded)} and columns {loaded[next(iter(loaded))].column_names}. Set text_column."
+        )
+    return {split: [t for t in loaded[split][text_column] if t and t.strip()] for split in SPLITS}

@@ -4,15 +4,17 @@
 :class:`~zoo.tasks.pretrained_translation.PretrainedTranslator` whose layers are one flat ``nn.Sequential`` wrapping
 the library's own modules, so it trains with ``strategy="gpipe"`` and its forward is the library's. Decoder-only
 language models (Llama, Qwen, GPT-2, ...) take the same route to a :class:`~zoo.tasks.causal_lm.PretrainedCausalLM`
-through the ``causal_lm*`` modules: conversion, layers, generation, tiny models.
+through the ``causal_lm*`` modules (conversion, layers, generation, tiny models), with text from
+:class:`~zoo.hf.data.PretrainedCausalLMDataModule`.
 """
 
 from zoo.hf.conversion import is_hf_source
-from zoo.hf.data import PretrainedTranslationDataModule
+from zoo.hf.data import PretrainedCausalLMDataModule, PretrainedTranslationDataModule
 from zoo.hf.generation import evaluate_pretrained_translation, greedy_generate
 from zoo.hf.tiny import save_tiny_translation_model
 
 __all__ = [
+    "PretrainedCausalLMDataModule",
     "PretrainedTranslationDataModule",
     "evaluate_pretrained_translation",
     "greedy_generate",

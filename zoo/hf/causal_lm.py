@@ -50,7 +50,7 @@ layer its type's table, mask and nothing else: checked against the library's log
 _UNSUPPORTED_SETTINGS = ("final_logit_softcapping", "logit_scale", "embedding_multiplier", "logits_scaling")
 
 
-def rotary_types(config: PretrainedConfig) -> tuple[str, ...]:
+def _rotary_types(config: PretrainedConfig) -> tuple[str, ...]:
     """The layer types of a rotary module with one table per layer type (its config's ``rope_parameters`` holds one
     dict per type), in its order (sorted, as Gemma 3's and OLMo 3's modules keep them); empty for one table."""
     parameters = getattr(config, "rope_parameters", None)
@@ -64,7 +64,7 @@ def check_causal_config(config: PretrainedConfig, source: str) -> None:
     settings = [name for name in _UNSUPPORTED_SETTINGS if getattr(config, name, None) not in (None, 1.0)]
     if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma: not a causal language model
         settings.append("use_bidirectional_attention")
-    per_type = rotary_types(config) and config.model_type not in ROTARY_PER_LAYER_TYPE
+    per_type = _rotary_types(config) and config.model_type not in ROTARY_PER_LAYER_TYPE
     reason = (
         "it is an encoder-decoder"
         if config.is_encoder_decoder
@@ -140,7 +140,7 @@ def causal_layers(model: nn.Module) -> nn.Sequential:
     else:
         base = library.model
         tokens, blocks, norm = base.embed_tokens, base.layers, base.norm
-        extra = {"rotary": base.rotary_emb, "rotary_types": rotary_types(config)}
+        extra = {"rotary": base.rotary_emb, "rotary_types": _rotary_types(config)}
     sliding = [_sliding(config, index) for index in range(len(blocks))]
     # The embedding builds the masks of the kinds the layers use, as the library's forward does.
     embedding = TokenEmbedding(tokens, config, full=not all(sliding), sliding=any(sliding), **extra)

@@ -2,11 +2,15 @@
 
 One per supported family (:data:`CAUSAL_FAMILIES`), each a few thousand parameters, with an optional byte-pair
 tokenizer trained on a handful of sentences: what the tests, the notebook and the docs load through
-``zoo.load_pretrained(directory)``, the code path of a hub id.
+``zoo.load_pretrained(directory)``, the code path of a hub id. From the command line (a stand-in for a hub model,
+its tokenizer trained on the embedded corpus's English sentences, for ``configs/causal_lm/finetune_local.yaml``)::
+
+    python -m zoo.hf.causal_lm_tiny out/zoo/tiny-causal-lm --family qwen2
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tokenizers import decoders as token_decoders
 
-__all__ = ["CAUSAL_FAMILIES", "save_tiny_causal_lm", "tiny_causal_config"]
+__all__ = ["CAUSAL_FAMILIES", "main", "save_tiny_causal_lm", "tiny_causal_config"]
 
 CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo", "olmo3", "gpt2")
 """The ``model_type`` of every family :func:`save_tiny_causal_lm` writes."""
@@ -130,3 +134,25 @@ def save_tiny_causal_lm(
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    """``python -m zoo.hf.causal_lm_tiny DIRECTORY [--family F] [--layers N] [--hidden-size D]``: a tiny model of
+    family ``F`` with a tokenizer trained on the embedded corpus's English sentences; returns the directory."""
+    from zoo.data import make_synthetic_corpus
+
+    parser = argparse.ArgumentParser(prog="python -m zoo.hf.causal_lm_tiny", description=main.__doc__)
+    parser.add_argument("directory")
+    parser.add_argument("--family", default="qwen2", choices=CAUSAL_FAMILIES)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    args = parser.parse_args(argv)
+    corpus = make_synthetic_corpus(seed=0, sizes={"xa": 2000})["en-xa"]["train"]
+    texts = [row["en"] for row in corpus["translation"]]
+    return save_tiny_causal_lm(
+        args.directory, args.family, texts, hidden_size=args.hidden_size, layers=args.layers, init_std=0.3
+    )
+
+
+if __name__ == "__main__":
+    print(main())

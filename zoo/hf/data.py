@@ -1,6 +1,8 @@
-"""Multilingual translation data encoded with a pretrained model's own Hugging Face tokenizer.
+"""Data encoded with a pretrained model's own Hugging Face tokenizer: translation pairs, and text for a decoder-only
+language model (:class:`PretrainedCausalLMDataModule`).
 
-The corpora, splits, pairs and temperature sampling are :class:`~zoo.data.translation.TranslationDataModule`'s
+The translation corpora, splits, pairs and temperature sampling are
+:class:`~zoo.data.translation.TranslationDataModule`'s
 (the embedded synthetic languages, a local directory in the translation schema, or a hub id such as ``"wmt/wmt14"``);
 only the encoding differs. Batch contract, with the model's ids::
 
@@ -16,16 +18,27 @@ with several target languages get the ``>>code<<`` token in front of the source 
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from torch.utils.data import ConcatDataset, DataLoader
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoTokenizer,
+    DataCollatorWithFlattening,
+    DataCollatorWithPadding,
+    PreTrainedTokenizerBase,
+)
 
 from zoo.data.sampling import TemperatureSampler
-from zoo.data.translation import SPLITS, TranslationDataModule, _Sequences, _split_pair
+from zoo.data.synthetic_text import make_synthetic_corpus
+from zoo.data.translation import SPLITS, TranslationDataModule, _Sequences, _split_pair, load_text_splits
 
-__all__ = ["PretrainedTranslationDataModule"]
+__all__ = ["PretrainedCausalLMDataModule", "PretrainedTranslationDataModule"]
+
+IGNORE_INDEX = -100  # a label left out of the loss, as Hugging Face's collators write it
 
 
 class PretrainedTranslationDataModule(TranslationDataModule):
@@ -217,5 +230,141 @@ class PretrainedTranslationDataModule(TranslationDataModule):
             batch_size=self.batch_size,
             shuffle=False,
             collate_fn=self._collate,
+            num_workers=self.num_workers,
+        )
+
+
+class PretrainedCausalLMDataModule(L.LightningDataModule):
+    """Text for a decoder-only language model (:class:`~zoo.tasks.causal_lm.PretrainedCausalLM`), encoded with the
+    model's own tokenizer and batched as Hugging Face's collators batch it::
+
+        input_ids [B, T] int64, right-padded; attention_mask [B, T], 1 at real tokens; labels [B, T], -100 at padding
+        packed=True: one row [1, N] of the batch's texts end to end (DataCollatorWithFlattening): input_ids, labels
+        (-100 at each text's first token), position_ids restarting at 0 with each text; no attention_mask
+
+    Each text is its tokens, at most ``max_length`` (truncated), and the end-of-sequence token when it fits, so that the
+    model learns where a text ends.
+
+    Args:
+        source: ``"embedded"`` (the English sentences of the embedded corpus, :func:`~zoo.data.make_synthetic_corpus`:
+            offline, for trying things), a text file (one text per line, training only), a local directory (a
+            ``DatasetDict.save_to_disk``, or ``train.txt``/``validation.txt``/``test.txt``), or a hub dataset id
+            (e.g. ``"wikitext"`` with ``hub_config="wikitext-2-raw-v1"``; ``text_column`` its texts).
+        tokenizer: a hub id or ``save_pretrained`` directory; default the fitted model's own (its ``name_or_path``).
+        limit: at most this many training texts (the embedded corpus is generated with this many, default 2,000).
+    """
+
+    def __init__(
+        self,
+        source: str = "embedded",
+        tokenizer: str | None = None,
+        text_column: str = "text",
+        hub_config: str | None = None,
+        max_length: int = 512,
+        batch_size: int = 8,
+        packed: bool = False,
+        num_workers: int = 0,
+        seed: int = 0,
+        limit: int | None = None,
+    ) -> None:
+        super().__init__()
+        if max_length < 2:
+            raise ValueError(f"max_length={max_length} must be at least 2 tokens (a token and the next one to learn)")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        self.save_hyperparameters()
+        self.source, self.tokenizer_source = source, tokenizer
+        self.text_column, self.hub_config = text_column, hub_config
+        self.max_length, self.batch_size, self.packed = max_length, batch_size, packed
+        self.num_workers, self.seed, self.limit = num_workers, seed, limit
+        self.library_tokenizer: PreTrainedTokenizerBase | None = None
+        self._rows: dict[str, list[list[int]]] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._rows:
+            return
+        self.library_tokenizer = tokenizer = self._find_tokenizer()
+        texts = self._load_text()
+        self._rows = {split: [self._encode(tokenizer, text) for text in rows] for split, rows in texts.items()}
+        if not self._rows["train"]:
+            raise ValueError(f"source={self.source!r} has no training text (no non-empty line or row)")
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return self._loader("train", shuffle=True, generator=generator)
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._loader("validation") if self._split("validation") else []
+
+    def test_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._loader("test") if self._split("test") else []
+
+    def collate(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+        """A batch of encoded texts, padded (or packed) as the module's docstring says."""
+        if self.packed:
+            return DataCollatorWithFlattening()([{"input_ids": row} for row in rows])
+        tokenizer = self._require_tokenizer()
+        batch = DataCollatorWithPadding(tokenizer, return_tensors="pt")([{"input_ids": row} for row in rows])
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        return dict(batch)
+
+    # Internals.
+
+    def _find_tokenizer(self) -> PreTrainedTokenizerBase:
+        tokenizer: PreTrainedTokenizerBase
+        if self.tokenizer_source is not None:
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_source)
+        else:
+            model = None if self.trainer is None else self.trainer.lightning_module
+            found = getattr(model, "tokenizer", None)
+            if not isinstance(found, PreTrainedTokenizerBase):
+                raise ValueError(
+                    "PretrainedCausalLMDataModule has no tokenizer: pass tokenizer=<hub id or directory>, or fit it "
+                    "with a zoo.PretrainedCausalLM whose source has one"
+                )
+            tokenizer = copy.deepcopy(found)  # the model's own keeps its padding side, for generation
+        tokenizer.padding_side = "right"  # for training; generation pads on the left
+        if tokenizer.pad_token is None:  # Llama, GPT-2: padding is masked out of attention and loss anyway
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+
+    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.library_tokenizer is None:
+            raise RuntimeError("The tokenizer is not ready; call setup() first.")
+        return self.library_tokenizer
+
+    def _load_text(self) -> dict[str, list[str]]:
+        path = Path(self.source)
+        if self.source == "embedded":
+            corpus = make_synthetic_corpus(seed=self.seed, sizes={"xa": self.limit or 2000})["en-xa"]
+            texts = {split: [row["en"] for row in corpus[split]["translation"]] for split in SPLITS}
+        elif path.is_file():
+            lines = path.read_text("utf-8").splitlines()
+            texts = {"train": [line for line in lines if line.strip()], "validation": [], "test": []}
+        else:
+            texts = load_text_splits(self.source, self.text_column, self.hub_config)
+        if self.limit is not None:
+            texts["train"] = texts["train"][: self.limit]
+        return texts
+
+    def _encode(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+        ids = list(tokenizer(text, truncation=True, max_length=self.max_length)["input_ids"])
+        eos = tokenizer.eos_token_id
+        if eos is not None and len(ids) < self.max_length and (not ids or ids[-1] != eos):
+            ids.append(int(eos))
+        return ids
+
+    def _split(self, split: str) -> list[list[int]]:
+        if not self._rows:
+            raise RuntimeError("No data yet; call setup() first.")
+        return self._rows[split]
+
+    def _loader(self, split: str, shuffle: bool = False, generator: torch.Generator | None = None) -> DataLoader:
+        return DataLoader(
+            _Sequences(self._split(split)),
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            generator=generator,
+            collate_fn=self.collate,
             num_workers=self.num_workers,
         )
