@@ -242,6 +242,26 @@ def test_a_sequence_longer_than_gpt2_s_positions_is_refused_before_any_layer_run
     model.generate(ids[:, :120], max_new_tokens=8)  # up to the limit
 
 
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("too_long", "ValueError: a sequence of 200 tokens exceeds the model's 128 learned positions"),
+        ("not_a_mapping", "TypeError: a PretrainedCausalLM batch is a mapping with 'input_ids'"),
+    ],
+)
+def test_a_refused_batch_gets_the_same_error_on_every_stage(tmp_path: Path, case: str, message: str) -> None:
+    # Regression: under the pipeline the too-long GPT-2 batch raised an IndexError on stage 0 and gloo's "Connection
+    # closed by peer" on the last stage; the list batch an AttributeError from batch_loss_weight on the last stage.
+    from helpers.jobs import run_job
+
+    source = save_tiny_causal_lm(tmp_path / "gpt2", "gpt2")
+    run_job("helpers.causal_lm_refusal_job", [str(tmp_path), str(source), case], 2, timeout=500)
+    said = [(tmp_path / f"{case}-rank-{rank}.txt").read_text(encoding="utf-8") for rank in range(2)]
+    assert all(text.startswith(message) for text in said), said
+
+
 def test_a_rotary_model_runs_past_max_position_embeddings_as_the_library_does(llama: Path) -> None:
     model = zoo.load_pretrained(llama).eval()
     assert model.hparams["config"]["max_position_embeddings"] == 128

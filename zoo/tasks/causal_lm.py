@@ -1,5 +1,5 @@
-"""A pretrained Hugging Face decoder-only language model (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo, GPT-2) as a zoo
-LightningModule.
+"""A pretrained Hugging Face decoder-only language model (Llama, Mistral, Qwen, Gemma, Gemma 3, Phi-3, OLMo, OLMo 3,
+GPT-2) as a zoo LightningModule.
 
 Like :class:`~zoo.tasks.pretrained_translation.PretrainedTranslator`, it is not in the registry of
 ``zoo.create_model``; its checkpoints carry ``zoo_model: "hf_causal_lm"``, which ``zoo.load_pretrained`` recognizes.
