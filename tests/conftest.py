@@ -62,7 +62,8 @@ _TORCH_CONFIGS = ("torch._functorch.config", "torch._dynamo.config", "torch._ind
 
 
 def _torch_state() -> dict[str, object]:
-    state: dict[str, object] = {"default dtype": torch.get_default_dtype(), "default device": torch.get_default_device()}
+    state: dict[str, object] = {"default dtype": torch.get_default_dtype()}
+    state["default device"] = torch.get_default_device()
     for name in _TORCH_CONFIGS:
         module = sys.modules.get(name)  # only those imported: a test may import one, never change it unseen
         if module is not None:

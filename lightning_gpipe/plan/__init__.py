@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.engine.microbatch import microbatch_sizes
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode, checkpoint_stop, validate_mode
 from lightning_gpipe.engine.schedule import SCHEDULES, SPLIT_BACKWARD, stages_of, validate_schedule
 from lightning_gpipe.engine.torch_compat import BatchNormBase
@@ -278,7 +279,7 @@ class InfeasiblePlanError(ValueError):
 def _microbatch_counts(batch: int, chunks: Sequence[int] | None, smallest: int = 1) -> list[int]:
     """The M values to weigh: ``chunks``, or the powers of two, keeping micro-batches of at least ``smallest``."""
     counts = chunks if chunks is not None else [1 << p for p in range(16)]
-    return sorted({m for m in counts if 1 <= m <= batch and math.ceil(batch / m) >= smallest} or {1})
+    return sorted({m for m in counts if 1 <= m <= batch and min(microbatch_sizes(batch, m)) >= smallest} or {1})
 
 
 def evaluate(
@@ -329,9 +330,9 @@ def evaluate(
     per_process = len(stages_of(schedule, 0, K, virtual_stages))  # refuses a virtual_stages the schedule does not take
     owner = {s: r for r in range(K) for s in stages_of(schedule, r, K, virtual_stages)}
     S = K * per_process
-    per_replica = math.ceil(batch_size / replicas)
-    n = math.ceil(per_replica / M)
-    M = _scattered(per_replica, M)
+    sizes = microbatch_sizes(math.ceil(batch_size / replicas), M)  # as the engine splits each replica's batch
+    M, n = len(sizes), sizes[0]  # the largest micro-batch sets each pass's time and bytes
+    per_replica = sum(sizes)
     forward, backward = profile.pass_times(n)
     stop = checkpoint_stop(checkpoint, M, compiled=compiled)
     if balance is None:
@@ -461,7 +462,7 @@ def _search(
         for M in _microbatch_counts(per_replica, chunks, smallest):
             for mode in checkpoints:
                 for schedule in schedules:
-                    for v in _virtual_stages(schedule, K, _scattered(per_replica, M), len(profile), virtual_stages):
+                    for v in _virtual_stages(schedule, K, M, len(profile), virtual_stages):
                         by_time = evaluate(
                             profile,
                             pipe_size=K,
@@ -487,11 +488,6 @@ def _split_stage(profile: ModelProfile, cell: range, own: Sequence[float], per_n
         total += own[i] + per_node[i] * below
         below += profile.layers[i].graph_nodes
     return total
-
-
-def _scattered(per_replica: int, chunks: int) -> int:
-    """The micro-batches scatter makes of ``per_replica`` samples asked into ``chunks``: no empty micro-batches."""
-    return math.ceil(per_replica / math.ceil(per_replica / chunks))
 
 
 def _virtual_stages(schedule: str, K: int, M: int, layers: int, weighed: Sequence[int]) -> list[int]:
@@ -787,7 +783,7 @@ def plan(
         for K in divisors:
             replicas = devices // K
             per_replica = batch_size if per_pipeline_batch else math.ceil(batch_size / replicas)
-            sizes |= {math.ceil(per_replica / m) for m in _microbatch_counts(per_replica, chunks, smallest)}
+            sizes |= {microbatch_sizes(per_replica, m)[0] for m in _microbatch_counts(per_replica, chunks, smallest)}
         profile = profile_layers(
             layers,
             sample,

@@ -287,7 +287,7 @@ def test_compiled_layers_train_under_a_split_backward(tmp_path: pathlib.Path, mo
         torch._dynamo.reset()  # as a fresh process: compiled again, from the cache
         compiled, reference = layers(), nn.Sequential(*layers())
         compiled_layers = compile_layers(compiled, {"dynamic": False})
-        cells = [nn.Identity(), nn.Sequential(*compiled)]  # the compiled layers on the stage whose input needs a gradient
+        cells = [nn.Identity(), nn.Sequential(*compiled)]  # compiled on the stage whose input needs a gradient
         x.requires_grad_(True)
         loss = lambda out, mb: F.mse_loss(out, mb[1])  # noqa: E731
         run_in_threads(cells, (x, y), loss, chunks=4, checkpoint="never", schedule="zero_bubble")

@@ -18,6 +18,7 @@ from helpers.runif import RunIf
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.plan import (
     DEFAULT_BOUNDARY_OVERHEAD,
     DEFAULT_MICROBATCH_OVERHEAD,
@@ -996,3 +997,14 @@ def test_a_split_backward_keeps_the_output_gradients_of_its_weighted_operations_
     assert split[0] == whole[0]
     assert split[1] - whole[1] == 2 * 2 * 4 * 0.25 * MiB
     assert activations(recorded, "1f1b") == activations(plain, "1f1b")
+
+
+def test_the_planner_weighs_the_micro_batches_the_engine_splits_for_every_batch_and_chunks() -> None:
+    # The planner counted ceil(N / ceil(N / M)) micro-batches where the engine splits min(M, N): 12 samples with
+    # chunks=8 are 8 micro-batches of 2 or 1 samples, which the planner simulated as 6 of 2.
+    profile = synthetic(2)
+    for total in range(1, 65):
+        for chunks in range(1, 65):
+            engine = scatter(torch.zeros(total, 1), chunks)
+            weighed = evaluate(profile, pipe_size=1, chunks=chunks, batch_size=total, checkpoint="never")
+            assert (weighed.chunks, weighed.microbatch_size) == (len(engine), engine[0].size), (total, chunks)
