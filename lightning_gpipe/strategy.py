@@ -217,12 +217,12 @@ class GPipeStrategy(ParallelStrategy):
     @property
     def pipe_size(self) -> int:
         """K, the number of stages per pipeline (before the Trainer sets the world: the one given)."""
-        return self._settings.pipe_size if self._settings is not None else self.config.pipe_size or self.world_size
+        return self._settings.pipe_size if self._settings is not None else self.config.sizes(self.world_size)[0]
 
     @property
     def chunks(self) -> int:
         """M, the number of micro-batches per mini-batch (before the Trainer sets the world: the one given)."""
-        return self._settings.chunks if self._settings is not None else self.config.chunks or 4 * self.pipe_size
+        return self._settings.chunks if self._settings is not None else self.config.sizes(self.world_size)[1]
 
     @property
     @override

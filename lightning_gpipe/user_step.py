@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from lightning_gpipe.engine.fingerprint import batch_fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch, batch_size, gather, step_extras
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.relay import CallRelay
+from lightning_gpipe.engine.schedule import interleaved_round
 from lightning_gpipe.log_mirror import LogRecorder
 from lightning_gpipe.partition.sequence import Partition, PipelinedSequential
 from lightning_gpipe.plan.auto import check_planned_batch
@@ -189,8 +189,10 @@ def check_rounds(config: PipelineConfig, samples: int, processes: int) -> None:
     Raises:
         ValueError: names the batch, the rule, and the fix (``drop_last=True``, or a batch size the rule allows).
     """
+    if config.schedule != "interleaved":
+        return
     try:
-        replace(config, chunks=samples).check_chunks(processes)
+        interleaved_round(processes, samples)
     except ValueError as error:
         raise ValueError(
             f"a training batch of {samples} samples, fewer than chunks={config.chunks}, runs {samples} micro-batches "

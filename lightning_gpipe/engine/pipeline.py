@@ -28,7 +28,7 @@ from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.fingerprint import Fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch, gather, split_batch
 from lightning_gpipe.engine.rematerialization import CheckpointMode
-from lightning_gpipe.engine.schedule import stages_of
+from lightning_gpipe.engine.schedule import stage_table
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.step import StepRun
 from lightning_gpipe.engine.timeline import Timeline
@@ -199,14 +199,13 @@ def _held_stages(
         raise ValueError(f"transport[s].stage must be s, got {wrong} (key: its stage); pass each stage its transport")
     order = sorted(cells)
     total, v = transport[order[0]].num_stages, config.stages_per_process
-    K = total // v
-    expected = stages_of(config.schedule, order[0] % K, K, v) if total % v == 0 else ()
-    if tuple(order) != expected:
+    table = stage_table(config.schedule, max(1, total // v), v)
+    if total % v or tuple(order) != table[order[0] % len(table)]:
         raise ValueError(
             f"Pipeline got cells for stages {order} of {total}, but under schedule={config.schedule!r} with "
             f"{v} stage(s) per process a process holds stages_of(schedule, rank, K={total // v}, v={v}), such as "
-            f"{list(stages_of(config.schedule, 0, max(1, total // v), v))}; give the cells of those stages (and set "
-            "virtual_stages to the number of stages per process)"
+            f"{list(table[0])}; give the cells of those stages (and set virtual_stages to the number of stages per "
+            "process)"
         )
     return {stage: (cells[stage], transport[stage]) for stage in order}
 
@@ -355,7 +354,7 @@ def run_in_threads(
             f"a multiple of {v} cells, one per stage"
         )
     K = len(cells) // v
-    held = [stages_of(schedule, r, K, v) for r in range(K)]
+    held = stage_table(schedule, K, v)
     if seeds is not None and len(seeds) != K:
         raise ValueError(f"seeds has {len(seeds)} entries for {K} processes; give one seed per process")
     if concurrent and seeds is not None:

@@ -22,14 +22,14 @@ from benchmarks.launch import run_processes
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline, first_element, run_in_threads
-from lightning_gpipe.engine.schedule import SCHEDULES, Phase, stage_actions
+from lightning_gpipe.engine.schedule import MULTI_STAGE, SCHEDULES, Phase, stage_actions
 from lightning_gpipe.engine.stage import GRADIENT_BYTES_AHEAD, GRADIENTS_AHEAD, Stage
 from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport, Transport
 
 NESTED_BALANCE = [2, 1, 2]  # three stages; every boundary is a tuple with a bool mask and a None leaf
 CHUNKS = 4
 BATCH_SIZE = 10  # micro-batches of 3, 3, 2, 2 samples: gradient buffers must follow each one's shape
-ONE_STAGE = [s for s in SCHEDULES if s not in ("interleaved", "zbv")]  # the schedules of one stage per process
+ONE_STAGE = [s for s in SCHEDULES if s not in MULTI_STAGE]  # the schedules of one stage per process
 
 
 class RecordingTransport(ThreadTransport):

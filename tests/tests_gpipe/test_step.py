@@ -13,12 +13,12 @@ from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss
 from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.microbatch import Microbatch
 from lightning_gpipe.engine.pipeline import Pipeline
-from lightning_gpipe.engine.schedule import SCHEDULES, Action, Phase
+from lightning_gpipe.engine.schedule import MULTI_STAGE, SCHEDULES, Action, Phase
 from lightning_gpipe.engine.step import HeldGradients
 from lightning_gpipe.engine.transport import ThreadTransport
 
 TOLERANCE = 1e-6
-ONE_STAGE = [s for s in SCHEDULES if s not in ("interleaved", "zbv")]  # the schedules of one stage per process
+ONE_STAGE = [s for s in SCHEDULES if s not in MULTI_STAGE]  # the schedules of one stage per process
 
 
 def one_stage(schedule: str = "gpipe", chunks: int = 4) -> Pipeline:
