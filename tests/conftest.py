@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import timm.optim  # noqa: F401  (see _torch_state)
 import torch
 import torch.distributed as dist
 
@@ -62,6 +63,8 @@ _TORCH_CONFIGS = ("torch._functorch.config", "torch._dynamo.config", "torch._ind
 
 
 def _torch_state() -> dict[str, object]:
+    # timm.optim raises torch._dynamo's recompile limit when first imported (the zoo imports it): imported with this
+    # module, before any test's settings are recorded, so that the test that happens to import it first is not blamed.
     state: dict[str, object] = {"default dtype": torch.get_default_dtype()}
     state["default device"] = torch.get_default_device()
     for name in _TORCH_CONFIGS:

@@ -421,26 +421,14 @@ _SENDS_GRADIENT = (Phase.BACKWARD, Phase.INPUT)  # the passes after which a stag
 
 @dataclass(frozen=True)
 class StepOrder:
-    """A process's actions for one step, with what its step reads of them, derived once (:func:`step_order`).
+    """A process's actions for one step, and what its step reads of them, derived once (:func:`step_order`)."""
 
-    Attributes:
-        stages: the stages the process holds, in model order.
-        actions: the ordered actions; they name their stage where the process holds several.
-        forward_span: how many of ``actions`` run up to and including the last forward (what a user's step drives).
-        backward_before_last_forward: whether a backward pass runs among those (all training orders but
-            ``"gpipe"``'s), hence in the forward phase.
-        split: whether the backward passes are split into input and weight passes.
-        gradient_orders: for each held stage but the pipeline's last, the micro-batches in the order the next stage
-            sends their gradients back (its backward order), so that it posts their receives early; empty when the
-            step runs no backward.
-    """
-
-    stages: tuple[int, ...]
-    actions: tuple[Action, ...]
-    forward_span: int
-    backward_before_last_forward: bool
-    split: bool
-    gradient_orders: dict[int, tuple[int, ...]]
+    stages: tuple[int, ...]  # the stages the process holds, in model order
+    actions: tuple[Action, ...]  # naming their stage where the process holds several
+    forward_span: int  # the actions up to and including the last forward: those a user's step drives
+    backward_before_last_forward: bool  # a backward runs among those (all training orders but "gpipe"'s)
+    split: bool  # the backwards are split into input and weight passes
+    gradient_orders: dict[int, tuple[int, ...]]  # per held stage but the last, the next stage's backward order
 
 
 @functools.lru_cache(maxsize=None, typed=True)  # typed: rank=True must not find rank=1's order
@@ -471,14 +459,8 @@ def step_order(
         if stage + 1 in owner:  # the next stage's backward order, as its process runs it
             later = _process_actions(schedule, owner[stage + 1], K, M, v)
             orders[stage] = tuple(a.microbatch for a in later if a.stage == stage + 1 and a.phase in _SENDS_GRADIENT)
-    return StepOrder(
-        held,
-        actions,
-        span,
-        any(action.phase is not Phase.FORWARD for action in actions[:span]),
-        any(action.phase is Phase.INPUT for action in actions),
-        orders,
-    )
+    early = any(action.phase is not Phase.FORWARD for action in actions[:span])
+    return StepOrder(held, actions, span, early, any(action.phase is Phase.INPUT for action in actions), orders)
 
 
 def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[int, int]]]:
