@@ -27,7 +27,7 @@ from lightning_gpipe.plan.evaluate import evaluate
 from lightning_gpipe.plan.reasons import not_weighed, reasons
 from lightning_gpipe.plan.result import Candidate, InfeasiblePlanError, Plan, format_bytes, parse_bytes
 from lightning_gpipe.profile.layer_profile import ModelProfile, profile_layers
-from lightning_gpipe.profile.timing import OptimizerFactory
+from lightning_gpipe.profile.optimizer_step import OptimizerFactory
 
 __all__ = ["DEFAULT_VIRTUAL_STAGES", "plan"]
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import lightning_gpipe
-from lightning_gpipe.profile import cost, layer_profile, tensor_bytes, timing
+from lightning_gpipe.profile import cost, layer_profile, optimizer_step, tensor_bytes, timing
 from lightning_gpipe.profile.layer_profile import profile_layers
 from lightning_gpipe.profile.layer_run import layer_inputs
 from lightning_gpipe.profile.tensor_bytes import saved_bytes, state_keys
@@ -44,7 +44,7 @@ def test_balance_by_measurement_and_the_planner_share_one_profiler() -> None:
     # Nothing else in the library reads the clock around a layer or hooks the tensors autograd saves (the engine's
     # timeline stamps spans of the running pipeline; it times no layer).
     owners = {
-        "perf_counter(": ["profile/timing.py"],
+        "perf_counter(": ["profile/optimizer_step.py", "profile/timing.py"],
         "saved_tensors_hooks(": ["profile/tensor_bytes.py"],
         "autograd.grad(": ["profile/tensor_bytes.py", "profile/timing.py"],
     }
@@ -257,14 +257,14 @@ def test_a_layer_is_timed_re_materialized_after_another_layer_as_in_a_stage(monk
 def test_the_layers_optimizer_steps_are_timed_round_robin(monkeypatch: pytest.MonkeyPatch) -> None:
     # Regression: timed one layer after another, a slow moment of a shared machine inflated every sample of the layers
     # timed during it; round-robin, it costs each layer one sample, which the median drops.
-    real = timing._step_seconds
+    real = optimizer_step._step_seconds
     stepped: list[tuple[torch.Size, ...]] = []
 
     def recorded(optimizer: Any, shapes: Any, device: torch.device, repeats: int, warmup: int) -> float:
         stepped.append(tuple(shape for shape, _ in shapes))
         return real(optimizer, shapes, device, repeats, warmup)
 
-    monkeypatch.setattr(timing, "_step_seconds", recorded)
+    monkeypatch.setattr(optimizer_step, "_step_seconds", recorded)
     layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     profile = profile_layers(layers, torch.randn(2, 4), microbatch_sizes=[2], repeats=3, warmup=0, rematerialized=False)
     per_layer = [shapes for shapes in stepped if shapes[0] != torch.Size([1])]  # the fixed cost's own steps aside
