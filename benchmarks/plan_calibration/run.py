@@ -275,7 +275,8 @@ def _job(
     import torch.distributed as dist
 
     from lightning_gpipe.engine.pipeline import Pipeline
-    from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
+    from lightning_gpipe.engine.thread_transport import ThreadTransport
+    from lightning_gpipe.engine.transport import ProcessGroupTransport
     from lightning_gpipe.partition.balance import split
     from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 

@@ -155,33 +155,12 @@ class _Search:
                     by_time = self._evaluate(batch_size=total, replicas=self.devices // K, virtual_stages=v, **settings)
                     found.append(by_time)
                     if K > 1:
-                        found.append(self._memory_balanced(by_time, total))
+                        found.append(_memory_balanced(self.profile, by_time, total, self.options))
         return found
 
     def _evaluate(self, **settings: Any) -> Candidate:
         assert self.profile is not None
         return evaluate(self.profile, **settings, **self.options)
-
-    def _memory_balanced(self, like: Candidate, batch_size: int) -> Candidate:
-        """The same configuration with the layers balanced by the bytes each holds instead of by time."""
-        assert self.profile is not None
-        n, slots = like.microbatch_size, self.options.get("optimizer_slots", 2.0)
-        held = like.chunks if like.schedule == "gpipe" else like.pipe_size  # micro-batches in flight, about
-        selective = like.checkpoint == "selective"
-        costs = [
-            layer.param_bytes
-            + layer.buffer_bytes
-            + layer.trainable_bytes * (1 + slots)
-            + n * (layer.saved_bytes if like.checkpoint == "never" else layer.saved_bytes / max(1, held))
-            # A selective micro-batch keeps its kept operators' outputs until its backward.
-            + (n * held * (layer.selective_bytes + layer.selective_output_bytes) if selective else 0)
-            for layer in self.profile.layers
-        ]
-        return self._evaluate(
-            pipe_size=like.pipe_size, chunks=like.chunks, batch_size=batch_size, checkpoint=like.checkpoint,
-            schedule=like.schedule, balance=balance_by_cost(costs, len(like.balance)), replicas=like.replicas,
-            virtual_stages=like.virtual_stages,
-        )  # fmt: skip
 
     def best(self, pipe_sizes: Sequence[int], budget: float, skipped: list[str]) -> Plan:
         """The fastest configuration within ``budget`` bytes per device, with the reasons; or the error saying what
@@ -220,6 +199,27 @@ class _Search:
             "batch_size or optimizer state also helps."
         )
         return InfeasiblePlanError(message, min_devices=min_devices, min_memory=least.peak)
+
+
+def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, options: dict[str, Any]) -> Candidate:
+    """The same configuration with the layers balanced by the bytes each holds instead of by time."""
+    n, slots = like.microbatch_size, options.get("optimizer_slots", 2.0)
+    held = like.chunks if like.schedule == "gpipe" else like.pipe_size  # micro-batches in flight, about
+    selective = like.checkpoint == "selective"
+    costs = [
+        layer.param_bytes
+        + layer.buffer_bytes
+        + layer.trainable_bytes * (1 + slots)
+        + n * (layer.saved_bytes if like.checkpoint == "never" else layer.saved_bytes / max(1, held))
+        # A selective micro-batch keeps its kept operators' outputs until its backward.
+        + (n * held * (layer.selective_bytes + layer.selective_output_bytes) if selective else 0)
+        for layer in profile.layers
+    ]
+    return evaluate(
+        profile, pipe_size=like.pipe_size, chunks=like.chunks, batch_size=batch_size, checkpoint=like.checkpoint,
+        schedule=like.schedule, balance=balance_by_cost(costs, len(like.balance)), replicas=like.replicas,
+        virtual_stages=like.virtual_stages, **options,
+    )  # fmt: skip
 
 
 def _checked(

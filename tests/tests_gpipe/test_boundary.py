@@ -21,7 +21,8 @@ from benchmarks.launch import run_processes
 from lightning_gpipe import Unbatched
 from lightning_gpipe.engine.boundary import ActivationLink
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
-from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 
 TOLERANCE = 1e-6
 CHUNKS = 4

@@ -25,8 +25,8 @@ from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, commit_running_stats
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.engine.torch_compat import compile_in_place, restore_compiled_call
-from lightning_gpipe.engine.transport import ThreadTransport
 from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.partition.compile import DEFAULT_OPTIONS, compile_layers, replayed_by_engine
 from lightning_gpipe.partition.config import BuildConfig

@@ -20,7 +20,7 @@ from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode
 from lightning_gpipe.engine.stage import Stage
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.partition.config import Balance, BuildConfig, ResolvedPipeline
 from lightning_gpipe.profile.cost import COST_SOURCES
 

@@ -24,7 +24,8 @@ from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline, first_element, run_in_threads
 from lightning_gpipe.engine.schedule import MULTI_STAGE, SCHEDULES, Phase, stage_actions
 from lightning_gpipe.engine.stage import GRADIENT_BYTES_AHEAD, GRADIENTS_AHEAD, Stage
-from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport, Transport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
+from lightning_gpipe.engine.transport import ProcessGroupTransport, Transport
 
 NESTED_BALANCE = [2, 1, 2]  # three stages; every boundary is a tuple with a bool mask and a None leaf
 CHUNKS = 4

@@ -15,7 +15,7 @@ from lightning_gpipe.engine.microbatch import Microbatch
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.schedule import MULTI_STAGE, SCHEDULES, Action, Phase
 from lightning_gpipe.engine.step import HeldGradients
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 
 TOLERANCE = 1e-6
 ONE_STAGE = [s for s in SCHEDULES if s not in MULTI_STAGE]  # the schedules of one stage per process

@@ -16,7 +16,8 @@ from benchmarks.launch import run_processes
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.stage import Stage
-from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
+from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
 
 STALL = datetime.timedelta(seconds=6)
 

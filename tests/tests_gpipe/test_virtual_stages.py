@@ -27,8 +27,9 @@ from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.schedule import process_actions, stages_of
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.engine.timeline import Timeline
-from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport, ThreadTransport, _Loopback
+from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport, _Loopback
 from lightning_gpipe.engine.unbatched import Unbatched
 
 TOLERANCE = 1e-6
