@@ -291,9 +291,9 @@ def count_weights(counts: Sequence[Any], device: torch.device) -> torch.Tensor:
 
 
 def step_extras(outputs: Sequence[Any], sizes: Sequence[int] | None = None) -> dict[str, Any] | None:
-    """The keys other than ``"loss"`` of the dicts a ``training_step`` returned per micro-batch, gathered, detached.
+    """The keys other than ``"loss"`` of the dicts a training step returned per micro-batch, gathered, detached.
 
-    What Lightning hands ``on_train_batch_end`` next to the loss, joined as :func:`gather` joins values of
+    What the strategy hands ``on_train_batch_end`` next to the loss, joined as :func:`gather` joins values of
     micro-batches of ``sizes``: per-sample tensors and lists concatenated (the batch's, as a plain step would return
     them), a value equal in every micro-batch once, others one per micro-batch. ``None`` when the step returned no
     other key.
@@ -304,7 +304,7 @@ def step_extras(outputs: Sequence[Any], sizes: Sequence[int] | None = None) -> d
     keys = [sorted(extra) for extra in extras]
     if any(other != keys[0] for other in keys[1:]):
         raise ValueError(
-            f"training_step returned dicts with different keys for the micro-batches of one batch ({keys[0]} and "
+            f"the step returned dicts with different keys for the micro-batches of one batch ({keys[0]} and "
             f"{next(other for other in keys if other != keys[0])}); return the same keys for every batch"
         )
     joined = gather(extras, sizes)
