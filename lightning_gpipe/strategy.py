@@ -92,7 +92,6 @@ class GPipeStrategy(ParallelStrategy):
     """
 
     strategy_name = "gpipe"
-    _links_on_world = False  # tests only: P2P on the world group, the wiring that deadlocks under NCCL's stream order
 
     def __init__(
         self,
@@ -322,9 +321,10 @@ class GPipeStrategy(ParallelStrategy):
         """Build this process's stage of ``module`` (once: a second fit or validate keeps it) and the user's steps."""
         if self._assembled is not None:
             return self._assembled
-        links = None if self._links_on_world else self._links
         ranks, timeout = self.layout.stage_ranks(), self.settings.timeout
-        transport = ProcessGroupTransport.for_stages(ranks, self.layout.stages, self.root_device, timeout, links=links)
+        transport = ProcessGroupTransport.for_stages(
+            ranks, self.layout.stages, self.root_device, timeout, links=self._links
+        )
         self._assembled = assembled = assemble_stage(
             module, self.settings, self.root_device, transport, sample=module.example_input_array,
             replica_group=self._replica_group, timeline=self.timeline,

@@ -12,7 +12,7 @@ import timm.optim  # noqa: F401  (see _torch_state)
 import torch
 import torch.distributed as dist
 
-from benchmarks.launch import loopback_store
+from tools.launch import loopback_store
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -52,8 +52,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 from benchmarks.docs_page import write_block  # noqa: E402
 from benchmarks.engine_speed.cpuload import foreign_cores, snapshot  # noqa: E402
-from benchmarks.launch import Launcher  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
+from tools.launch import Launcher  # noqa: E402
 
 __all__ = ["CONFIGS", "MODELS", "Config", "main"]
 

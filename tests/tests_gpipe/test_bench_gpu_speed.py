@@ -22,7 +22,7 @@ from benchmarks.gpu_speed.configs import (
     configurations,
 )
 from benchmarks.gpu_speed.report import COLUMNS, model_flops, peak_tflops, read_table, rows, table
-from benchmarks.launch import run_module
+from tools.launch import run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PARAMETERS = 735_404_800  # the zoo's Transformer-L at L=12, D=2048, FF=8192, 16 heads, V=32000

@@ -17,12 +17,12 @@ from helpers.models import WithTable, cells, full_batch_grads, loss_fn, relative
 from helpers.runif import RunIf
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe import Unbatched
 from lightning_gpipe.engine.boundary import ActivationLink
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.engine.transport import ProcessGroupTransport
+from tools.launch import run_processes
 
 TOLERANCE = 1e-6
 CHUNKS = 4

@@ -17,11 +17,11 @@ from helpers.models import batch, cells, loss_fn, mlp
 from helpers.runif import RunIf
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.engine.gradients import WorldGradScaler
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.transport import ProcessGroupTransport
+from tools.launch import run_processes
 
 
 class Explode(nn.Module):

@@ -31,10 +31,10 @@ from helpers.runif import RunIf
 from test_strategy_equivalence import assert_same_parameters, plain
 from torch import nn
 
-from benchmarks.launch import loopback_store
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.engine.fingerprint import batch_fingerprint, same_fingerprint
 from lightning_gpipe.engine.pipeline import run_in_threads
+from tools.launch import loopback_store
 
 # ---------------------------------------------------------------------------------------------- the bad-input catalogue
 

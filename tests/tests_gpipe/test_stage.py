@@ -18,7 +18,6 @@ from helpers.models import batch, build, cells, full_batch_grads, loss_fn
 from helpers.runif import RunIf
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline, first_element, run_in_threads
@@ -26,6 +25,7 @@ from lightning_gpipe.engine.schedule import MULTI_STAGE, SCHEDULES, Phase, stage
 from lightning_gpipe.engine.stage import GRADIENT_BYTES_AHEAD, GRADIENTS_AHEAD, Stage
 from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.engine.transport import ProcessGroupTransport, Transport
+from tools.launch import run_processes
 
 NESTED_BALANCE = [2, 1, 2]  # three stages; every boundary is a tuple with a bool mask and a None leaf
 CHUNKS = 4

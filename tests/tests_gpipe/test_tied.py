@@ -22,7 +22,6 @@ from helpers.tied_job import fit as fit_tied
 from test_strategy_equivalence import assert_same_parameters
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe import Pipeline, run_in_threads
 from lightning_gpipe.engine.gradients import clip_grad_norm
 from lightning_gpipe.engine.transport import ProcessGroupTransport
@@ -35,6 +34,7 @@ from lightning_gpipe.partition.state_dict import (
     parameter_aliases,
 )
 from lightning_gpipe.partition.tied import Tie, TiedCopies, find_ties, retie
+from tools.launch import run_processes
 
 
 class Holder(nn.Module):

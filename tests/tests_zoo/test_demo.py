@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.runif import RunIf
 
-from benchmarks.launch import run_command
+from tools.launch import run_command
 
 REPO = Path(__file__).resolve().parents[2]
 
