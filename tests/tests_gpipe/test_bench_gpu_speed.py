@@ -34,7 +34,7 @@ def _measured(ms: float) -> dict[str, Any]:
 
 
 def test_mfu_reads_as_issue_33_measured_it() -> None:
-    # The issue's table: strategy="auto" at 194 ms a step on an H100 SXM is MFU 0.40 (989 TFLOP/s).
+    # The measured table: strategy="auto" at 194 ms a step on an H100 SXM is MFU 0.40 (989 TFLOP/s).
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0

@@ -118,7 +118,7 @@ def test_a_fixed_pipeline_batch_ranks_configurations_by_time_per_sample() -> Non
 
 
 def test_a_rejected_pipe_size_is_compared_with_the_chosen_one_per_sample() -> None:
-    # Regression (issue 29, C2): with a batch per pipeline, K = 1 on 2 devices trains 2 x 16 samples per step, K = 2
+    # With a batch per pipeline, K = 1 on 2 devices trains 2 x 16 samples per step, K = 2
     # 16; "K=2 fits but is slower: 334.1 ms per step of 16 samples" beside a chosen "445.0 ms per step" (of 32) read
     # as a contradiction. Both now lead with the time per sample, the measure they are ranked by.
     result = plan(
@@ -144,7 +144,7 @@ def _batch_norm_mlp() -> nn.Sequential:
 
 
 def test_a_batch_norm_model_with_micro_batches_of_one_sample_gets_the_planners_message() -> None:
-    # Regression (issue 29, C2): plan(..., batch_size=2, devices=2) gave K = 1's two replicas one sample each, and
+    # plan(..., batch_size=2, devices=2) gave K = 1's two replicas one sample each, and
     # profiling that micro-batch of one raised torch's "Expected more than 1 value per channel" from BatchNorm.
     torch.manual_seed(0)
     result = plan(_batch_norm_mlp(), torch.randn(2, 8), devices=2, memory_per_device="1GB", batch_size=2)

@@ -106,7 +106,7 @@ def _planned_trainer(request: Any) -> L.Trainer:
 
 @pytest.mark.usefixtures("loopback_process_group")
 def test_plan_auto_plans_for_the_loaders_batch_not_the_example_inputs_rows(caplog: pytest.LogCaptureFixture) -> None:
-    # Regression (issue 29, item 2): plan="auto" took example_input_array's 2 rows (a zoo model's, set for FLOPs) for
+    # plan="auto" took example_input_array's 2 rows (a zoo model's, set for FLOPs) for
     # the batch and planned memory for 2 samples while the DataLoader gave 16.
     from lightning_gpipe import AutoPlan
 
@@ -119,7 +119,7 @@ def test_plan_auto_plans_for_the_loaders_batch_not_the_example_inputs_rows(caplo
 
 @pytest.mark.usefixtures("loopback_process_group")
 def test_plan_auto_refuses_a_first_batch_of_another_size_than_planned() -> None:
-    # Regression (issue 29, item 2): nothing checked the first real batch against the planned one, so a plan made for
+    # Nothing checked the first real batch against the planned one, so a plan made for
     # another batch (here the one stated) trained on under-predicted memory without a word.
     from lightning_gpipe import AutoPlan
 
@@ -165,7 +165,7 @@ def test_rank_zero_plans_and_every_rank_gets_its_settings_or_its_error() -> None
 def test_plan_auto_trains_like_the_settings_it_printed(tmp_path: Path) -> None:
     # Two ranks, plan="auto" restricted to K = 2 (the tiny MLP would otherwise run as two replicas); each planned fit
     # is followed, in the same processes, by one given the settings its plan chose explicitly. The second plan is
-    # restricted to interleaved (issue 31): two stages per process reach the strategy (virtual_stages, K·v stages of
+    # restricted to interleaved: two stages per process reach the strategy (virtual_stages, K·v stages of
     # balance) and train as the line it printed does.
     budget = {"memory_per_device": "1MiB", "pipe_sizes": [2], "optimizer_slots": 1}
     interleaved = {"memory_per_device": "1GB", "pipe_sizes": [2], "optimizer_slots": 1}
@@ -207,7 +207,7 @@ def test_plan_auto_trains_like_the_settings_it_printed(tmp_path: Path) -> None:
 
 
 def test_auto_plan_is_exported_by_the_package() -> None:
-    # Regression (issue 29, C3): `from lightning_gpipe import AutoPlan` failed; it lived in lightning_gpipe.plan only.
+    # `from lightning_gpipe import AutoPlan` failed; it lived in lightning_gpipe.plan only.
     import lightning_gpipe
     from lightning_gpipe.plan import AutoPlan
 

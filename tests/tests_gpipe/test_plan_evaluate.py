@@ -161,7 +161,7 @@ def test_a_boundary_costs_its_stages_only_between_two_processes(schedule: str, v
 
 
 def test_evaluate_takes_the_split_backward_from_the_profiles_measured_passes() -> None:
-    # Issue 31: the planner derived I and W from the whole backward (W = B/2), but the engine's split (its graph walk,
+    # The planner derived I and W from the whole backward (W = B/2), but the engine's split (its graph walk,
     # an autograd call per group of parameters) costs more than B, so zero_bubble and zbv were predicted too fast.
     # Measured I = W = B here; K=2, M=1: F0, F1, I1 (8B), then stage 0's split, which has no input gradient: its
     # input pass only walks the graph (0 here) and its weight pass is the whole backward (8B).
@@ -183,7 +183,7 @@ def test_evaluate_takes_the_split_backward_from_the_profiles_measured_passes() -
 
 
 def test_a_stages_split_pays_per_autograd_node_of_its_earlier_layers() -> None:
-    # Calibration of issue 31: summed layer by layer, the split of a stage read short of the engine's, whose weight
+    # Summed layer by layer, the split of a stage read short of the engine's, whose weight
     # pass makes one autograd call per group of parameters, each walking the whole graph below it (and the input pass
     # searches below each group): a stage's later layers pay per node of its earlier ones.
     base = meta(4)

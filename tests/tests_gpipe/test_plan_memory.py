@@ -145,7 +145,7 @@ def test_a_process_holds_the_state_of_each_of_its_stages() -> None:
 
 
 def test_a_split_backward_keeps_the_output_gradients_of_its_weighted_operations_until_w() -> None:
-    # Regression (calibration of issue 31): ZB-H1's last stage of a language model held 29.7 MiB against 18.8
+    # ZB-H1's last stage of a language model held 29.7 MiB against 18.8
     # predicted: the input pass I leaves each weighted operation's output gradient for W, which the model did not
     # count. Counted from the outputs of the weighted operations the profile records (0.25 MiB per sample and layer
     # here): on K=2, M=4 the last process holds two micro-batches (2 samples, 4 layers each) between I and W at its

@@ -27,7 +27,7 @@ def _sources() -> dict[str, str]:
 
 
 def test_balance_by_measurement_and_the_planner_share_one_profiler() -> None:
-    # Issue 30: cost.py, measure.py and plan/profile.py each ran and timed layers, in copies that could drift apart.
+    # cost.py, measure.py and plan/profile.py each ran and timed layers, in copies that could drift apart.
     # balance="time" and the planner's pass times now come from the same timing loop, balance="memory" and the
     # planner's activation bytes from the same count of what autograd saves.
     assert cost.timed_passes is timing.timed_passes
@@ -54,7 +54,7 @@ def test_balance_by_measurement_and_the_planner_share_one_profiler() -> None:
 
 
 def test_one_walker_of_nested_values() -> None:
-    # Issue 30: torch.utils._pytree (private) and hand-written recursions over tuples, lists and dicts walked batches
+    # torch.utils._pytree (private) and hand-written recursions over tuples, lists and dicts walked batches
     # beside engine/tree.py, each with its own idea of which containers count.
     private = [name for name, text in _sources().items() if "_pytree" in text]
     assert private == []
@@ -82,7 +82,7 @@ def test_timed_passes_keep_the_floor_of_each_round_and_leave_the_model_alone() -
 
 
 def test_the_split_backward_is_timed_as_the_engine_runs_it_and_costs_more_than_the_whole() -> None:
-    # Issue 31: the profile timed only the whole backward B, and the planner took W as half of it; the engine's split
+    # The profile timed only the whole backward B, and the planner took W as half of it; the engine's split
     # (lightning_gpipe.engine.split) walks the autograd graph in Python and makes one autograd call per group of
     # parameters, so its I + W exceeds B and zero_bubble and zbv were predicted too fast.
     layers = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU())])

@@ -301,7 +301,7 @@ def test_a_failed_step_over_gloo_stops_the_next_one_at_once_and_the_job_shuts_do
 
 @pytest.mark.parametrize("mode", ["always", "except_last", "never"])
 def test_a_stage_starting_with_an_in_place_layer_trains(mode: str) -> None:
-    # C1: a received value's tensors are leaves that require grad, so ReLU(inplace=True) first in a stage raised
+    # A received value's tensors are leaves that require grad, so ReLU(inplace=True) first in a stage raised
     # "a leaf Variable that requires grad is being used in an in-place operation" in every checkpoint mode.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(inplace=True), torch.nn.Linear(12, 3))

@@ -189,7 +189,7 @@ def test_a_loss_weight_under_1f1b_is_refused_with_the_fix_and_weighs_after_the_f
 
 
 def test_a_declared_loss_weight_weighs_an_early_loss_and_a_returned_one_beside_it_is_refused() -> None:
-    # Issue 29: a weight declared from the batch (the module's `batch_loss_weight`) is known before the schedule runs,
+    # A weight declared from the batch (the module's `batch_loss_weight`) is known before the schedule runs,
     # so 1F1B weighs micro-batch 0's loss by it before the last forward; a returned 'loss_weight' too says it twice.
     def declare(batch: torch.Tensor) -> torch.Tensor:
         return batch[0, 0]  # 1 and 9: weights 0.1 and 0.9
