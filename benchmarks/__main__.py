@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from benchmarks.docs_page import write_block
 from benchmarks.machine import cpu_model
+from tools.launch import run_command
 
 __all__ = ["EXPERIMENTS", "Experiment", "Headline", "headlines_from", "main"]
 
@@ -131,37 +132,12 @@ def _run(experiment: Experiment, quick: bool, no_docs: bool) -> tuple[int, str]:
     """Run one experiment, echoing its output as it comes; its whole process group dies at the deadline."""
     deadline = experiment.quick_deadline if quick else experiment.full_deadline
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        experiment.command(quick, no_docs),
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    started = time.monotonic()
-
-    def on_alarm(signum: int, frame: object) -> None:
-        os.killpg(process.pid, signal.SIGKILL)
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(int(deadline))
     try:
-        assert process.stdout is not None
-        for line in process.stdout:
-            sys.stdout.write(line)
-            lines.append(line)
-        code = process.wait()
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    if code < 0 and time.monotonic() - started >= deadline - 1:
+        done = run_command(experiment.command(quick, no_docs), timeout=deadline, cwd=REPO, env=env, echo=sys.stdout)
+    except subprocess.TimeoutExpired as timeout:
         print(f"{experiment.name}: killed at its {deadline:.0f} s deadline", file=sys.stderr)
-    return code, "".join(lines)
+        return -signal.SIGKILL, str(timeout.output or "")
+    return done.returncode, done.stdout
 
 
 def _index_block(results: dict[str, str], command: str, elapsed: float) -> str:

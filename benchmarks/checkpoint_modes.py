@@ -43,7 +43,7 @@ from lightning_gpipe.engine.rematerialization import (
     checkpointed,
     selective_checkpoint,
 )
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.partition.compile import DEFAULT_OPTIONS, compile_layers
 from lightning_gpipe.plan import evaluate
 from lightning_gpipe.profile.layer_profile import profile_layers

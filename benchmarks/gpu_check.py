@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.launch import run_command
 from benchmarks.trainer import quiet_trainer
+from tools.launch import run_command
 
 __all__ = ["CHECKS", "main"]
 

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpipe.engine.microbatch import batch_size
+from lightning_gpipe.engine.microbatch import batch_size, microbatch_sizes
 from lightning_gpipe.engine.schedule import bubble_fraction
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.strategy import GPipeStrategy
@@ -71,8 +71,7 @@ class PipelineTimeline(Callback):
         # The strategy's stages hold this very Timeline object, so it is cleared and switched on, never replaced.
         strategy.timeline.clear()
         strategy.timeline.enabled = True
-        # The strategy splits a batch of N samples into min(chunks, N) micro-batches.
-        self._num_microbatches = min(strategy.chunks, batch_size(batch))
+        self._num_microbatches = len(microbatch_sizes(batch_size(batch), strategy.chunks))
         self._recording = True
 
     @override

@@ -1,10 +1,10 @@
 """GPipeStrategy: Lightning's lifecycle around the GPipe engine, one process per pipeline stage (or per few stages).
 
-The engine's step driver (:class:`~lightning_gpipe.engine.driver.StepDriver`) runs the step: its forward phase (each
-forward the user's ``training_step`` on one micro-batch, :mod:`lightning_gpipe.user_step`) in ``training_step``, its
-backward phase in ``backward``; under 1F1B the backwards among the forwards hold their gradients past ``zero_grad``.
-Gradients go through :mod:`lightning_gpipe.optimization`, logs :mod:`lightning_gpipe.log_mirror`, checkpoints
-:mod:`lightning_gpipe.checkpoint_io`, and ``plan="auto"`` :mod:`lightning_gpipe.plan.auto`.
+The step has one owner, :class:`~lightning_gpipe.user_step.UserSteps`, to which the step hooks delegate: the engine's
+step driver runs its forward phase (each forward the user's ``training_step`` on one micro-batch) in ``training_step``
+and its backward phase in ``backward``. Gradients go through :mod:`lightning_gpipe.optimization`, logs
+:mod:`lightning_gpipe.log_mirror`, checkpoints :mod:`lightning_gpipe.checkpoint_io`, and ``plan="auto"``
+:mod:`lightning_gpipe.plan.auto`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from lightning_gpipe.compat import (
     sync_ddp_if_available,
 )
 from lightning_gpipe.config import StartMethod, StrategyConfig
-from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.layout import ProcessLayout, new_stage_groups
 from lightning_gpipe.engine.relay import CallRelay
@@ -49,7 +48,7 @@ from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
-from lightning_gpipe.log_mirror import LogRecorder, mirror_logs, sharing_from_last_stage, sync_metrics_over
+from lightning_gpipe.log_mirror import sharing_from_last_stage, sync_metrics_over
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
 from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.partition.config import Balance, ResolvedPipeline
@@ -57,13 +56,7 @@ from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.plan.auto import AutoPlan, auto_plan, planned_settings
 from lightning_gpipe.summary import describe_pipeline
-from lightning_gpipe.user_step import (
-    BatchChecks,
-    UserSteps,
-    check_automatic_optimization,
-    evaluation_result,
-    training_result,
-)
+from lightning_gpipe.user_step import BatchChecks, UserSteps, check_automatic_optimization
 
 __all__ = ["GPipeStrategy"]
 
@@ -99,7 +92,6 @@ class GPipeStrategy(ParallelStrategy):
     """
 
     strategy_name = "gpipe"
-    _links_on_world = False  # tests only: P2P on the world group, the wiring that deadlocks under NCCL's stream order
 
     def __init__(
         self,
@@ -164,8 +156,7 @@ class GPipeStrategy(ParallelStrategy):
         self._control_group: dist.ProcessGroup | None = None
         self._assembled: AssembledStage | None = None  # this process's stage of the module, its partition and ties
         self._stages: tuple[Stage, ...] = ()  # this process's stages, in model order
-        self._steps: UserSteps | None = None  # the user's step hooks over micro-batches
-        self._driver: StepDriver | None = None  # the step in progress
+        self._steps: UserSteps | None = None  # the Lightning-side step: the user's hooks over micro-batches
         self._gradients: StageGradients | None = None
         self._names = ModelNames(keys=[], shapes={}, parameter_order=[], aliases={})
         self._failed = False
@@ -217,12 +208,12 @@ class GPipeStrategy(ParallelStrategy):
     @property
     def pipe_size(self) -> int:
         """K, the number of stages per pipeline (before the Trainer sets the world: the one given)."""
-        return self._settings.pipe_size if self._settings is not None else self.config.pipe_size or self.world_size
+        return self._settings.pipe_size if self._settings is not None else self.config.sizes(self.world_size)[0]
 
     @property
     def chunks(self) -> int:
         """M, the number of micro-batches per mini-batch (before the Trainer sets the world: the one given)."""
-        return self._settings.chunks if self._settings is not None else self.config.chunks or 4 * self.pipe_size
+        return self._settings.chunks if self._settings is not None else self.config.sizes(self.world_size)[1]
 
     @property
     @override
@@ -333,9 +324,10 @@ class GPipeStrategy(ParallelStrategy):
         """Build this process's stage of ``module`` (once: a second fit or validate keeps it) and the user's steps."""
         if self._assembled is not None:
             return self._assembled
-        links = None if self._links_on_world else self._links
         ranks, timeout = self.layout.stage_ranks(), self.settings.timeout
-        transport = ProcessGroupTransport.for_stages(ranks, self.layout.stages, self.root_device, timeout, links=links)
+        transport = ProcessGroupTransport.for_stages(
+            ranks, self.layout.stages, self.root_device, timeout, links=self._links
+        )
         self._assembled = assembled = assemble_stage(
             module, self.settings, self.root_device, transport, sample=module.example_input_array,
             replica_group=self._replica_group, timeline=self.timeline,
@@ -348,63 +340,28 @@ class GPipeStrategy(ParallelStrategy):
         self._example_input, module.example_input_array = module.example_input_array, None
         self._steps = UserSteps(
             module, assembled.pipeline, assembled.partition, CallRelay(self._stages[-1]), self._batches,
+            precision=self.precision_plugin, device=self.root_device,
+            share=sharing_from_last_stage(self.layout, self._object_group, self.root_device),
             verify_batches=self.config.verify_batches, detect_anomalies=self.config.detect_anomalies,
         )  # fmt: skip
         describe_pipeline(self.layout, self.chunks, assembled)
         return assembled
 
-    # ------------------------------------------------------------------ steps
-
-    def _forward_phase(
-        self,
-        hook: str,
-        args: tuple,
-        kwargs: dict,
-        context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-    ) -> tuple[list[Any], LogRecorder]:
-        """Begin the step and run its forward phase, each forward the user's ``hook`` on one micro-batch.
-
-        Returns the user's step outputs and the recorded logs; the step's driver stays in ``self._driver``.
-        """
-        assert self._steps is not None
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        scale = StageGradients.scale_loss(self.precision_plugin, trainer) if hook == "training_step" else None
-        self._driver, outputs, recorder = self._steps.forward_phase(hook, args, kwargs, context, scale)
-        return outputs, recorder
-
-    def _collective(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Turn the failure of a collective into an error that names this stage and what it was doing."""
-        return collective_errors(self.layout.stage, what)
-
-    def _mirror_logs(
-        self, recorder: LogRecorder, scalars: Mapping[str, Tensor] | None = None, other: Any = None
-    ) -> tuple[dict[str, Tensor], Any]:
-        """The last stage's logs logged on every stage, with ``scalars`` and ``other`` (see :func:`mirror_logs`)."""
-        share = sharing_from_last_stage(self.layout, self._object_group, self.root_device)
-        return mirror_logs(recorder, self.layout.holds_last_stage, share, scalars, other)
+    # ------------------------------------------------------------------ steps: delegated to the step's owner
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        outputs, recorder = self._forward_phase("training_step", args, kwargs, self.precision_plugin.train_step_context)
-        if not self.layout.holds_last_stage:
-            scalars, extras = self._mirror_logs(recorder)
-            return _with_extras(scalars["loss"].to(self.root_device, torch.float32), extras)
-        assert self._driver is not None
-        total, extras = training_result(self._driver, outputs, recorder)  # extras go to every stage's hooks
-        self._mirror_logs(recorder, {"loss": total}, other=extras)
-        return _with_extras(total.to(self.root_device), extras)
+        assert self._steps is not None
+        return self._steps.training_step(args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        module = self.lightning_module
-        assert module is not None
-        assert self._driver is not None
+        # Lightning's own sequence (Strategy.backward), the pipeline's backward phase in place of loss.backward().
+        assert self._steps is not None
         self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._driver.backward_phase()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._steps.module)
+        self._steps.backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self._steps.module)
         self.post_backward(closure_loss)
         return closure_loss
 
@@ -413,33 +370,26 @@ class GPipeStrategy(ParallelStrategy):
         assert self._gradients is not None
         return super().optimizer_step(optimizer, self._gradients.after_closure(optimizer, closure), model, **kwargs)
 
-    def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        context = {
-            "validation_step": self.precision_plugin.val_step_context,
-            "test_step": self.precision_plugin.test_step_context,
-            "predict_step": self.precision_plugin.predict_step_context,
-        }[hook]
-        with context():
-            outputs, recorder = self._forward_phase(hook, args, kwargs)
-        assert self._driver is not None
-        gathered = evaluation_result(self._driver, outputs, recorder, self.root_device)
-        shared = self._mirror_logs(recorder, other=gathered if hook == "predict_step" else None)[1]
-        return shared if hook == "predict_step" else gathered
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("validation_step", args, kwargs)
+        assert self._steps is not None
+        return self._steps.eval_step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test_step", args, kwargs)
+        assert self._steps is not None
+        return self._steps.eval_step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("predict_step", args, kwargs)
+        assert self._steps is not None
+        return self._steps.eval_step("predict_step", args, kwargs)
 
     # ------------------------------------------------------------------ collectives
+
+    def _collective(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Turn the failure of a collective into an error that names this stage and what it was doing."""
+        return collective_errors(self.layout.stage, what)
 
     @override
     def model_to_device(self) -> None:
@@ -544,7 +494,7 @@ class GPipeStrategy(ParallelStrategy):
             assert module is not None
             self._assembled.reassemble(self._object_group)
             module.example_input_array = self._example_input
-            self._assembled = self._steps = self._driver = None
+            self._assembled = self._steps = None
             self._stages = ()
         super().teardown()
 
@@ -577,7 +527,3 @@ def _eager_selective_advice(settings: ResolvedPipeline, device: torch.device) ->
         "checkpoint='except_last' on an H100: docs/benchmarks/gpu.md). Pass compile=True to compile the policy into "
         "each layer, or use checkpoint='except_last'."
     )
-
-
-def _with_extras(loss: Tensor, extras: dict[str, Any] | None) -> Tensor | dict[str, Any]:
-    return loss if extras is None else {"loss": loss, **extras}

@@ -1,4 +1,5 @@
-"""The user's step hook run once per micro-batch, the pipelined sequence standing in for its layers.
+"""The Lightning-side step: the user's step hook run once per micro-batch, the pipelined sequence standing in for its
+layers, and the step's loss, outputs and logs handed back to Lightning on every stage (:class:`UserSteps`).
 
 Every stage runs the user's ``training_step`` (or validation, test, predict step) for each micro-batch up to its call of
 the sequence, which the step driver turns into this stage's forward. On a stage that is not the last the user's step
@@ -14,12 +15,12 @@ there, the second time with its ``self.log`` calls recorded.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpipe.compat import recording_log
@@ -29,18 +30,13 @@ from lightning_gpipe.engine.fingerprint import batch_fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch, batch_size, gather, step_extras
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.relay import CallRelay
-from lightning_gpipe.log_mirror import LogRecorder
+from lightning_gpipe.engine.schedule import interleaved_round
+from lightning_gpipe.log_mirror import LogRecorder, mirror_logs
+from lightning_gpipe.optimization import StageGradients
 from lightning_gpipe.partition.sequence import Partition, PipelinedSequential
 from lightning_gpipe.plan.auto import check_planned_batch
 
-__all__ = [
-    "BatchChecks",
-    "UserSteps",
-    "check_automatic_optimization",
-    "check_rounds",
-    "evaluation_result",
-    "training_result",
-]
+__all__ = ["BatchChecks", "UserSteps", "check_automatic_optimization", "check_rounds"]
 
 
 def check_automatic_optimization(module: LightningModule) -> None:
@@ -67,7 +63,11 @@ class _StageDone(BaseException):
 
 
 class UserSteps:
-    """One process's runs of the user's step hooks, each over the micro-batches of a batch through the step driver.
+    """One process's Lightning-side step: the user's step hooks run over each batch's micro-batches through the step
+    driver, and their loss, outputs and logs handed back as Lightning expects them on every stage.
+
+    The strategy's step hooks delegate here: :meth:`training_step` runs the forward phase, :meth:`backward` the
+    backward phase of the same step (its driver kept in between), :meth:`eval_step` a validation, test or predict step.
 
     Args:
         module: the LightningModule whose hooks run.
@@ -75,6 +75,10 @@ class UserSteps:
         partition: how the module was cut; its stand-in sequence is routed to the driver during a step.
         relay: serves an evaluation step's further calls of the sequence (decoding).
         batches: the checks of each step's batch.
+        precision: Lightning's precision plugin: the inputs' conversion, the step contexts, the loss scaler.
+        share: sends the last stage's loss and logs to the pipeline's other stages
+            (:func:`~lightning_gpipe.log_mirror.sharing_from_last_stage`); ``None`` for a pipeline of one stage.
+        device: this process's device, where the step's loss is returned.
         verify_batches: check that every stage reads the same batch (a fingerprint in the step header).
         detect_anomalies: check each loss for NaN and Inf.
     """
@@ -87,6 +91,9 @@ class UserSteps:
         relay: CallRelay,
         batches: BatchChecks,
         *,
+        precision: Precision,
+        share: Callable[[Any], Any] | None,
+        device: torch.device,
         verify_batches: bool,
         detect_anomalies: bool,
     ) -> None:
@@ -95,21 +102,66 @@ class UserSteps:
         self.partition = partition
         self.relay = relay
         self.batches = batches
+        self.precision = precision
+        self.share = share
+        self.device = device
         self.verify_batches = verify_batches
         self.detect_anomalies = detect_anomalies
+        self.last = pipeline.stages[-1].is_last  # this process holds the last stage: the loss, the metrics, the logs
+        self._driver: StepDriver | None = None  # the training step between its two phases
 
-    def forward_phase(
+    # --- the three step hooks
+
+    def training_step(self, args: tuple, kwargs: dict) -> torch.Tensor | dict[str, Any]:
+        """The strategy's ``training_step``: the step's forward phase, its loss (every stage gets the last stage's) and
+        the other keys of the user's step, as Lightning passes them to ``on_train_batch_end``."""
+        args, kwargs = self.precision.convert_input((args, kwargs))
+        scale = StageGradients.scale_loss(self.precision, self.module.trainer)
+        outputs, recorder = self._forward_phase("training_step", args, kwargs, self.precision.train_step_context, scale)
+        if not self.last:
+            scalars, extras = self._mirror(recorder)
+            return _with_extras(scalars["loss"].to(self.device, torch.float32), extras)
+        total, extras = self._training_result(outputs, recorder)  # extras go to every stage's hooks
+        self._mirror(recorder, {"loss": total}, other=extras)
+        return _with_extras(total.to(self.device), extras)
+
+    def backward(self) -> None:
+        """The strategy's ``backward``: the backward phase of the step :meth:`training_step` began."""
+        driver, self._driver = self._driver, None
+        assert driver is not None, "backward without a training_step before it"
+        driver.backward_phase()
+
+    def eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        """The strategy's ``validation_step``, ``test_step`` or ``predict_step`` (``hook``): the user's step on every
+        micro-batch, its outputs gathered; predictions reach every stage."""
+        args, kwargs = self.precision.convert_input((args, kwargs))
+        context = {
+            "validation_step": self.precision.val_step_context,
+            "test_step": self.precision.test_step_context,
+            "predict_step": self.precision.predict_step_context,
+        }[hook]
+        with context():
+            outputs, recorder = self._forward_phase(hook, args, kwargs)
+        driver, self._driver = self._driver, None
+        assert driver is not None
+        gathered = self._evaluation_result(driver, outputs, recorder)
+        shared = self._mirror(recorder, other=gathered if hook == "predict_step" else None)[1]
+        return shared if hook == "predict_step" else gathered
+
+    # --- the step's phases
+
+    def _forward_phase(
         self,
         hook: str,
         args: tuple,
         kwargs: dict,
         context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> tuple[StepDriver, list[Any], LogRecorder]:
+    ) -> tuple[list[Any], LogRecorder]:
         """Begin a step on ``args[0]`` and run its forward phase, each forward a call of the module's ``hook``.
 
-        Returns the step's driver (for its backward phase or its end), the user's step outputs in micro-batch order
-        (``None`` on a stage that is not the last) and the recorded logs.
+        Returns the user's step outputs in micro-batch order (``None`` on a stage that is not the last) and the recorded
+        logs; the step's driver, for its backward phase or its end, is kept.
         """
         module, num_stages = self.module, self.pipeline.stages[0].num_stages
         batch, rest = args[0], args[1:]
@@ -120,7 +172,7 @@ class UserSteps:
             check_rounds(self.pipeline.config, samples, processes)
         # Every stage computes the fingerprint of its own copy of the batch; the step header carries it to the next.
         fingerprint = batch_fingerprint(batch) if self.verify_batches and num_stages > 1 else None
-        driver = StepDriver(
+        self._driver = driver = StepDriver(
             self.pipeline.begin(batch, training=training, fingerprint=fingerprint),
             hook=hook,
             sequence=self.partition.path,
@@ -143,7 +195,31 @@ class UserSteps:
 
         with _routed(self.partition.stand_in, driver):
             outputs = driver.forward_phase(step)
-        return driver, outputs, recorder
+        return outputs, recorder
+
+    def _training_result(self, outputs: list[Any], recorder: LogRecorder) -> tuple[torch.Tensor, Any]:
+        """On the last stage after the forward phase: the step's loss (its losses weighted), and the step's other keys
+        gathered as Lightning passes them to ``on_train_batch_end``; the logs combined by the same weights."""
+        driver = self._driver
+        assert driver is not None
+        total = driver.weigh(outputs)
+        assert driver.step_weights is not None
+        recorder.combine(driver.step_weights)
+        return total, step_extras(outputs, [mb.size for mb in driver.run.microbatches])
+
+    def _evaluation_result(self, driver: StepDriver, outputs: list[Any], recorder: LogRecorder) -> Any:
+        """End an evaluation step (serving or ending its further calls); on the last stage, its gathered outputs."""
+        driver.finish()
+        if not driver.stage.is_last:
+            return None
+        recorder.combine(driver.weights(outputs, self.device))
+        return gather(outputs, [mb.size for mb in driver.run.microbatches]) if outputs[0] is not None else None
+
+    def _mirror(
+        self, recorder: LogRecorder, scalars: Mapping[str, torch.Tensor] | None = None, other: Any = None
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        """The last stage's logs logged on every stage, with ``scalars`` and ``other`` (see :func:`mirror_logs`)."""
+        return mirror_logs(recorder, self.last, self.share, scalars, other)
 
     def _stage_input(
         self,
@@ -189,32 +265,16 @@ def check_rounds(config: PipelineConfig, samples: int, processes: int) -> None:
     Raises:
         ValueError: names the batch, the rule, and the fix (``drop_last=True``, or a batch size the rule allows).
     """
+    if config.schedule != "interleaved":
+        return
     try:
-        replace(config, chunks=samples).check_chunks(processes)
+        interleaved_round(processes, samples)
     except ValueError as error:
         raise ValueError(
             f"a training batch of {samples} samples, fewer than chunks={config.chunks}, runs {samples} micro-batches "
             f"of one sample, which schedule={config.schedule!r} cannot order ({error}) Drop the short last batch with "
             "DataLoader(..., drop_last=True), or use a batch size that is a multiple of chunks."
         ) from error
-
-
-def training_result(driver: StepDriver, outputs: list[Any], recorder: LogRecorder) -> tuple[torch.Tensor, Any]:
-    """On the last stage after the forward phase: the step's loss (its losses weighted), and the step's other keys
-    gathered as Lightning passes them to ``on_train_batch_end``; the logs combined by the same weights."""
-    total = driver.weigh(outputs)
-    assert driver.step_weights is not None
-    recorder.combine(driver.step_weights)
-    return total, step_extras(outputs, [mb.size for mb in driver.run.microbatches])
-
-
-def evaluation_result(driver: StepDriver, outputs: list[Any], recorder: LogRecorder, device: torch.device) -> Any:
-    """End an evaluation step (serving or ending its further calls); on the last stage, its gathered outputs."""
-    driver.finish()
-    if not driver.stage.is_last:
-        return None
-    recorder.combine(driver.weights(outputs, device))
-    return gather(outputs, [mb.size for mb in driver.run.microbatches]) if outputs[0] is not None else None
 
 
 @contextlib.contextmanager
@@ -262,3 +322,7 @@ class BatchChecks:
                     f"not {chunks}. Set chunks={samples} (or fewer) to say so, or use batches of at least "
                     f"{chunks} samples."
                 )
+
+
+def _with_extras(loss: torch.Tensor, extras: dict[str, Any] | None) -> torch.Tensor | dict[str, Any]:
+    return loss if extras is None else {"loss": loss, **extras}

@@ -2,15 +2,17 @@
 
 import os
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import timm.optim  # noqa: F401  (see _torch_state)
 import torch
 import torch.distributed as dist
 
-from benchmarks.launch import loopback_store
+from tools.launch import loopback_store
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -55,6 +57,47 @@ def no_process_group_left() -> Iterator[None]:
     if dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("the test left a process group initialized: fit in-process with the loopback_process_group fixture")
+
+
+_TORCH_CONFIGS = ("torch._functorch.config", "torch._dynamo.config", "torch._inductor.config")
+
+
+def _torch_state() -> dict[str, object]:
+    # timm.optim raises torch._dynamo's recompile limit when first imported (the zoo imports it): imported with this
+    # module, before any test's settings are recorded, so that the test that happens to import it first is not blamed.
+    state: dict[str, object] = {"default dtype": torch.get_default_dtype()}
+    state["default device"] = torch.get_default_device()
+    for name in _TORCH_CONFIGS:
+        module = sys.modules.get(name)  # only those imported: a test may import one, never change it unseen
+        if module is not None:
+            state.update({f"{name}.{key}": value for key, value in module.get_config_copy().items()})
+    return state
+
+
+@pytest.fixture(autouse=True)
+def no_torch_state_left() -> Iterator[None]:
+    """Fail the test that changes torch's default dtype or device or its compiler settings and leaves them changed.
+
+    Regression: a test set ``torch._functorch.config.donated_buffer`` with ``monkeypatch.setattr``, whose undo deleted
+    the setting from torch's config module; a later test's compile on the same worker then failed. Use the config's
+    own ``patch``, ``torch.set_default_dtype`` in a ``try``/``finally``, or ``with torch.device(...)``.
+    """
+    before = _torch_state()
+    yield
+    after = _torch_state()
+    changed = sorted(key for key in before if key in after and not _same_setting(before[key], after[key]))
+    changed += sorted(key for key in before if key not in after)
+    if changed:
+        torch.set_default_dtype(before["default dtype"])  # type: ignore[arg-type]
+        torch.set_default_device(before["default device"])  # type: ignore[arg-type]
+        pytest.fail(f"the test left torch's global state changed: {', '.join(changed)}")
+
+
+def _same_setting(a: object, b: object) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a setting whose == is not a truth value
+        return a is b
 
 
 @pytest.fixture

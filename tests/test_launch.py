@@ -1,8 +1,9 @@
-"""The launcher of tests and benchmarks (``benchmarks/launch.py``): every launch has a deadline, a failing rank ends
+"""The launcher of tests and benchmarks (``tools/launch.py``): every launch has a deadline, a failing rank ends
 the others promptly with its error, and nothing a launch started outlives it."""
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import signal
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from helpers.runif import RunIf
 
-from benchmarks.launch import JobError, JobTimeoutError, Launcher, run_command, run_job, run_processes
+from tools.launch import JobError, JobTimeoutError, Launcher, run_command, run_job, run_processes
 
 # A parent that starts a child (as Lightning's launcher starts the other ranks), writes the child's pid, and waits.
 SCRIPT = """
@@ -88,6 +89,35 @@ def test_a_timeout_kills_the_processes_the_command_started(tmp_path: Path) -> No
     pid_file = tmp_path / "child.pid"
     with pytest.raises(subprocess.TimeoutExpired):
         run_command([sys.executable, "-c", SCRIPT, str(pid_file)], timeout=5, env=dict(os.environ))
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+# A command that prints a line, then waits: the line must reach the echo before the command ends.
+ECHO_SCRIPT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(sys.argv[1], "w").write(str(child.pid))
+print("started", flush=True)
+time.sleep(float(sys.argv[2]))
+print("done", flush=True)
+"""
+
+
+@RunIf(multiprocess=True)
+def test_an_echoed_command_streams_its_output_and_is_killed_with_its_children_at_the_deadline(tmp_path: Path) -> None:
+    # The benchmarks' runner had its own copy of this (a deadline by SIGALRM, the output echoed as it came).
+    pid_file = tmp_path / "child.pid"
+    echo = io.StringIO()
+    done = run_command([sys.executable, "-c", ECHO_SCRIPT, str(pid_file), "0"], timeout=60, echo=echo)
+    assert (done.returncode, done.stdout, echo.getvalue()) == (0, "started\ndone\n", "started\ndone\n")
+    echo = io.StringIO()
+    with pytest.raises(subprocess.TimeoutExpired) as timeout:
+        run_command([sys.executable, "-c", ECHO_SCRIPT, str(pid_file), "120"], timeout=5, echo=echo)
+    assert timeout.value.output == echo.getvalue() == "started\n"  # what came before the deadline
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while _alive(child) and time.monotonic() < deadline:

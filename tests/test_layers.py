@@ -3,9 +3,10 @@
 ``lightning_gpipe`` is five layers (docs/design.md, "Package map"): the engine (``lightning_gpipe/engine/``), the
 profile (``profile/``), partitioning (``partition/``), the planner (``plan/``) and the Lightning layer (the modules at
 the top). A module may import
-its own layer and those below it. Outside the package: the library never imports the zoo, the benchmarks or the
-tests; the zoo never imports the tests or the benchmarks, and its modules import each other without cycles; the
-benchmarks never import the tests. Imports are read from the source with ``ast``, function-level ones included.
+its own layer and those below it. Outside the package: the library never imports the zoo, the benchmarks, the
+launcher (``tools/``) or the tests; the zoo never imports the tests, the launcher or the benchmarks, and its modules
+import each other without cycles; the benchmarks never import the tests; the launcher, which tests and benchmarks both
+use, imports neither. Imports are read from the source with ``ast``, function-level ones included.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from helpers.runif import RunIf
 
 REPO = Path(__file__).resolve().parents[1]
-SCANNED = ("lightning_gpipe", "zoo", "benchmarks")
+SCANNED = ("lightning_gpipe", "zoo", "benchmarks", "tools")
 LAYERS = ("engine", "profile", "partition", "planner", "lightning")  # bottom to top
 LIGHTNING = ("lightning", "lightning_utilities", "torchmetrics")  # what only the Lightning layer may import
 TESTS = ("tests", "helpers")  # tests/ is on the path of the test run, so its helpers import as `helpers`
@@ -69,16 +70,18 @@ def wrong_way(importer: str, imported: str) -> str | None:
     top, target_top = importer.split(".")[0], imported.split(".")[0]
     layer, target_layer = layer_of(importer), layer_of(imported)
     if layer is not None:
-        if target_top in ("zoo", "benchmarks", *TESTS):
+        if target_top in ("zoo", "benchmarks", "tools", *TESTS):
             return f"the library imports {target_top}"
         if target_top in LIGHTNING and layer != "lightning":
             return f"the {layer} layer imports {target_top}, which only the Lightning layer may"
         if target_layer is not None and LAYERS.index(target_layer) > LAYERS.index(layer):
             return f"the {layer} layer imports the {target_layer} layer above it"
-    elif top == "zoo" and target_top in ("benchmarks", *TESTS):
+    elif top == "zoo" and target_top in ("benchmarks", "tools", *TESTS):
         return f"the zoo imports {target_top}"
     elif top == "benchmarks" and target_top in TESTS:
         return "the benchmarks import the tests"
+    elif top == "tools" and target_top in ("benchmarks", *TESTS):
+        return f"the launcher imports {target_top}"
     return None
 
 
@@ -150,6 +153,9 @@ def test_the_checker_reads_every_kind_of_import() -> None:
     assert wrong_way("zoo.cli", "lightning_gpipe") is None
     assert wrong_way("zoo.finetune", "helpers.models") == "the zoo imports helpers"
     assert wrong_way("benchmarks.bubble.run", "tests.helpers") == "the benchmarks import the tests"
+    assert wrong_way("tools.launch", "benchmarks.machine") == "the launcher imports benchmarks"
+    assert wrong_way("benchmarks.bubble.run", "tools.launch") is None
+    assert wrong_way("lightning_gpipe.strategy", "tools.launch") == "the library imports tools"
     assert cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from zoo._registry import model_class
 from zoo.backbone import load_backbone, read_checkpoint
 from zoo.tasks.base import ZooModule
+from zoo.timm_models import load_timm
 
 __all__ = ["load_pretrained"]
 
@@ -61,8 +62,6 @@ def load_pretrained(
         FileNotFoundError: ``path`` is neither an existing file or directory nor a hub id, with the accepted forms.
     """
     if isinstance(path, str) and path.startswith(TIMM_SOURCE):
-        from zoo.timm_models import load_timm  # imports this module
-
         return load_timm(path.removeprefix(TIMM_SOURCE), num_classes, freeze_backbone, **overrides)
     if str(path).startswith("~"):  # as a shell would; neither torch.load nor the hub's loader expands it
         path = Path(path).expanduser() if isinstance(path, Path) else os.path.expanduser(path)

@@ -20,8 +20,8 @@ from rich.console import Console
 
 from benchmarks.bubble.analysis import Row, Sample, all_idle_fraction, idle_fraction, max_abs_difference, summarize
 from benchmarks.docs_page import write_block
-from benchmarks.launch import JobError, Launcher
 from benchmarks.machine import cpu_model
+from tools.launch import JobError, Launcher
 
 __all__ = ["Plan", "main"]
 

@@ -3,7 +3,7 @@
 Usage: ``python -m benchmarks.engine_speed.metadata [--workload transformer|small] [--steps N] [--chunks M]
 [--baseline DIR [--rounds R]]``.
 
-Two fresh ranks (``benchmarks/launch.py``) train the engine workload's two halves (``checkpoint="never"``, as `ours` in
+Two fresh ranks (``tools/launch.py``) train the engine workload's two halves (``checkpoint="never"``, as `ours` in
 ``run.py``), alternating step by step between the common path (one header per step, a control area in each later
 micro-batch's message) and the *described* path that shapes varying per micro-batch take (a layout message per
 micro-batch, each receive posted when its layout arrives). Alternating steps in the same processes compares the two
@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.engine_speed.workloads import WORKLOADS, K
-from benchmarks.launch import Launcher, importing_package_from, run_command
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.transport import ProcessGroupTransport
+from tools.launch import Launcher, importing_package_from, run_command
 
 __all__ = ["main"]
 
@@ -64,7 +64,7 @@ def _rank(rank: int, world_size: int, workload: str, chunks: int, steps: int, al
 
 
 def _run_ranks(workload: str, chunks: int, steps: int, alternate: bool) -> dict[int, Any]:
-    """The two ranks in fresh processes (:class:`benchmarks.launch.Launcher`); rank -> {described: [(wall, cpu)]}."""
+    """The two ranks in fresh processes (:class:`tools.launch.Launcher`); rank -> {described: [(wall, cpu)]}."""
     with Launcher(["torch"]) as launcher:
         times = launcher.run(_rank, (workload, chunks, steps, alternate), K, timeout=1800, label=workload)
     return dict(enumerate(times))

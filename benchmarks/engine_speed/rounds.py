@@ -26,7 +26,7 @@ from rich.progress import (
 from benchmarks.engine_speed.cpuload import idle_foreign_cores
 from benchmarks.engine_speed.results import Measurement
 from benchmarks.engine_speed.worker import Job, JobRunner
-from benchmarks.launch import JobError, JobTimeoutError
+from tools.launch import JobError, JobTimeoutError
 
 __all__ = ["Budget", "Session", "progress_bar", "run_rounds"]
 

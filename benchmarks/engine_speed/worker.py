@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from benchmarks.engine_speed.cpuload import foreign_cores, snapshot
 from benchmarks.engine_speed.workloads import PIPELINED, WORKLOADS, Step, build_step
-from benchmarks.launch import Launcher
 from lightning_gpipe.engine.timeline import SpanRecord, Timeline
+from tools.launch import Launcher
 
 __all__ = ["Job", "JobResult", "JobRunner", "measure_rank"]
 
@@ -158,7 +158,7 @@ _PRELOAD = ["torch", "torch.distributed.pipelining", "lightning_gpipe.engine.pip
 
 
 class JobRunner:
-    """Runs this benchmark's jobs, each in fresh ranks (:class:`benchmarks.launch.Launcher`); a context manager.
+    """Runs this benchmark's jobs, each in fresh ranks (:class:`tools.launch.Launcher`); a context manager.
 
     ``observer_pid`` is the orchestrator's process, whose CPU time counts as the benchmark's own in the load
     measurement; ``preload``: further modules the server imports once, e.g. the module that defines the jobs.
@@ -177,7 +177,7 @@ class JobRunner:
         self._launcher.__exit__(exc_type, exc, tb)
 
     def run(self, job: Job, timeout: float) -> JobResult:
-        """Run ``job`` once; :class:`benchmarks.launch.JobError` on an error, a dead rank or after ``timeout``."""
+        """Run ``job`` once; :class:`tools.launch.JobError` on an error, a dead rank or after ``timeout``."""
         results = self._launcher.run(
             measure_rank, (job, self._observer_pid), job.world_size, timeout, threads=job.threads, label=str(job)
         )

@@ -1,6 +1,6 @@
 """One configuration's measurement: train the workload, time the steps after warm-up and read the peak memory.
 
-Meant to run in a fresh process (``run_config`` is a :class:`benchmarks.launch.Launcher` rank function), so that each
+Meant to run in a fresh process (``run_config`` is a :class:`tools.launch.Launcher` rank function), so that each
 configuration starts with its own CUDA context, allocator, peak counter and compile caches in memory.
 """
 

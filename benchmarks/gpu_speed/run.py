@@ -37,7 +37,7 @@ from benchmarks.gpu_speed.configs import (
     strategy_accepts_selective,
 )
 from benchmarks.gpu_speed.report import peak_tflops, rows, table
-from benchmarks.launch import JobError, JobTimeoutError, Launcher
+from tools.launch import JobError, JobTimeoutError, Launcher
 
 __all__ = ["main"]
 

@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
-    from benchmarks.launch import Launcher
     from lightning_gpipe.plan import DEFAULT_MICROBATCH_OVERHEAD
+    from tools.launch import Launcher
 
     with Launcher(["torch", "lightning_gpipe.plan", __name__]) as launcher:
         result = launcher.run(_job, (args.device, args.repeats), 2, timeout=900, label="link")[0]

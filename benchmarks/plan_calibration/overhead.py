@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.engine.pipeline import Pipeline
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.profile.layer_profile import profile_layers
 
 __all__ = ["main", "per_microbatch_seconds"]

@@ -52,8 +52,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 from benchmarks.docs_page import write_block  # noqa: E402
 from benchmarks.engine_speed.cpuload import foreign_cores, snapshot  # noqa: E402
-from benchmarks.launch import Launcher  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
+from tools.launch import Launcher  # noqa: E402
 
 __all__ = ["CONFIGS", "MODELS", "Config", "main"]
 
@@ -275,7 +275,8 @@ def _job(
     import torch.distributed as dist
 
     from lightning_gpipe.engine.pipeline import Pipeline
-    from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
+    from lightning_gpipe.engine.thread_transport import ThreadTransport
+    from lightning_gpipe.engine.transport import ProcessGroupTransport
     from lightning_gpipe.partition.balance import split
     from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 

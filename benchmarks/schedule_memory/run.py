@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_gpipe.engine.pipeline import Pipeline
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 
 __all__ = ["SavedBytes", "main", "memory_table", "peak_per_stage"]
 

@@ -25,7 +25,6 @@ from rich.console import Console
 from benchmarks.engine_speed.results import Results
 from benchmarks.engine_speed.rounds import progress_bar, run_rounds
 from benchmarks.engine_speed.worker import Job, JobRunner
-from benchmarks.launch import JobError, Launcher
 from benchmarks.schedule_memory.run import memory_table
 from benchmarks.schedule_speed.analysis import Bubble, bubble, per_process
 from benchmarks.schedule_speed.report import Refusal, Report, write_docs
@@ -38,6 +37,7 @@ from benchmarks.schedule_speed.steps import (
     torch_refusal,
 )
 from lightning_gpipe.engine.timeline import Timeline
+from tools.launch import JobError, Launcher
 
 __all__ = ["FULL", "QUICK", "TINY", "Plan", "main"]
 

@@ -29,7 +29,7 @@ from benchmarks.engine_speed.workloads import schedule_step
 from benchmarks.schedule_memory.run import SavedBytes
 from lightning_gpipe.engine.layout import new_link_groups
 from lightning_gpipe.engine.pipeline import Pipeline
-from lightning_gpipe.engine.schedule import SCHEDULES, process_of, stages_of
+from lightning_gpipe.engine.schedule import MULTI_STAGE, SCHEDULES, process_of, stages_of
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import ProcessGroupTransport
 
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv")
-MULTI_STAGE: frozenset[str] = frozenset({"interleaved", "zbv"})
 ENGINES: tuple[str, ...] = ("ours", "torch")
 VARIANTS: tuple[str, ...] = ("", "compiled", "varlen")
 VIRTUAL_STAGES = 2  # v of "interleaved"; "zbv" always holds 2 stages per process

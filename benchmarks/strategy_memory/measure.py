@@ -1,7 +1,7 @@
 """Peak memory of GPipeStrategy training runs on one device (CPU, or CUDA), each run in a fresh process.
 
 :func:`measure_runs` runs each ``(mode, chunks)`` in a fresh process forked from a server that imported torch and
-Lightning once (:class:`benchmarks.launch.Launcher`); ``test_memory.py`` asserts on it and ``run.py`` tabulates it.
+Lightning once (:class:`tools.launch.Launcher`); ``test_memory.py`` asserts on it and ``run.py`` tabulates it.
 Each run trains ``GPipeStrategy(pipe_size=1, chunks=M, checkpoint=mode)`` for a few steps on a stack whose
 memory is all activations, and measures the growth from just before the first step to the peak two ways:
 
@@ -242,7 +242,7 @@ def measure_runs(
     runs: Sequence[tuple[str, int]], root: str, *, accelerator: str = "cpu", timeout: float = 600.0
 ) -> dict[str, Any]:
     """Every ``(mode, chunks)`` run in a fresh process (``timeout`` seconds each), the model and the predictions."""
-    from benchmarks.launch import Launcher
+    from tools.launch import Launcher
 
     with Launcher(["torch", "lightning", __name__]) as launcher:
         measured = [

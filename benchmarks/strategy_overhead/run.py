@@ -3,7 +3,7 @@
 Usage: ``python -m benchmarks.strategy_overhead.run [--quick] [--profile]`` (see this folder's README).
 
 Both configurations train the same MLP for a few warm-up steps and a timed window, one thread each, every run in a
-fresh process forked after the imports (``benchmarks/launch.py``: importing Lightning costs more than a run).
+fresh process forked after the imports (``tools/launch.py``: importing Lightning costs more than a run).
 Rounds interleave the two (auto, gpipe, auto, gpipe, ...); the ratio of each round's median step times compares
 adjacent windows, so slow drift of the machine cancels, and the result is the median of the per-round ratios.
 Each window records the cores other processes used (from /proc/stat); rounds where that was noticeable are left out
@@ -35,10 +35,10 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from benchmarks.engine_speed.cpuload import CpuSnapshot, foreign_cores, snapshot
-from benchmarks.launch import Launcher
 from benchmarks.machine import cpu_model
 from benchmarks.trainer import quiet_trainer
 from lightning_gpipe import GPipeStrategy
+from tools.launch import Launcher
 
 __all__ = ["Plan", "main"]
 
@@ -187,7 +187,7 @@ def _measure_rank(rank: int, world_size: int, config: str, warmup: int, steps: i
 
 
 def run_job(config: str, plan: Plan, profile: bool = False) -> dict[str, Any]:
-    """One run in a fresh process forked after the imports (:class:`benchmarks.launch.Launcher`), with a deadline."""
+    """One run in a fresh process forked after the imports (:class:`tools.launch.Launcher`), with a deadline."""
     with Launcher(["torch", "lightning", "lightning_gpipe"]) as launcher:
         args = (config, plan.warmup, plan.steps, profile)
         return launcher.run(_measure_rank, args, 1, plan.job_timeout, label=config)[0]

@@ -14,7 +14,7 @@ step's time is what each strategy adds around it. Configurations, two ranks each
   before/after comparison in the same run.
 
 Every run is a fresh process (so that a baseline can import its own ``lightning_gpipe``) that starts its two ranks after
-the imports (``benchmarks/launch.py``); rounds interleave the configurations, and the result per configuration is the
+the imports (``tools/launch.py``); rounds interleave the configurations, and the result per configuration is the
 median over rounds of each run's median step (wall and CPU time of rank 0, the last stage). ``--profile`` prints, per
 configuration, where rank 0's CPU time goes (cProfile with a CPU-time clock, so other load on the machine does not
 inflate it).
@@ -33,8 +33,8 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.launch import Launcher, importing_package_from, run_command
 from benchmarks.trainer import quiet_trainer
+from tools.launch import Launcher, importing_package_from, run_command
 
 WARMUP, STEPS, BATCH = 20, 150, 16
 CONFIGS = ("ddp", "gpipe", "gpipe_never", "gpipe_m1")

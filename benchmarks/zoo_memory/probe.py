@@ -18,7 +18,8 @@ from torch import Tensor, nn
 import zoo
 from benchmarks.zoo_memory.scales import MODELS, SEQUENCE_LENGTH, ModelScale, Probe
 from lightning_gpipe.engine.pipeline import Pipeline
-from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 from lightning_gpipe.partition.balance import balance_by_cost, split
 from lightning_gpipe.profile.cost import memory_cost
 from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes

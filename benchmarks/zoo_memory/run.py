@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from benchmarks.docs_page import write_block
-from benchmarks.launch import Launcher
 from benchmarks.machine import cpu_model
 from benchmarks.zoo_memory.scales import MODELS, SETTINGS, Probe
 from benchmarks.zoo_memory.search import SearchResult, largest_fitting
+from tools.launch import Launcher
 
 __all__ = ["Plan", "main"]
 

@@ -29,8 +29,9 @@ import zoo
 from benchmarks.engine_speed.workloads import schedule_step
 from benchmarks.zoo_throughput.models import Batch, LossFn, Workload
 from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.engine.timeline import Timeline
-from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport, Transport
+from lightning_gpipe.engine.transport import ProcessGroupTransport, Transport
 from lightning_gpipe.partition.balance import split
 
 __all__ = ["CONFIGS", "PROCESSES", "Step", "build_step"]

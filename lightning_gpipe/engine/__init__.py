@@ -9,8 +9,9 @@ from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.step import StepRun
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.engine.timeline import Timeline
-from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 from lightning_gpipe.engine.unbatched import Unbatched
 
 __all__ = [

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_gpipe.engine.microbatch import validate_chunks
 from lightning_gpipe.engine.rematerialization import CheckpointMode, validate_mode
-from lightning_gpipe.engine.schedule import _check_virtual_stages, _interleaved_group, validate_schedule
+from lightning_gpipe.engine.schedule import (
+    MULTI_STAGE,
+    SPLIT_BACKWARD,
+    interleaved_round,
+    stages_per_process,
+    validate_schedule,
+)
 
 __all__ = ["PipelineConfig", "config_from", "validate_flag"]
 
@@ -23,7 +29,10 @@ class PipelineConfig:
     :meth:`~lightning_gpipe.partition.config.BuildConfig.resolve` resolves it; a ``Pipeline`` needs it set.
 
     ``virtual_stages`` is the number of stages each process holds under ``schedule="interleaved"`` (2 or more); ZB-V
-    always places two (``"zbv"`` takes 1 or 2); the other schedules one. :attr:`stages_per_process` says how many.
+    always places two (``"zbv"`` takes 1 or 2); the other schedules one.
+
+    What the schedule implies is resolved once, here, into the attributes that everything after reads:
+    :attr:`stages_per_process`, :attr:`split_backward` and :attr:`multi_stage`.
     """
 
     chunks: int | None = None
@@ -31,25 +40,28 @@ class PipelineConfig:
     schedule: str = "gpipe"
     detect_anomalies: bool = False
     virtual_stages: int = 1
+    stages_per_process: int = field(init=False, repr=False, compare=False, default=1)
+    """How many stages each process holds: ``virtual_stages`` under ``"interleaved"``, 2 under ``"zbv"``, else 1."""
+    split_backward: bool = field(init=False, repr=False, compare=False, default=False)
+    """Whether each backward is split into an input and a weight pass (``"zero_bubble"``, ``"zbv"``)."""
+    multi_stage: bool = field(init=False, repr=False, compare=False, default=False)
+    """Whether the schedule's actions come per process, naming their stages (``"interleaved"``, ``"zbv"``)."""
 
     def __post_init__(self) -> None:
         if self.chunks is not None:
             validate_chunks(self.chunks)
         validate_mode(self.checkpoint)
-        validate_schedule(self.schedule)
+        schedule = validate_schedule(self.schedule)
         validate_flag("detect_anomalies", self.detect_anomalies)
-        _check_virtual_stages(self.schedule, self.virtual_stages)
-
-    @property
-    def stages_per_process(self) -> int:
-        """How many stages each process holds: ``virtual_stages`` under ``"interleaved"``, 2 under ``"zbv"``, else 1."""
-        return _check_virtual_stages(self.schedule, self.virtual_stages)
+        object.__setattr__(self, "stages_per_process", stages_per_process(schedule, self.virtual_stages))
+        object.__setattr__(self, "split_backward", schedule in SPLIT_BACKWARD)
+        object.__setattr__(self, "multi_stage", schedule in MULTI_STAGE)
 
     def check_chunks(self, num_processes: int) -> None:
         """Refuse ``chunks`` that ``schedule="interleaved"`` cannot split into rounds over ``num_processes`` processes
         (the message says the rule and the values that fit); nothing to check for the other schedules."""
         if self.schedule == "interleaved" and self.chunks is not None:
-            _interleaved_group(num_processes, self.chunks)
+            interleaved_round(num_processes, self.chunks)
 
 
 def validate_flag(name: str, value: object) -> bool:

@@ -157,7 +157,7 @@ class StepDriver:
         if self._calls == 0:
             raise RuntimeError(
                 f"{self.hook} returned without calling the pipelined sequence {self.sequence!r}"
-                "; GPipeStrategy pipelines that call, so every step must pass its input through it once"
+                "; the pipeline runs its stages in that call, so every step must pass its input through it once"
             )
         return output
 
@@ -181,9 +181,8 @@ class StepDriver:
             )
         if self._relay is None:
             raise RuntimeError(
-                "the step called the pipelined sequence twice for one batch; under GPipeStrategy each step "
-                "passes its input through the sequence exactly once (validation, test and predict steps may call "
-                "it again, e.g. to decode)"
+                "the step called the pipelined sequence twice for one batch; a training step passes its input "
+                "through the sequence exactly once (an evaluation step may call it again, e.g. to decode)"
             )
         return self._relay.call(mb.index, value)  # decoding: only the last stage gets here
 
@@ -193,7 +192,7 @@ class StepDriver:
         declare = self._declare
         if not callable(declare):
             raise TypeError(
-                f"batch_loss_weight is a {type(declare).__name__}; GPipeStrategy calls it as a method "
+                f"batch_loss_weight is a {type(declare).__name__}; it is called as a method "
                 "batch_loss_weight(batch) -> the number of elements the loss of `batch` averages over; rename it"
             )
         microbatches = self.run.microbatches
@@ -204,7 +203,7 @@ class StepDriver:
         loss = output["loss"] if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
-                f"{self.hook} returned {type(output).__name__}; under GPipeStrategy it must return the loss "
+                f"{self.hook} returned {type(output).__name__}; on the last stage it must return the loss "
                 "tensor or a dict with a 'loss' tensor for every batch"
             )
         if self._check_losses:
@@ -220,7 +219,7 @@ class StepDriver:
                     f"{self.hook} returned 'loss_weight' under schedule={self.run.schedule!r}, which runs the backward "
                     "of micro-batch 0 before the forward of the last one, before the weights of all micro-batches are "
                     "known. Use schedule='gpipe', or declare the weight from the batch before the schedule runs: a "
-                    "method batch_loss_weight(batch) on the LightningModule, without 'loss_weight'."
+                    "method batch_loss_weight(batch) of the module, without 'loss_weight'."
                 )
         if self.returns_weights and not self.early:
             return loss  # weighed once every micro-batch's step has returned

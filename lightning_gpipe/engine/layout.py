@@ -37,12 +37,12 @@ from __future__ import annotations
 import datetime
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch.distributed as dist
 
-from lightning_gpipe.engine.schedule import stages_of
+from lightning_gpipe.engine.schedule import stage_table, stages_per_process
 from lightning_gpipe.engine.transport import LinkGroups
 
 __all__ = ["ProcessLayout", "StageGroups", "new_link_groups", "new_stage_groups"]
@@ -71,7 +71,8 @@ class ProcessLayout:
     """The place of ``rank`` in a job of ``world_size`` processes cut into pipelines of ``pipe_size`` processes.
 
     ``schedule`` and ``virtual_stages`` say how many stages each process holds (one, but for ``"interleaved"`` and
-    ``"zbv"``: :func:`~lightning_gpipe.engine.schedule.stages_of`, which checks them).
+    ``"zbv"``: :func:`~lightning_gpipe.engine.schedule.stages_of`, which checks them). Everything the layout says is
+    worked out once, when it is made: reading it costs nothing per step.
     """
 
     world_size: int
@@ -79,6 +80,23 @@ class ProcessLayout:
     rank: int
     schedule: str = "gpipe"
     virtual_stages: int = 1
+    num_replicas: int = field(init=False, repr=False, compare=False)
+    """How many data-parallel pipelines the job has."""
+    replica: int = field(init=False, repr=False, compare=False)
+    """This rank's pipeline (its data-parallel rank)."""
+    stage: int = field(init=False, repr=False, compare=False)
+    """This rank's position in its pipeline: its stage, where each process holds one (else see :attr:`stages`)."""
+    stages: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """The stages this rank holds, first to last in the model (``(stage,)`` with one stage per process)."""
+    num_stages: int = field(init=False, repr=False, compare=False)
+    """Stages per pipeline: ``pipe_size`` times the stages each process holds."""
+    holds_last_stage: bool = field(init=False, repr=False, compare=False)
+    """Whether this rank holds its pipeline's last stage (the loss, the metrics, the logs)."""
+    last_stage_rank: int = field(init=False, repr=False, compare=False)
+    """Global rank of this pipeline's last stage: the pipeline's first rank."""
+    _held: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)  # the stages of each position
+    _positions: tuple[int, ...] = field(init=False, repr=False, compare=False)  # the position of each local rank
+    _stage_ranks: tuple[int, ...] = field(init=False, repr=False, compare=False)  # this pipeline's, by stage
 
     def __post_init__(self) -> None:
         if isinstance(self.pipe_size, bool) or not isinstance(self.pipe_size, int) or self.pipe_size < 1:
@@ -92,59 +110,47 @@ class ProcessLayout:
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size} processes")
-        stages_of(self.schedule, 0, self.pipe_size, self.virtual_stages)  # refuses a bad schedule or virtual_stages
-
-    @property
-    def num_replicas(self) -> int:
-        """How many data-parallel pipelines the job has."""
-        return self.world_size // self.pipe_size
-
-    @property
-    def replica(self) -> int:
-        """This rank's pipeline (its data-parallel rank)."""
-        return self.rank // self.pipe_size
-
-    @property
-    def stage(self) -> int:
-        """This rank's position in its pipeline: its stage, where each process holds one (else see :attr:`stages`)."""
-        return self._position(self.rank % self.pipe_size)
-
-    def _position(self, local: int) -> int:
-        # The process holding the last stage sits on the pipeline's first rank: under ZB-V that is position 0.
-        return local if self.schedule == "zbv" else self.pipe_size - 1 - local
-
-    @property
-    def stages(self) -> tuple[int, ...]:
-        """The stages this rank holds, first to last in the model (``(stage,)`` with one stage per process)."""
-        return self.stages_at(self.stage)
+        K = self.pipe_size
+        held = stage_table(self.schedule, K, stages_per_process(self.schedule, self.virtual_stages))
+        num_stages = K * len(held[0])
+        # The process holding the last stage sits on the pipeline's first rank (position K-1, or 0 under ZB-V).
+        positions = tuple(range(K)) if num_stages - 1 in held[0] else tuple(reversed(range(K)))
+        stage = positions[self.rank % K]
+        derived = {
+            "num_replicas": self.world_size // K,
+            "replica": self.rank // K,
+            "stage": stage,
+            "stages": held[stage],
+            "num_stages": num_stages,
+            "holds_last_stage": num_stages - 1 in held[stage],
+            "_held": held,
+            "_positions": positions,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_stage_ranks", tuple(self._ranks_by_stage(self.replica)))
+        object.__setattr__(self, "last_stage_rank", self._stage_ranks[-1])
 
     def stages_at(self, position: int) -> tuple[int, ...]:
         """The stages the process at ``position`` of a pipeline holds."""
-        return stages_of(self.schedule, position, self.pipe_size, self.virtual_stages)
+        return self._held[position]
 
     def position_of(self, stage: int) -> int:
         """The position in a pipeline of the process that holds ``stage``."""
-        return next(position for position in range(self.pipe_size) if stage in self.stages_at(position))
-
-    @property
-    def num_stages(self) -> int:
-        """Stages per pipeline: ``pipe_size`` times the stages each process holds."""
-        return self.pipe_size * len(self.stages)
-
-    @property
-    def holds_last_stage(self) -> bool:
-        """Whether this rank holds its pipeline's last stage (the loss, the metrics, the logs)."""
-        return self.num_stages - 1 in self.stages
+        return next(position for position, held in enumerate(self._held) if stage in held)
 
     def pipeline_ranks(self, replica: int | None = None) -> list[int]:
         """Global ranks of a pipeline's processes by position (with one stage per process: in stage order)."""
         first = (self.replica if replica is None else replica) * self.pipe_size
-        return [first + self._position(position) for position in range(self.pipe_size)]  # the map is its own inverse
+        return [first + self._positions[position] for position in range(self.pipe_size)]  # the map is its own inverse
 
     def stage_ranks(self, replica: int | None = None) -> list[int]:
         """Global rank of every stage of a pipeline, in stage order (``num_stages`` entries)."""
+        return list(self._stage_ranks) if replica is None else self._ranks_by_stage(replica)
+
+    def _ranks_by_stage(self, replica: int) -> list[int]:
         ranks = self.pipeline_ranks(replica)
-        by_stage = {stage: ranks[position] for position in range(self.pipe_size) for stage in self.stages_at(position)}
+        by_stage = {stage: ranks[position] for position, held in enumerate(self._held) for stage in held}
         return [by_stage[stage] for stage in range(self.num_stages)]
 
     def replica_ranks(self, stage: int | None = None) -> list[int]:
@@ -152,11 +158,6 @@ class ProcessLayout:
         data-parallel group, which holds the same stages."""
         position = self.stage if stage is None else stage
         return [ranks[position] for ranks in map(self.pipeline_ranks, range(self.num_replicas))]
-
-    @property
-    def last_stage_rank(self) -> int:
-        """Global rank of this pipeline's last stage: the pipeline's first rank."""
-        return self.stage_ranks()[-1]
 
     def new_groups(
         self, timeout: datetime.timedelta

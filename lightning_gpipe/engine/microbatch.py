@@ -36,6 +36,7 @@ __all__ = [
     "count_weights",
     "gather",
     "loss_weights",
+    "microbatch_sizes",
     "scatter",
     "split_batch",
     "step_extras",
@@ -65,6 +66,16 @@ def validate_chunks(chunks: object) -> int:
             "use chunks >= 4 * pipe_size to keep the pipeline bubble small"
         )
     return chunks
+
+
+def microbatch_sizes(total: int, chunks: int) -> list[int]:
+    """The sizes of the micro-batches a batch of ``total`` samples is split into with ``chunks``: ``min(chunks,
+    total)`` of them, differing by at most one, the larger first (as ``torch.tensor_split`` makes them).
+
+    The one rule of the micro-batch count: the engine's split, the timeline callback and the planner read it.
+    """
+    count = min(chunks, total)
+    return [total // count + (index < total % count) for index in range(count)]
 
 
 def _splittable(leaf: object) -> bool:
@@ -170,8 +181,7 @@ def split_batch(batch: Any, chunks: int) -> list[Microbatch]:
     total, leaves, spec, split = _layout(batch)
     if total == 0:
         raise ValueError("cannot split an empty batch (0 samples) into micro-batches; drop empty batches upstream")
-    count = min(chunks, total)
-    sizes = [total // count + (index < total % count) for index in range(count)]  # as torch.tensor_split makes them
+    sizes = microbatch_sizes(total, chunks)
     starts = list(accumulate(sizes, initial=0))
     microbatches = []
     for index, size in enumerate(sizes):
@@ -285,9 +295,9 @@ def count_weights(counts: Sequence[Any], microbatches: Sequence[Microbatch], dev
 
 
 def step_extras(outputs: Sequence[Any], sizes: Sequence[int] | None = None) -> dict[str, Any] | None:
-    """The keys other than ``"loss"`` of the dicts a ``training_step`` returned per micro-batch, gathered, detached.
+    """The keys other than ``"loss"`` of the dicts a training step returned per micro-batch, gathered, detached.
 
-    What Lightning hands ``on_train_batch_end`` next to the loss, joined as :func:`gather` joins values of
+    What the strategy hands ``on_train_batch_end`` next to the loss, joined as :func:`gather` joins values of
     micro-batches of ``sizes``: per-sample tensors and lists concatenated (the batch's, as a plain step would return
     them), a value equal in every micro-batch once, others one per micro-batch. ``None`` when the step returned no
     other key.
@@ -298,7 +308,7 @@ def step_extras(outputs: Sequence[Any], sizes: Sequence[int] | None = None) -> d
     keys = [sorted(extra) for extra in extras]
     if any(other != keys[0] for other in keys[1:]):
         raise ValueError(
-            f"training_step returned dicts with different keys for the micro-batches of one batch ({keys[0]} and "
+            f"the step returned dicts with different keys for the micro-batches of one batch ({keys[0]} and "
             f"{next(other for other in keys if other != keys[0])}); return the same keys for every batch"
         )
     joined = gather(extras, sizes)

@@ -28,11 +28,12 @@ from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.fingerprint import Fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch, gather, split_batch
 from lightning_gpipe.engine.rematerialization import CheckpointMode
-from lightning_gpipe.engine.schedule import stages_of
+from lightning_gpipe.engine.schedule import stage_table
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.step import StepRun
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.engine.timeline import Timeline
-from lightning_gpipe.engine.transport import DEFAULT_TIMEOUT, ThreadTransport, Transport
+from lightning_gpipe.engine.transport import DEFAULT_TIMEOUT, Transport
 from lightning_gpipe.engine.tree import map_tensors
 
 __all__ = ["LossFn", "Pipeline", "first_element", "run_in_threads"]
@@ -199,14 +200,13 @@ def _held_stages(
         raise ValueError(f"transport[s].stage must be s, got {wrong} (key: its stage); pass each stage its transport")
     order = sorted(cells)
     total, v = transport[order[0]].num_stages, config.stages_per_process
-    K = total // v
-    expected = stages_of(config.schedule, order[0] % K, K, v) if total % v == 0 else ()
-    if tuple(order) != expected:
+    table = stage_table(config.schedule, max(1, total // v), v)
+    if total % v or tuple(order) != table[order[0] % len(table)]:
         raise ValueError(
             f"Pipeline got cells for stages {order} of {total}, but under schedule={config.schedule!r} with "
             f"{v} stage(s) per process a process holds stages_of(schedule, rank, K={total // v}, v={v}), such as "
-            f"{list(stages_of(config.schedule, 0, max(1, total // v), v))}; give the cells of those stages (and set "
-            "virtual_stages to the number of stages per process)"
+            f"{list(table[0])}; give the cells of those stages (and set virtual_stages to the number of stages per "
+            "process)"
         )
     return {stage: (cells[stage], transport[stage]) for stage in order}
 
@@ -348,21 +348,7 @@ def run_in_threads(
         detect_anomalies=detect_anomalies,
         virtual_stages=virtual_stages,
     )
-    v = config.stages_per_process
-    if len(cells) % v:
-        raise ValueError(
-            f"{len(cells)} cells cannot be split into processes of {v} stages each (schedule={schedule!r}); give "
-            f"a multiple of {v} cells, one per stage"
-        )
-    K = len(cells) // v
-    held = [stages_of(schedule, r, K, v) for r in range(K)]
-    if seeds is not None and len(seeds) != K:
-        raise ValueError(f"seeds has {len(seeds)} entries for {K} processes; give one seed per process")
-    if concurrent and seeds is not None:
-        raise ValueError(
-            "concurrent=True shares torch's global random generators between the processes, so seeds cannot give "
-            "each its own stream: drop seeds, or drop concurrent=True to have the processes take turns"
-        )
+    held = _thread_stages(config, len(cells), seeds, concurrent)
     devices = _process_devices(cells, held)
     transports = ThreadTransport.create(len(cells), devices, timeout=datetime.timedelta(seconds=timeout))
     randomness = _ProcessRandomness([devices[stages[0]] for stages in held], seeds)
@@ -371,9 +357,10 @@ def run_in_threads(
 
     def work(r: int) -> None:
         stages, device = held[r], devices[held[r][0]]
+        one = len(stages) == 1
         pipeline = Pipeline(
-            cells[stages[0]] if v == 1 else {s: cells[s] for s in stages},
-            transports[stages[0]] if v == 1 else {s: transports[s] for s in stages},
+            cells[stages[0]] if one else {s: cells[s] for s in stages},
+            transports[stages[0]] if one else {s: transports[s] for s in stages},
             config,
             timeline=timeline,
             compute_guard=None if concurrent else lambda: randomness.scope(r),
@@ -387,7 +374,36 @@ def run_in_threads(
         except BaseException as error:
             errors.append((r, error))
 
-    threads = [threading.Thread(target=work, args=(r,), name=f"gpipe-process-{r}") for r in range(K)]
+    _run_threads(work, len(held), errors)
+    if seeds is None and not concurrent:
+        randomness.hand_back(0)
+    return results[next(r for r in range(len(held)) if len(cells) - 1 in held[r])]
+
+
+def _thread_stages(
+    config: PipelineConfig, num_cells: int, seeds: Sequence[int] | None, concurrent: bool
+) -> tuple[tuple[int, ...], ...]:
+    """The stages each thread-process holds, for :func:`run_in_threads` of ``num_cells`` cells (checked)."""
+    v = config.stages_per_process
+    if num_cells % v:
+        raise ValueError(
+            f"{num_cells} cells cannot be split into processes of {v} stages each (schedule={config.schedule!r}); give "
+            f"a multiple of {v} cells, one per stage"
+        )
+    K = num_cells // v
+    if seeds is not None and len(seeds) != K:
+        raise ValueError(f"seeds has {len(seeds)} entries for {K} processes; give one seed per process")
+    if concurrent and seeds is not None:
+        raise ValueError(
+            "concurrent=True shares torch's global random generators between the processes, so seeds cannot give "
+            "each its own stream: drop seeds, or drop concurrent=True to have the processes take turns"
+        )
+    return stage_table(config.schedule, K, v)
+
+
+def _run_threads(work: Callable[[int], None], count: int, errors: list[tuple[int, BaseException]]) -> None:
+    """Run ``work(r)`` for every process ``r`` in a thread of its own, and re-raise the first error they recorded."""
+    threads = [threading.Thread(target=work, args=(r,), name=f"gpipe-process-{r}") for r in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -396,6 +412,3 @@ def run_in_threads(
         # The process that failed first aborted the others, whose errors only say so: report the original.
         original = [(r, error) for r, error in errors if "the pipeline was aborted" not in str(error)]
         raise (original or errors)[0][1]
-    if seeds is None and not concurrent:
-        randomness.hand_back(0)
-    return results[next(r for r in range(K) if len(cells) - 1 in held[r])]

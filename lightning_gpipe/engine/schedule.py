@@ -34,19 +34,24 @@ from dataclasses import dataclass
 from enum import Enum
 
 __all__ = [
+    "MULTI_STAGE",
     "SCHEDULES",
     "SPLIT_BACKWARD",
     "Action",
     "Phase",
+    "StepOrder",
     "bubble_fraction",
     "cached_process_actions",
-    "cached_stage_actions",
     "clock_cycles",
     "dependencies",
+    "interleaved_round",
     "process_actions",
     "process_of",
     "stage_actions",
+    "stage_table",
     "stages_of",
+    "stages_per_process",
+    "step_order",
     "validate_schedule",
 ]
 
@@ -67,7 +72,8 @@ that place several stages on each process, interleaved 1F1B and ZB-V."""
 SPLIT_BACKWARD: frozenset[str] = frozenset({"zero_bubble", "zbv"})
 """The schedules whose backward is split into the input gradient I and the weight gradient W."""
 
-_MULTI_STAGE = ("interleaved", "zbv")  # the schedules whose processes hold several stages
+MULTI_STAGE: frozenset[str] = frozenset({"interleaved", "zbv"})
+"""The schedules whose processes hold several stages, so that their actions come per process."""
 
 
 class Phase(str, Enum):
@@ -147,13 +153,17 @@ def _check_stage(stage: object, num_stages: object) -> tuple[int, int]:
 def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
     """The ordered actions that stage ``stage`` of a ``num_stages``-stage pipeline runs for one mini-batch."""
     schedule = validate_schedule(schedule)
-    if schedule in _MULTI_STAGE:
+    if schedule in MULTI_STAGE:
         raise ValueError(
             f"schedule={schedule!r} places several stages on each process, so its actions come per process. "
             "HINT: use process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages)."
         )
     j, K = _check_stage(stage, num_stages)
-    M = _check_count("num_microbatches", num_microbatches)
+    return _stage_actions(schedule, j, K, _check_count("num_microbatches", num_microbatches))
+
+
+def _stage_actions(schedule: str, j: int, K: int, M: int) -> list[Action]:
+    """:func:`stage_actions` of checked values (a schedule of one stage per process)."""
     if schedule == "zero_bubble":
         return [Action(action.phase, action.microbatch) for action in _zero_bubble_h1(j, K, M)]
     forwards = [Action(Phase.FORWARD, i) for i in range(M)]
@@ -167,12 +177,6 @@ def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: 
     for i in range(M - warmup):
         actions += [forwards[warmup + i], backwards[i]]
     return actions + backwards[M - warmup :]
-
-
-@functools.lru_cache(maxsize=None, typed=True)  # typed: stage=True must not find stage=1's actions
-def cached_stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> tuple[Action, ...]:
-    """:func:`stage_actions`, built and checked once per ``(schedule, stage, K, M)`` and shared by every step."""
-    return tuple(stage_actions(schedule, stage, num_stages, num_microbatches))
 
 
 def dependencies(stage: int, action: Action, num_stages: int) -> list[tuple[int, Action]]:
@@ -201,8 +205,9 @@ def dependencies(stage: int, action: Action, num_stages: int) -> list[tuple[int,
     return deps
 
 
-def _check_virtual_stages(schedule: str, virtual_stages: object) -> int:
-    """The number of stages each process holds under ``schedule``, from the user's ``virtual_stages``."""
+def stages_per_process(schedule: str, virtual_stages: object) -> int:
+    """The number of stages each process holds under ``schedule``, from the user's ``virtual_stages`` (checked here:
+    ``"interleaved"`` takes 2 or more, ``"zbv"`` 1 or 2 and always holds two, the others take 1)."""
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
         raise TypeError(
             f"virtual_stages must be an int, got {virtual_stages!r} of type {type(virtual_stages).__name__}."
@@ -229,15 +234,19 @@ def _check_process(
     schedule: object, rank: object, num_processes: object, virtual_stages: object
 ) -> tuple[str, int, int, int]:
     schedule = validate_schedule(schedule)
-    v = _check_virtual_stages(schedule, virtual_stages)
+    v = stages_per_process(schedule, virtual_stages)
     K = _check_count("num_processes", num_processes)
+    return schedule, _check_rank(rank, K), K, v
+
+
+def _check_rank(rank: object, K: int) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {rank!r} of type {type(rank).__name__}.")
     if not 0 <= rank < K:
         raise ValueError(
             f"rank must satisfy 0 <= rank < num_processes = {K}, got rank={rank}. HINT: ranks count from 0."
         )
-    return schedule, rank, K, v
+    return rank
 
 
 def stages_of(schedule: str, rank: int, num_processes: int, virtual_stages: int = 1) -> tuple[int, ...]:
@@ -246,13 +255,25 @@ def stages_of(schedule: str, rank: int, num_processes: int, virtual_stages: int 
     One stage per process (``(rank,)``) but for ``"interleaved"`` (``rank, rank + K, ..., rank + (v-1)·K``) and
     ``"zbv"`` (``rank, 2K-1-rank``). The pipeline has ``num_processes · len(stages_of(...))`` stages in all.
     """
-    schedule, r, K, v = _check_process(schedule, rank, num_processes, virtual_stages)
+    return _stages_of(*_check_process(schedule, rank, num_processes, virtual_stages))
+
+
+@functools.lru_cache(maxsize=None, typed=True)
+def stage_table(schedule: str, num_processes: int, virtual_stages: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Every process's :func:`stages_of`, process ``r``'s at ``r``: built and checked once per arguments, and what
+    the layout, the pipeline and the step orders read (the schedule is checked once, not at each of them)."""
+    K = _check_count("num_processes", num_processes)
+    return tuple(stages_of(schedule, r, K, virtual_stages) for r in range(K))
+
+
+def _stages_of(schedule: str, r: int, K: int, v: int) -> tuple[int, ...]:
+    """:func:`stages_of` of checked values."""
     if schedule == "zbv":
         return (r, 2 * K - 1 - r)
     return tuple(r + c * K for c in range(v))
 
 
-def _interleaved_group(num_processes: int, num_microbatches: int) -> int:
+def interleaved_round(num_processes: int, num_microbatches: int) -> int:
     """Micro-batches that go through one of a process's stages before it moves to the next (a round's size).
 
     Megatron-LM's interleaved schedule asks for M a multiple of K (Megatron-Core's
@@ -277,7 +298,7 @@ def _interleaved_group(num_processes: int, num_microbatches: int) -> int:
 def _interleaved(r: int, K: int, M: int, v: int) -> list[Action]:
     # The k-th forward (and backward) of the process walks its v stages in rounds of g micro-batches; backwards walk
     # the stages from the last. The warm-up runs enough forwards that the first backward is back before the 1F1B part.
-    g = _interleaved_group(K, M)
+    g = interleaved_round(K, M)
 
     def nth(k: int, phase: Phase) -> Action:
         chunk = (k // g) % v
@@ -361,12 +382,16 @@ def process_actions(
             number of micro-batches its rounds cannot split.
     """
     schedule, r, K, v = _check_process(schedule, rank, num_processes, virtual_stages)
-    M = _check_count("num_microbatches", num_microbatches)
+    return _process_actions(schedule, r, K, _check_count("num_microbatches", num_microbatches), v)
+
+
+def _process_actions(schedule: str, r: int, K: int, M: int, v: int) -> list[Action]:
+    """:func:`process_actions` of checked values."""
     if schedule == "interleaved":
         return _interleaved(r, K, M, v)
     if schedule == "zbv":
         return _zbv(r, K, M)
-    return [Action(a.phase, a.microbatch, r) for a in stage_actions(schedule, r, K, M)]
+    return [Action(a.phase, a.microbatch, r) for a in _stage_actions(schedule, r, K, M)]
 
 
 @functools.lru_cache(maxsize=None, typed=True)
@@ -380,14 +405,62 @@ def cached_process_actions(
 @functools.lru_cache(maxsize=None, typed=True)
 def process_of(schedule: str, stage: int, num_processes: int, virtual_stages: int = 1) -> int:
     """The process that holds ``stage`` (of ``K·v``) under ``schedule``: the ``rank`` whose :func:`stages_of` has it."""
-    for rank in range(_check_count("num_processes", num_processes)):
-        if stage in stages_of(schedule, rank, num_processes, virtual_stages):
+    table = stage_table(schedule, num_processes, virtual_stages)
+    for rank, held in enumerate(table):
+        if stage in held:
             return rank
-    per_process = len(stages_of(schedule, 0, num_processes, virtual_stages))
+    per_process = len(table[0])
     raise ValueError(
         f"stage={stage!r} is not a stage of a pipeline of {num_processes} processes holding {per_process} each under "
         f"schedule={schedule!r}. HINT: stages count from 0 to {num_processes * per_process - 1}."
     )
+
+
+_SENDS_GRADIENT = (Phase.BACKWARD, Phase.INPUT)  # the passes after which a stage sends its input's gradient
+
+
+@dataclass(frozen=True)
+class StepOrder:
+    """A process's actions for one step, and what its step reads of them, derived once (:func:`step_order`)."""
+
+    stages: tuple[int, ...]  # the stages the process holds, in model order
+    actions: tuple[Action, ...]  # naming their stage where the process holds several
+    forward_span: int  # the actions up to and including the last forward: those a user's step drives
+    backward_before_last_forward: bool  # a backward runs among those (all training orders but "gpipe"'s)
+    split: bool  # the backwards are split into input and weight passes
+    gradient_orders: dict[int, tuple[int, ...]]  # per held stage but the last, the next stage's backward order
+
+
+@functools.lru_cache(maxsize=None, typed=True)  # typed: rank=True must not find rank=1's order
+def step_order(
+    schedule: str, rank: int, num_processes: int, num_microbatches: int, virtual_stages: int = 1, training: bool = True
+) -> StepOrder:
+    """The :class:`StepOrder` of process ``rank`` of ``num_processes`` for a step of ``num_microbatches``, built and
+    checked once per arguments and shared by every step.
+
+    A training step runs the schedule's actions: :func:`stage_actions` (no stage named) where each process holds one
+    stage, :func:`process_actions` where it holds several. An evaluation step runs forwards only: in micro-batch
+    order, stage after stage where the process holds several (an order that needs no backward to make room).
+    """
+    table = stage_table(schedule, num_processes, virtual_stages)
+    K, v = len(table), len(table[0])
+    r, M = _check_rank(rank, K), _check_count("num_microbatches", num_microbatches)
+    held = table[r]
+    several = schedule in MULTI_STAGE
+    if not training:
+        actions = tuple(Action(Phase.FORWARD, i, s if several else None) for s in held for i in range(M))
+        return StepOrder(held, actions, len(actions), False, False, {})
+    actions = tuple(_process_actions(schedule, r, K, M, v) if several else _stage_actions(schedule, r, K, M))
+    forwards = [k for k, action in enumerate(actions) if action.phase is Phase.FORWARD]
+    span = forwards[-1] + 1
+    owner = {s: p for p, stages in enumerate(table) for s in stages}
+    orders = {}
+    for stage in held:
+        if stage + 1 in owner:  # the next stage's backward order, as its process runs it
+            later = _process_actions(schedule, owner[stage + 1], K, M, v)
+            orders[stage] = tuple(a.microbatch for a in later if a.stage == stage + 1 and a.phase in _SENDS_GRADIENT)
+    early = any(action.phase is not Phase.FORWARD for action in actions[:span])
+    return StepOrder(held, actions, span, early, any(action.phase is Phase.INPUT for action in actions), orders)
 
 
 def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[int, int]]]:

@@ -112,8 +112,34 @@ def input_pass(
         for t, g in zip(outputs, grads if grads is not None else [None] * len(outputs), strict=True)
         if t.requires_grad
     ]
-    # The graph below the outputs, each node with its consumers (the direction in which inputs feed the outputs).
-    consumers: dict[Node, list[Node]] = {node: [] for t, _ in pairs if (node := _node(t)) is not None}
+    consumers = _consumers([node for t, _ in pairs if (node := _node(t)) is not None])
+    starts = {node for t in inputs if (node := _node(t)) is not None and node in consumers}
+    dependent = _closure(starts, consumers)  # the nodes whose gradient depends on an input's
+    group_of = _groups(consumers, starts, dependent)
+    # The boundary nodes of Python autograd functions (a compiled region's among them) may compute their parameter
+    # side unasked (torch's own nodes compute only what is asked); their edges to that side.
+    sides = {
+        node: [k for k, (child, _) in enumerate(node.next_functions) if child is not None and child not in dependent]
+        for node in group_of
+        if isinstance(node, BackwardCFunction)
+    }
+    dependent_pairs = [(t, g) for t, g in pairs if _node(t) in dependent]
+    dinputs, kept, made = _input_gradients(dependent_pairs, inputs, group_of, sides)
+    # A node that computed its parameter side unasked (a compiled region) is not run again: the weight pass starts
+    # below it with what it computed, unless a boundary node of its group that does run again reaches it from above.
+    unasked = {node for node, out in made.items() if out and all(g is not None for g in out)}
+    groups = list({id(g): g for g in group_of.values()}.values())
+    backwards = [
+        backward
+        for group in groups
+        if (backward := _weight_backward(group, unasked, kept, made, sides, dependent)) is not None
+    ]
+    return dinputs, WeightPass(backwards, [(t, g) for t, g in pairs if _node(t) not in dependent])
+
+
+def _consumers(roots: list[Node]) -> dict[Node, list[Node]]:
+    """The graph below ``roots``, each node with its consumers (the direction in which inputs feed the outputs)."""
+    consumers: dict[Node, list[Node]] = {node: [] for node in roots}
     stack = list(consumers)
     while stack:
         node = stack.pop()
@@ -126,8 +152,11 @@ def input_pass(
                 stack.append(child)
             else:
                 users.append(node)
-    starts = {node for t in inputs if (node := _node(t)) is not None and node in consumers}
-    dependent = _closure(starts, consumers)  # the nodes whose gradient depends on an input's
+    return consumers
+
+
+def _groups(consumers: dict[Node, list[Node]], starts: set[Node], dependent: set[Node]) -> dict[Node, _Group]:
+    """Each boundary node's group: the parameters whose gradients come through it, merged where they share one."""
     # With no input in the graph (the first stage) no parameter has a boundary node: skip walking up from each.
     leaves = [node for node in consumers if node not in starts and hasattr(node, "variable")] if dependent else []
     group_of: dict[Node, _Group] = {}
@@ -143,17 +172,19 @@ def input_pass(
         group.parameters.append(leaf.variable)
         for node in group.nodes:
             group_of[node] = group
-    groups = list({id(g): g for g in group_of.values()}.values())
-    dependent_pairs = [(t, g) for t, g in pairs if _node(t) in dependent]
-    whole = [(t, g) for t, g in pairs if _node(t) not in dependent]
+    return group_of
 
-    # The boundary nodes of Python autograd functions (a compiled region's among them) may compute their parameter
-    # side unasked (torch's own nodes compute only what is asked); their edges to that side.
-    sides = {
-        node: [k for k, (child, _) in enumerate(node.next_functions) if child is not None and child not in dependent]
-        for node in group_of
-        if isinstance(node, BackwardCFunction)
-    }
+
+def _input_gradients(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    group_of: dict[Node, _Group],
+    sides: dict[Node, list[int]],
+) -> tuple[
+    tuple[torch.Tensor | None, ...], dict[Node, tuple[torch.Tensor | None, ...]], dict[Node, list[torch.Tensor | None]]
+]:
+    """The input pass: the inputs' gradients from ``pairs`` of outputs and gradients, the graph kept; the gradient
+    each boundary node received, and what each node of ``sides`` computed for its parameter side."""
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     made: dict[Node, list[torch.Tensor | None]] = {}
     handles = [
@@ -165,44 +196,46 @@ def input_pass(
     ]
     try:
         dinputs: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
-        if dependent_pairs and inputs:
+        if pairs and inputs:
             dinputs = torch.autograd.grad(
-                [t for t, _ in dependent_pairs],
-                list(inputs),
-                [g for _, g in dependent_pairs],
-                retain_graph=True,
-                allow_unused=True,
+                [t for t, _ in pairs], list(inputs), [g for _, g in pairs], retain_graph=True, allow_unused=True
             )
     finally:
         for handle in handles:
             handle.remove()
-    # A node that computed its parameter side unasked (a compiled region) is not run again: the weight pass starts
-    # below it with what it computed, unless a boundary node of its group that does run again reaches it from above.
-    unasked = {node for node, out in made.items() if out and all(g is not None for g in out)}
-    backwards = []
-    for group in groups:
-        done = group.nodes & unasked
-        if done and len(done) < len(group.nodes):
-            done -= _below(group.nodes - done, dependent)
-        again = group.nodes - done
-        edges: list[GradientEdge] = []
-        values: list[torch.Tensor] = []
-        for node in again:
-            for k, grad in enumerate(kept.get(node, ())):
-                if grad is not None:
-                    edges.append(GradientEdge(node, k))
-                    values.append(grad)
-        for node in done:
-            for k, grad in zip(sides[node], made[node], strict=True):
-                child, slot = node.next_functions[k]
-                assert child is not None
-                assert grad is not None
-                edges.append(GradientEdge(child, slot))
+    return dinputs, kept, made
+
+
+def _weight_backward(
+    group: _Group,
+    unasked: set[Node],
+    kept: dict[Node, tuple[torch.Tensor | None, ...]],
+    made: dict[Node, list[torch.Tensor | None]],
+    sides: dict[Node, list[int]],
+    dependent: set[Node],
+) -> _Backward | None:
+    """The weight pass's backward call for ``group``: from its boundary nodes that run again, with what they received,
+    and from below those of ``unasked`` that computed their parameter side already; ``None`` if nothing starts it."""
+    done = group.nodes & unasked
+    if done and len(done) < len(group.nodes):
+        done -= _below(group.nodes - done, dependent)
+    again = group.nodes - done
+    edges: list[GradientEdge] = []
+    values: list[torch.Tensor] = []
+    for node in again:
+        for k, grad in enumerate(kept.get(node, ())):
+            if grad is not None:
+                edges.append(GradientEdge(node, k))
                 values.append(grad)
-        held = {node: kept[node] for node in again if node in kept} if len(again) > 1 else {}
-        if edges:
-            backwards.append(_Backward(edges, values, group.parameters, held))
-    return dinputs, WeightPass(backwards, whole)
+    for node in done:
+        for k, grad in zip(sides[node], made[node], strict=True):
+            child, slot = node.next_functions[k]
+            assert child is not None
+            assert grad is not None
+            edges.append(GradientEdge(child, slot))
+            values.append(grad)
+    held = {node: kept[node] for node in again if node in kept} if len(again) > 1 else {}
+    return _Backward(edges, values, group.parameters, held) if edges else None
 
 
 def _closure(starts: set[Node], consumers: dict[Node, list[Node]], stop: set[Node] | None = None) -> set[Node]:

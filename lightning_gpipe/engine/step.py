@@ -25,19 +25,10 @@ import torch
 
 from lightning_gpipe.engine.fingerprint import Fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch
-from lightning_gpipe.engine.schedule import (
-    Action,
-    Phase,
-    cached_process_actions,
-    cached_stage_actions,
-    process_of,
-    stages_of,
-)
+from lightning_gpipe.engine.schedule import Action, Phase, StepOrder, step_order
 from lightning_gpipe.engine.stage import Stage
 
 __all__ = ["HeldGradients", "StepRun"]
-
-_SENDS_GRADIENT = (Phase.BACKWARD, Phase.INPUT)  # the passes after which a stage sends its input's gradient
 
 
 class StepRun:
@@ -75,49 +66,18 @@ class StepRun:
         self.training = training
         self.microbatches = list(microbatches)
         self._by_index = {stage.index: stage for stage in self.stages}
-        M, v = len(self.microbatches), len(self.stages)
-        first = self.stages[0]
-        K = first.num_stages // v
-        self.actions: tuple[Action, ...]
-        if v == 1:
-            self.actions = cached_stage_actions(schedule, first.index, K, M) if training else _forwards(M)
-        else:
-            held = stages_of(schedule, first.index % K, K, v)
-            if first.num_stages % v or tuple(self._by_index) != held:
-                raise ValueError(
-                    f"a process holds stages {list(self._by_index)} of {first.num_stages} under "
-                    f"schedule={schedule!r}, but the schedule gives a process {v} stages such as {list(held)}; pass "
-                    "a process's stages_of(schedule, rank, K, v), in model order"
-                )
-            if training:
-                self.actions = cached_process_actions(schedule, first.index % K, K, M, v)
-            else:
-                self.actions = tuple(Action(Phase.FORWARD, i, stage.index) for stage in self.stages for i in range(M))
+        self.order: StepOrder = _order(self.stages, schedule, len(self.microbatches), training)
+        """The schedule's order for this process and step, built once per (schedule, process, K, M)."""
+        self.actions: tuple[Action, ...] = self.order.actions
         self._done = 0
-        split = any(action.phase is Phase.INPUT for action in self.actions)
         for stage in self.stages:
+            gradients = self.order.gradient_orders.get(stage.index)
             stage.begin_step(
                 [mb.size for mb in self.microbatches],
                 fingerprint,
-                gradient_order=self._gradient_order(stage, K, v) if training else None,
-                split_backward=split,
+                gradient_order=list(gradients) if gradients is not None else None,
+                split_backward=self.order.split,
             )
-
-    def _gradient_order(self, stage: Stage, K: int, v: int) -> list[int] | None:
-        """The order in which the next stage sends gradients (its backward order): this stage posts their receives
-        early knowing it."""
-        if stage.is_last:
-            return None
-        M, nxt = len(self.microbatches), stage.index + 1
-        if v == 1:
-            later = cached_stage_actions(self.schedule, nxt, K, M)
-        else:
-            later = tuple(
-                a
-                for a in cached_process_actions(self.schedule, process_of(self.schedule, nxt, K, v), K, M, v)
-                if a.stage == nxt
-            )
-        return [action.microbatch for action in later if action.phase in _SENDS_GRADIENT]
 
     @property
     def stage(self) -> Stage:
@@ -145,14 +105,13 @@ class StepRun:
     @property
     def forward_span(self) -> int:
         """How many of :attr:`actions` run up to and including the last forward: those a user's step drives."""
-        forwards = [k for k, action in enumerate(self.actions) if action.phase is Phase.FORWARD]
-        return forwards[-1] + 1 if forwards else 0
+        return self.order.forward_span
 
     @property
     def backward_before_last_forward(self) -> bool:
         """Whether a backward pass runs before the last forward (all schedules but ``"gpipe"``), hence in the forward
         phase's driver."""
-        return any(action.phase is not Phase.FORWARD for action in self.actions[: self.forward_span])
+        return self.order.backward_before_last_forward
 
     @property
     def next_action(self) -> Action | None:
@@ -213,8 +172,19 @@ class StepRun:
             stage.abort(reason)
 
 
-def _forwards(num_microbatches: int) -> tuple[Action, ...]:
-    return tuple(Action(Phase.FORWARD, i) for i in range(num_microbatches))
+def _order(stages: tuple[Stage, ...], schedule: str, num_microbatches: int, training: bool) -> StepOrder:
+    """The order of the process holding ``stages``, refused unless they are the stages the schedule gives it."""
+    held, v = tuple(stage.index for stage in stages), len(stages)
+    total = stages[0].num_stages
+    if total % v == 0:
+        K = total // v
+        order = step_order(schedule, held[0] % K, K, num_microbatches, v, training)
+        if held == order.stages:
+            return order
+    raise ValueError(
+        f"a process holds stages {list(held)} of {total}, which schedule={schedule!r} does not give one process; "
+        "pass a process's stages_of(schedule, rank, K, v), in model order"
+    )
 
 
 class HeldGradients:

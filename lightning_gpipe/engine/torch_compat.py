@@ -6,6 +6,7 @@ what ``DeferredBatchNorm`` subclasses and what re-materialization, tied copies a
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -89,16 +90,42 @@ def compile_in_place(module: nn.Module, options: Mapping[str, Any]) -> CompiledC
     return previous
 
 
-def keep_compiled_saved_tensors() -> None:
-    """Compile every later graph without donating its saved tensors' buffers to its backward (for this process).
+def keep_compiled_saved_tensors() -> Callable[[], None]:
+    """Compile graphs without donating their saved tensors' buffers to their backward, until the returned function
+    is called (it puts torch's setting back once every caller has called its own).
 
     A split backward (``"zero_bubble"``, ``"zbv"``) runs a compiled layer's backward with the graph kept, since its
     input pass keeps the graph that its weight pass starts from. torch refuses that for a backward compiled to reuse
     its saved buffers ("compiled with non-empty donated buffers"): one compiled by a backward that did not keep the
     graph (a first stage's whole backward), which torch's compile cache then hands to other processes. Costs that
-    reuse's memory saving.
+    reuse's memory saving. torch reads the setting when it compiles a graph and again at each backward that keeps the
+    graph, so it stays off while compiled layers run, and only then; it is one flag of the process, hence counted.
     """
-    torch._functorch.config.donated_buffer = False
+    global _keeping, _donated_before
+    with _keeping_lock:
+        if _keeping == 0:
+            _donated_before = torch._functorch.config.donated_buffer
+            torch._functorch.config.donated_buffer = False
+        _keeping += 1
+    released = False
+
+    def release() -> None:
+        global _keeping
+        nonlocal released
+        with _keeping_lock:
+            if released:
+                return
+            released = True
+            _keeping -= 1
+            if _keeping == 0:
+                torch._functorch.config.donated_buffer = _donated_before
+
+    return release
+
+
+_keeping = 0  # the callers of keep_compiled_saved_tensors that have not released it
+_donated_before = True  # torch's setting before the first of them
+_keeping_lock = threading.Lock()
 
 
 def restore_compiled_call(module: nn.Module, previous: CompiledCall) -> None:

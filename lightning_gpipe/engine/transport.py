@@ -7,8 +7,8 @@ micro-batch) is :mod:`lightning_gpipe.engine.boundary`'s business. Two implement
   span processes and nodes. Each link between stages on two processes has two process groups of its own
   (:class:`LinkGroups`), one per direction. A process may hold several stages (:meth:`ProcessGroupTransport.for_stages`,
   one transport per stage); two adjacent stages on one process exchange copies through an in-process loopback.
-- :class:`ThreadTransport`: every stage in one process, one thread each, linked by in-memory queues; fast to start,
-  for tests and notebooks.
+- :class:`~lightning_gpipe.engine.thread_transport.ThreadTransport`: every stage in one process, one thread each,
+  linked by in-memory queues; fast to start, for tests and notebooks.
 
 Sends are asynchronous (the sender never waits for its neighbour to be ready), receives are posted ahead and waited
 for with a deadline. Every failure of either, in posting it or in waiting for it (a send is waited for at the end of
@@ -24,9 +24,6 @@ import abc
 import contextlib
 import datetime
 import logging
-import queue
-import threading
-import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +35,7 @@ import torch.distributed as dist
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.torch_compat import abort_process_group
 
-__all__ = ["DEFAULT_TIMEOUT", "LinkGroups", "ProcessGroupTransport", "ThreadTransport", "Transport"]
+__all__ = ["DEFAULT_TIMEOUT", "LinkGroups", "PostedReceive", "ProcessGroupTransport", "Transport", "fill_receive"]
 
 log = logging.getLogger(__name__)
 
@@ -393,14 +390,14 @@ class _Loopback:
 
     def __init__(self) -> None:
         self._sent: defaultdict[int, deque[torch.Tensor]] = defaultdict(deque)  # by receiving stage
-        self._posted: defaultdict[int, deque[_PostedReceive]] = defaultdict(deque)  # by receiving stage
+        self._posted: defaultdict[int, deque[PostedReceive]] = defaultdict(deque)  # by receiving stage
 
     def send(self, receiver: int, tensor: torch.Tensor) -> None:
         # A copy, as across processes: the receiver may modify its input in place while the sender still holds it.
         self._sent[receiver].append(tensor.detach().clone())
 
     def post_recv(self, receiver: int, sender: int, buffer: torch.Tensor, what: str) -> Callable[[], None]:
-        receive = _PostedReceive(buffer, what)
+        receive = PostedReceive(buffer, what)
         posted, sent = self._posted[receiver], self._sent[receiver]
         posted.append(receive)
 
@@ -413,7 +410,7 @@ class _Loopback:
                         f"waited for {oldest.what} from stage {sender}, which this process holds too and has not sent "
                         "it: the process ran its stages' actions out of the schedule's order",
                     )
-                _fill(receiver, sender, oldest.buffer, sent.popleft(), oldest.what)
+                fill_receive(receiver, sender, oldest.buffer, sent.popleft(), oldest.what)
                 oldest.done = True
                 posted.popleft()
 
@@ -425,7 +422,7 @@ class _Loopback:
         self._posted.clear()
 
 
-def _fill(stage: int, peer: int, buffer: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+def fill_receive(stage: int, peer: int, buffer: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
     """Copy a message from stage ``peer`` into the receive ``buffer`` of ``stage``, refusing another shape or dtype."""
     if tensor.shape != buffer.shape or tensor.dtype != buffer.dtype:
         raise PipelineError(
@@ -436,94 +433,10 @@ def _fill(stage: int, peer: int, buffer: torch.Tensor, tensor: torch.Tensor, wha
     buffer.copy_(tensor)
 
 
-class _Mailboxes:
-    """Queues between every ordered pair of stages, and the flag that stops them all when one stage fails."""
-
-    def __init__(self, num_stages: int) -> None:
-        self.queues: dict[tuple[int, int], queue.SimpleQueue[torch.Tensor]] = {
-            (src, dst): queue.SimpleQueue() for src in range(num_stages) for dst in range(num_stages)
-        }
-        self.failed = threading.Event()
-        self.reason = ""
-
-
 @dataclass
-class _PostedReceive:
-    """A receive that a thread-stage has posted and not yet filled."""
+class PostedReceive:
+    """A receive posted on an in-process link and not yet filled."""
 
     buffer: torch.Tensor
     what: str
     done: bool = False
-
-
-class ThreadTransport(Transport):
-    """In-process links for stages that run as threads of one process; create them with :meth:`create`."""
-
-    _POLL_SECONDS = 0.02
-
-    def __init__(self, stage: int, mailboxes: _Mailboxes, device: torch.device, timeout: datetime.timedelta) -> None:
-        super().__init__(stage, num_stages=len({src for src, _ in mailboxes.queues}), timeout=timeout)
-        self._mailboxes = mailboxes
-        self._device = device
-        # Per peer, the posted receives not yet filled, oldest first; only this stage's thread touches them.
-        self._posted: defaultdict[int, deque[_PostedReceive]] = defaultdict(deque)
-
-    @classmethod
-    def create(
-        cls,
-        num_stages: int,
-        device: torch.device | str | Sequence[torch.device | str] = "cpu",
-        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-    ) -> list[ThreadTransport]:
-        """One linked transport per stage; ``device`` is every stage's, or a list with one per stage."""
-        devices = [device] * num_stages if isinstance(device, (torch.device, str)) else list(device)
-        if len(devices) != num_stages:
-            raise ValueError(f"{len(devices)} devices given for {num_stages} stages; give one device per stage")
-        mailboxes = _Mailboxes(num_stages)
-        return [cls(stage, mailboxes, torch.device(devices[stage]), timeout) for stage in range(num_stages)]
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
-        # A copy, as across processes: the receiver may modify its input in place while we still hold ours.
-        self._mailboxes.queues[(self.stage, peer)].put(tensor.detach().clone())
-
-    def post_recv(self, buffer: torch.Tensor, peer: int, what: str) -> Callable[[], None]:
-        # Nothing is copied before the wait, but the queue keeps the peer's order: waiting for a later receive first
-        # fills the earlier ones, as a process group would.
-        receive = _PostedReceive(buffer, what)
-        posted = self._posted[peer]
-        posted.append(receive)
-
-        def wait() -> None:
-            while not receive.done:
-                oldest = posted[0]
-                self._take(oldest.buffer, peer, oldest.what)
-                oldest.done = True
-                posted.popleft()
-
-        return wait
-
-    def _take(self, buffer: torch.Tensor, peer: int, what: str) -> None:
-        mailbox = self._mailboxes.queues[(peer, self.stage)]
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while True:
-            if self._mailboxes.failed.is_set():
-                raise self._failure(peer, what, f"the pipeline was aborted ({self._mailboxes.reason})")
-            try:
-                tensor = mailbox.get(timeout=self._POLL_SECONDS)
-                break
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise self._failure(peer, what, "timed out") from None
-        _fill(self.stage, peer, buffer, tensor, what)
-
-    def wait_sends(self) -> None:
-        pass  # puts complete immediately
-
-    def abort(self, reason: str) -> None:
-        self._posted.clear()
-        self._mailboxes.reason = f"stage {self.stage} failed: {reason}"
-        self._mailboxes.failed.set()

@@ -275,7 +275,7 @@ def _even_balance(num_layers: int, num_stages: int) -> list[int]:
 
 
 def cell_bounds(balance: Sequence[int]) -> list[range]:
-    """Return the range of layer indices that each stage of ``balance`` holds.
+    """Return the range of layer indices that each stage of ``balance``, a checked balance, holds.
 
     Example:
         >>> cell_bounds([2, 3])
@@ -283,7 +283,7 @@ def cell_bounds(balance: Sequence[int]) -> list[range]:
     """
     bounds: list[range] = []
     start = 0
-    for layers in checked_entries(balance):
+    for layers in balance:
         bounds.append(range(start, start + layers))
         start += layers
     return bounds

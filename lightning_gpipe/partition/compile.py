@@ -22,7 +22,7 @@ the replay of an earlier one then picks, saving other tensors than its forward d
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,12 +98,17 @@ class CompiledLayers:
     """Layers compiled in place by :func:`compile_layers`, and what each ran before, for :meth:`restore`."""
 
     previous: list[tuple[nn.Module, CompiledCall]] = field(default_factory=list)
+    release: Callable[[], None] | None = None  # gives back torch's donated-buffer setting
 
     def restore(self) -> None:
-        """Give each layer back the call it had before (its own, unless the user compiled it)."""
+        """Give each layer back the call it had before (its own, unless the user compiled it), and torch its
+        setting of donated buffers."""
         for layer, call in self.previous:
             restore_compiled_call(layer, call)
         self.previous.clear()
+        if self.release is not None:
+            self.release()
+            self.release = None
 
 
 def compile_layers(
@@ -113,12 +118,13 @@ def compile_layers(
 
     With ``selective``, each layer re-materializes itself under the selective policy, inside its graph where it can
     (:func:`replayed_by_engine` says where not). Compilation happens at each layer's first call; a layer that appears
-    twice is compiled once.
+    twice is compiled once. Until :meth:`CompiledLayers.restore`, torch donates no saved buffers to compiled backwards
+    (:func:`~lightning_gpipe.engine.torch_compat.keep_compiled_saved_tensors`).
     """
     compiled = CompiledLayers()
     if options is None:
         return compiled
-    keep_compiled_saved_tensors()  # a split backward runs a compiled layer's backward twice
+    compiled.release = keep_compiled_saved_tensors()  # a split backward runs a compiled layer's backward twice
     seen: set[int] = set()
     for layer in layers:
         if id(layer) in seen:

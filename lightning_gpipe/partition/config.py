@@ -60,6 +60,13 @@ class BuildConfig(PipelineConfig):
         _check_timeout(self.timeout)
         object.__setattr__(self, "compile", check_compile(self.compile))  # a copy: the caller's dict may change
 
+    def sizes(self, world_size: int, chosen: Mapping[str, Any] | None = None) -> tuple[int, int]:
+        """K and M in a job of ``world_size`` processes: ``pipe_size`` (default: the world size) and ``chunks``
+        (default ``4 * K``), or those ``chosen`` for the user (see :meth:`resolve`)."""
+        chosen = chosen or {}
+        K = chosen.get("pipe_size", self.pipe_size) or world_size
+        return K, chosen.get("chunks", self.chunks) or 4 * K
+
     def resolve(self, world_size: int, rank: int, chosen: Mapping[str, Any] | None = None) -> ResolvedPipeline:
         """These settings for process ``rank`` of a job of ``world_size``: K and M as numbers, this process's place.
 
@@ -73,19 +80,20 @@ class BuildConfig(PipelineConfig):
                 ``schedule="interleaved"`` cannot run ``chunks`` in rounds.
         """
         chosen = dict(chosen or {})
-        K = chosen.get("pipe_size", self.pipe_size) or world_size
+        K, M = self.sizes(world_size, chosen)
         schedule = chosen.get("schedule", self.schedule)
         # A planned schedule comes with its own virtual_stages (1 where it takes none).
         virtual_stages = chosen.get("virtual_stages", 1) if "schedule" in chosen else self.virtual_stages
         layout = ProcessLayout(world_size, K, rank, schedule, virtual_stages)  # refuses a world that K does not divide
         balance = chosen.get("balance", self.balance)
-        if isinstance(balance, list) and len(balance) != layout.num_stages:
+        # A list was checked against the stages where it was given with pipe_size; else the stages are known now.
+        checked = self.pipe_size is not None and not chosen.keys() & {"pipe_size", "balance", "schedule"}
+        if isinstance(balance, list) and not checked and len(balance) != layout.num_stages:
             per = f" ({K} processes x {len(layout.stages)} stages each)" if layout.num_stages != K else ""
             raise ValueError(
                 f"balance={balance} has {len(balance)} stages but the pipelines have {layout.num_stages}{per} "
                 f"(world_size={world_size}, pipe_size={self.pipe_size}); give one number of layers per stage"
             )
-        M = chosen.get("chunks", self.chunks) or 4 * K
         if M < K:
             warnings.warn(
                 f"chunks={M} is smaller than pipe_size={K}: at most {M} of {K} stages can work at once. Use "

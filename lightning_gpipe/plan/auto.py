@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,12 +25,8 @@ from lightning_gpipe.engine.rematerialization import validate_mode
 from lightning_gpipe.engine.schedule import validate_schedule
 from lightning_gpipe.engine.tree import flatten
 from lightning_gpipe.partition.config import BuildConfig
-
-if TYPE_CHECKING:
-    from lightning_gpipe.plan import Plan
-
-# The planner's own names are imported where they are used: the package exports AutoPlan, so it imports this module
-# while it is itself being imported.
+from lightning_gpipe.plan.result import Plan, parse_bytes
+from lightning_gpipe.plan.search import plan
 
 __all__ = [
     "DEVICE_MEMORY_SHARE",
@@ -82,8 +78,6 @@ class AutoPlan:
     virtual_stages: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
-        from lightning_gpipe.plan import parse_bytes
-
         if self.memory_per_device is not None:
             parse_bytes(self.memory_per_device)
         size = self.batch_size
@@ -216,8 +210,6 @@ def check_planned_batch(planned: int, samples: int) -> None:
 
 
 def _budget(request: AutoPlan, device: torch.device) -> float:
-    from lightning_gpipe.plan import parse_bytes
-
     if request.memory_per_device is not None:
         return parse_bytes(request.memory_per_device)
     if device.type == "cuda":
@@ -248,8 +240,6 @@ def plan_for_module(
         ValueError: no sample, or no budget on a device without a memory size.
         InfeasiblePlanError: nothing fits (the message names what would).
     """
-    from lightning_gpipe.plan import plan
-
     sample = request.sample if request.sample is not None else example
     if sample is None:
         raise ValueError(

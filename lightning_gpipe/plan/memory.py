@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop
-from lightning_gpipe.engine.schedule import Action, Phase, cached_process_actions, stages_of
+from lightning_gpipe.engine.schedule import MULTI_STAGE, Action, Phase, cached_process_actions, stages_of
 from lightning_gpipe.profile.layer_profile import LayerProfile, ModelProfile
 
 __all__ = ["StageBytes", "StageMemory", "process_memory", "stage_bytes", "stage_memory"]
@@ -182,7 +182,7 @@ def stage_memory(
         compiled: the layers are compiled (``compile=True``): ``"selective"`` then keeps its share of every
             micro-batch, the last included.
     """
-    if schedule in ("interleaved", "zbv"):
+    if schedule in MULTI_STAGE:
         raise ValueError(
             f"stage_memory predicts one stage per process; schedule={schedule!r} places several on each. "
             "HINT: use process_memory with every stage's cell."

@@ -164,69 +164,107 @@ def simulate_step(
             f"forward has {S} entries, but schedule={schedule!r} places {per_process} stages on each process; "
             f"give a multiple of {per_process} stage times"
         )
-    K = S // per_process
-    fwd = _per_stage("forward", forward, S)
-    bwd = _per_stage("backward", backward, S)
-    extra = fwd if recompute is None else _per_stage("recompute", recompute, S)
-    links = _per_stage("transfer", transfer, S - 1)
-    updates = [0.0] * S if update is None else _per_stage("update", update, S)
-    wrapped = [0.0] * S if checkpoint_forward is None else _per_stage("checkpoint_forward", checkpoint_forward, S)
+    fwd, bwd = _per_stage("forward", forward, S), _per_stage("backward", backward, S)
     weights = [b / 2 for b in bwd] if weight is None else _per_stage("weight", weight, S)
     if any(w > b for w, b in zip(weights, bwd, strict=True)):
         raise ValueError(f"weight holds {weights}, more than backward {bwd}; the weight gradient is part of backward")
-    M = num_microbatches
-    orders = [cached_process_actions(schedule, r, K, M, virtual_stages) for r in range(K)]
-    owner = {s: r for r in range(K) for s in stages_of(schedule, r, K, virtual_stages)}
+    times = _Times(
+        fwd,
+        bwd,
+        fwd if recompute is None else _per_stage("recompute", recompute, S),
+        [0.0] * S if checkpoint_forward is None else _per_stage("checkpoint_forward", checkpoint_forward, S),
+        weights,
+        _per_stage("transfer", transfer, S - 1),
+    )
+    K = S // per_process
+    replay = _Replay(schedule, K, num_microbatches, virtual_stages, times, checkpoint_stop, first_send_parked)
+    spans = replay.run()
+    updates = [0.0] * S if update is None else _per_stage("update", update, S)
+    stepped = [sum(updates[s] for s, r in replay.owner.items() if r == p) for p in range(K)]
+    makespan = max(process[-1].end + step for process, step in zip(spans, stepped, strict=True))
+    return SimulatedStep(schedule, num_microbatches, tuple(map(tuple, spans)), makespan, tuple(stepped))
 
-    def duration(action: Action) -> float:
-        s, rematerialized = action.stage, action.microbatch < checkpoint_stop
+
+@dataclass(frozen=True)
+class _Times:
+    """Seconds of each stage's passes (see :func:`simulate_step`), and of each boundary's transfer."""
+
+    forward: list[float]
+    backward: list[float]
+    recompute: list[float]  # a re-materialized micro-batch's backward adds this
+    wrapped: list[float]  # and its forward this
+    weight: list[float]  # the weight-gradient share of a backward
+    links: list[float]  # per boundary
+
+
+class _Replay:
+    """One step replayed on the processes: each runs its actions in order, each as soon as its process is free and
+    its inputs have arrived."""
+
+    def __init__(
+        self, schedule: str, K: int, M: int, virtual_stages: int, times: _Times, checkpoint_stop: int, parked: bool
+    ) -> None:
+        self.schedule, self.K, self.M = schedule, K, M
+        self.times, self.stop, self.parked = times, checkpoint_stop, parked
+        self.orders = [cached_process_actions(schedule, r, K, M, virtual_stages) for r in range(K)]
+        self.owner = {s: r for r in range(K) for s in stages_of(schedule, r, K, virtual_stages)}
+        self.finished: dict[Action, float] = {}
+
+    def duration(self, action: Action) -> float:
+        """Seconds ``action`` computes."""
+        s, rematerialized, times = action.stage, action.microbatch < self.stop, self.times
         assert s is not None
         if action.phase is Phase.FORWARD:
-            return fwd[s] + (wrapped[s] if rematerialized else 0.0)
+            return times.forward[s] + (times.wrapped[s] if rematerialized else 0.0)
         if action.phase is Phase.WEIGHT:
-            return weights[s]
-        own = bwd[s] - weights[s] if action.phase is Phase.INPUT else bwd[s]
-        return own + (extra[s] if rematerialized else 0.0)
+            return times.weight[s]
+        own = times.backward[s] - times.weight[s] if action.phase is Phase.INPUT else times.backward[s]
+        return own + (times.recompute[s] if rematerialized else 0.0)
 
-    def released_by(stage: int, dep: Action) -> Action | None:
-        # The sender's action whose end lets a parked first send go forward: its next forward on the same stage, if
-        # it has one (a forward on another of its stages may wait for the very value that is parked).
+    def released_by(self, stage: int, dep: Action) -> Action | None:
+        """The sender's action whose end lets a parked first send go forward: its next forward on the same stage, if
+        it has one (a forward on another of its stages may wait for the very value that is parked)."""
         assert dep.stage is not None
-        sender = orders[owner[dep.stage]]
-        if not first_send_parked or dep.stage >= stage or sender[0] != dep or len(sender) < 2:
+        sender = self.orders[self.owner[dep.stage]]
+        if not self.parked or dep.stage >= stage or sender[0] != dep or len(sender) < 2:
             return None
         following = sender[1]
         return following if following.phase is Phase.FORWARD and following.stage == dep.stage else None
 
-    def arrival(stage: int, dep: Action, end: float) -> float:
-        # A value produced on another process crosses the link between the two stages before it can be used.
+    def arrival(self, stage: int, dep: Action) -> float:
+        """When ``dep``'s value can be used on ``stage``: one produced on another process crosses their link."""
         assert dep.stage is not None
-        if owner[dep.stage] == owner[stage]:
+        end = self.finished[dep]
+        if self.owner[dep.stage] == self.owner[stage]:
             return end
-        release = released_by(stage, dep)
-        return max(end + links[min(stage, dep.stage)], finished[release] if release is not None else 0.0)
+        release = self.released_by(stage, dep)
+        return max(
+            end + self.times.links[min(stage, dep.stage)], self.finished[release] if release is not None else 0.0
+        )
 
-    finished: dict[Action, float] = {}
-    spans: list[list[Span]] = [[] for _ in range(K)]
-    ready = list(range(K))
-    while ready:
-        r = ready.pop()
-        while len(spans[r]) < len(orders[r]):
-            action = orders[r][len(spans[r])]
-            s = action.stage
-            assert s is not None
-            deps = _needs(action, S)
-            releases = [release for dep in deps if (release := released_by(s, dep)) is not None]
-            if any(dep not in finished for dep in [*deps, *releases]):
-                break
-            start = max([arrival(s, dep, finished[dep]) for dep in deps] + [spans[r][-1].end if spans[r] else 0.0])
-            end = start + duration(action)
-            finished[action] = end
-            spans[r].append(Span(r, action, start, end))
-            ready.extend(n for n in range(K) if n != r and n not in ready)
-    stuck = {r: str(orders[r][len(done)]) for r, done in enumerate(spans) if len(done) < len(orders[r])}
-    if stuck:
-        raise RuntimeError(f"schedule {schedule!r} deadlocks with K={K}, M={M}: stuck {stuck}")
-    stepped = [sum(updates[s] for s, r in owner.items() if r == p) for p in range(K)]
-    makespan = max(spans[r][-1].end + stepped[r] for r in range(K))
-    return SimulatedStep(schedule, M, tuple(tuple(process) for process in spans), makespan, tuple(stepped))
+    def run(self) -> list[list[Span]]:
+        """Every process's spans, in its order.
+
+        Raises:
+            RuntimeError: the processes' orders deadlock.
+        """
+        spans: list[list[Span]] = [[] for _ in range(self.K)]
+        ready = list(range(self.K))
+        while ready:
+            r = ready.pop()
+            while len(spans[r]) < len(self.orders[r]):
+                action = self.orders[r][len(spans[r])]
+                s = action.stage
+                assert s is not None
+                deps = _needs(action, len(self.owner))
+                releases = [release for dep in deps if (release := self.released_by(s, dep)) is not None]
+                if any(dep not in self.finished for dep in [*deps, *releases]):
+                    break
+                start = max([self.arrival(s, dep) for dep in deps] + [spans[r][-1].end if spans[r] else 0.0])
+                self.finished[action] = end = start + self.duration(action)
+                spans[r].append(Span(r, action, start, end))
+                ready.extend(n for n in range(self.K) if n != r and n not in ready)
+        stuck = {r: str(self.orders[r][len(done)]) for r, done in enumerate(spans) if len(done) < len(self.orders[r])}
+        if stuck:
+            raise RuntimeError(f"schedule {self.schedule!r} deadlocks with K={self.K}, M={self.M}: stuck {stuck}")
+        return spans

@@ -25,6 +25,7 @@ from lightning_gpipe.profile.layer_run import (
     resized,
     tensor_leaves,
 )
+from lightning_gpipe.profile.optimizer_step import OptimizerFactory, update_times
 from lightning_gpipe.profile.tensor_bytes import (
     activation_bytes,
     selective_bytes,
@@ -33,12 +34,7 @@ from lightning_gpipe.profile.tensor_bytes import (
     storage_bytes,
     weighted_output_bytes,
 )
-from lightning_gpipe.profile.timing import (
-    OptimizerFactory,
-    graph_nodes,
-    measured_times,
-    update_times,
-)
+from lightning_gpipe.profile.timing import graph_nodes, measured_times
 
 __all__ = ["LayerProfile", "ModelProfile", "SplitTimes", "profile_layers"]
 
@@ -283,69 +279,61 @@ def profile_layers(
     with preserved_state(layers, sample):
         # Bytes at the smallest size, layer by layer (meta layers materialized one at a time).
         base = resized(sample, rows)
-        seen: set[int] = set()
-        results: list[LayerProfile] = []
-        last: tuple[nn.Module, Any] | None = None
-        for index, (layer, (real, x)) in enumerate(zip(layers, layer_inputs(layers, base, target), strict=True)):
-            params, trainable, buffers = state_bytes(layer, seen)
-            counted = activation_bytes(real, x, state_keys([real]), input_grad=index > 0)
-            kept_inside, kept_output = selective_bytes(real, x, input_grad=index > 0)
-            flops = _forward_flops(real, x)
-            results.append(
-                LayerProfile(
-                    type(layer).__name__,
-                    params,
-                    trainable,
-                    buffers,
-                    counted.saved / rows,
-                    counted.output / rows,
-                    counted.transient / rows,
-                    flops / rows,
-                    counted.saved_input / rows,
-                    counted.saved_output / rows,
-                    tuple(b / rows for b in counted.saved_input_leaves),
-                    tuple(b / rows for b in counted.output_leaves),
-                    tuple(b / rows for b in counted.saved_output_leaves),
-                    counted.passthrough,
-                    kept_inside / rows,
-                    kept_output / rows,
-                    graph_nodes(real, x, input_grad=index > 0) if split else 0,
-                    weighted_output_bytes(real, x, input_grad=index > 0) / rows if split else 0.0,
-                )
-            )
-            last = (real, x)
+        results, last = _layer_bytes(layers, base, rows, target, split)
         # The loss runs after the last stage's cell, outside its re-materialization: its activations stay per
         # micro-batch whatever the checkpoint mode, so they are kept apart from the last layer's.
         loss_bytes = (0.0, 0.0)  # per sample: saved, transient
         if loss_fn is not None and last is not None:
             counted = activation_bytes(loss_fn, layer_output(*last), set())
             loss_bytes = (counted.saved / rows, counted.transient / rows)
+        profile = ModelProfile(tuple(results), storage_bytes(base) / rows, {}, str(target), *loss_bytes)
         if flops_per_second is not None:
-            times = _flop_times(results, sizes, flops_per_second)
-            return ModelProfile(tuple(results), storage_bytes(base) / rows, times, str(target), *loss_bytes)
+            return replace(profile, times=_flop_times(results, sizes, flops_per_second))
         measured = measured_times(
             layers, loss_fn, sample, sizes, target, repeats, warmup, rematerialized, selective, split
         )
         updates, update_call = update_times(layers, optimizer, target, repeats, warmup)
-    return ModelProfile(
-        tuple(results),
-        storage_bytes(base) / rows,
-        measured.times,
-        str(target),
-        *loss_bytes,
-        recompute=measured.recompute,
-        recompute_call=measured.recompute_call,
-        recompute_forward=measured.recompute_forward,
-        selective_recompute=measured.selective_recompute,
-        selective_forward=measured.selective_forward,
-        updates=updates,
-        update_call=update_call,
-        split_input=measured.split_input,
-        split_weight=measured.split_weight,
-        split_walk=measured.split_walk,
-        split_input_below=measured.split_input_below,
-        split_weight_below=measured.split_weight_below,
-    )
+    return replace(profile, updates=updates, update_call=update_call, **measured.profile_fields())
+
+
+def _layer_bytes(
+    layers: list[nn.Module], base: Any, rows: int, target: torch.device, split: bool
+) -> tuple[list[LayerProfile], tuple[nn.Module, Any] | None]:
+    """Each layer's profile but its times, per sample of ``base``'s ``rows``, and the last layer with its input.
+
+    Meta layers are materialized on ``target`` one at a time; ``split``: also what a split backward counts.
+    """
+    seen: set[int] = set()
+    results: list[LayerProfile] = []
+    last: tuple[nn.Module, Any] | None = None
+    for index, (layer, (real, x)) in enumerate(zip(layers, layer_inputs(layers, base, target), strict=True)):
+        params, trainable, buffers = state_bytes(layer, seen)
+        counted = activation_bytes(real, x, state_keys([real]), input_grad=index > 0)
+        kept_inside, kept_output = selective_bytes(real, x, input_grad=index > 0)
+        results.append(
+            LayerProfile(
+                type(layer).__name__,
+                params,
+                trainable,
+                buffers,
+                counted.saved / rows,
+                counted.output / rows,
+                counted.transient / rows,
+                _forward_flops(real, x) / rows,
+                counted.saved_input / rows,
+                counted.saved_output / rows,
+                tuple(b / rows for b in counted.saved_input_leaves),
+                tuple(b / rows for b in counted.output_leaves),
+                tuple(b / rows for b in counted.saved_output_leaves),
+                counted.passthrough,
+                kept_inside / rows,
+                kept_output / rows,
+                graph_nodes(real, x, input_grad=index > 0) if split else 0,
+                weighted_output_bytes(real, x, input_grad=index > 0) / rows if split else 0.0,
+            )
+        )
+        last = (real, x)
+    return results, last
 
 
 def _forward_flops(run: Callable[[Any], Any], value: Any) -> float:

@@ -1,14 +1,13 @@
 """Seconds of each layer's passes in training, timed on a device: forward and backward, under the checkpoint wrappers,
 and the backward split as the zero-bubble schedules run it (:func:`timed_passes`), round-robin and each round with the
-floor that any timed pass costs so that a consumer can take it off (:func:`measured_times`), and one optimizer step
-over each layer's parameters (:func:`update_times`)."""
+floor that any timed pass costs so that a consumer can take it off (:func:`measured_times`)."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -29,19 +28,15 @@ from lightning_gpipe.profile.layer_run import (
 
 __all__ = [
     "BELOW",
-    "OptimizerFactory",
     "Pass",
     "Passes",
     "Split",
     "graph_nodes",
     "measured_times",
+    "sync",
     "timed_passes",
-    "update_times",
 ]
 
-OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
-"""Builds the optimizer whose step is timed from a list of parameters, e.g. ``torch.optim.Adam`` or
-``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``."""
 Pass = tuple[float, float]
 """A timed pass's ``(forward, backward)`` seconds."""
 Split = tuple[float, float, float, float, float]
@@ -49,7 +44,8 @@ Split = tuple[float, float, float, float, float]
 passes."""
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA), so that a clock read after it sees the work done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -60,16 +56,16 @@ def _pass_seconds(
     """Seconds of one forward and one backward of ``run`` (``layer``, perhaps followed by the loss) on ``value``."""
     leaves, x = training_input(value, input_grad)
     params = [p for p in layer.parameters() if p.requires_grad]
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     output = run(x)
-    _sync(device)
+    sync(device)
     middle = time.perf_counter()
     outputs = [t for t in tensor_leaves(output) if t.requires_grad]
     wrt = leaves + params
     if outputs and wrt:
         torch.autograd.grad(outputs, wrt, grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True)
-    _sync(device)
+    sync(device)
     return middle - start, time.perf_counter() - middle
 
 
@@ -117,20 +113,20 @@ def _split_seconds(
             output = layer(x)
             loss = loss_fn(map_tensors(cut_off, output)) if loss_fn is not None else None
         outputs = [t for t in tensor_leaves(output) if t.requires_grad]
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         input_pass(outputs, None, [])
-        _sync(device)
+        sync(device)
         walked = time.perf_counter()
         grads: list[Tensor] | None = None
         if loss is not None:
             torch.autograd.backward(loss)
             grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in cut]
         _, weights = input_pass(outputs, grads, leaves)
-        _sync(device)
+        sync(device)
         middle = time.perf_counter()
         weights.run()
-        _sync(device)
+        sync(device)
         end = time.perf_counter()
     finally:
         for param, grad in zip(params, kept, strict=True):
@@ -277,30 +273,9 @@ def timed_passes(
     back); buffers and the random number generators are restored (:func:`preserved_state`).
     """
     round_robin = all(on_device(layer, device) for layer in layers)
-    last = len(layers) - 1
     # 0: plain, 1: under the checkpoint wrapper, 2: under the selective one, 3: the backward split
     variants = (0, *([1] if rematerialized else []), *([2] if selective else []), *([3] if split else []))
-    # runs[variant][layer]: (forward, backward) seconds of every timed run (split_runs: the split's); floors[layer]:
-    # the floor timed just before the round (round-robin) or the layer's runs (one after the other) it belongs to
-    runs: list[list[list[Pass]]] = [[[] for _ in layers] for _ in range(3)]
-    split_runs: list[list[Split]] = [[] for _ in layers]
-    floors: list[list[Pass]] = [[] for _ in layers]
-    split_floors: list[list[Split]] = [[] for _ in layers]
-
-    def time_pass(layer: nn.Module, index: int, value: Any, variant: int) -> None:
-        grad = input_grad or index > 0
-        loss = loss_fn if index == last else None
-        if variant == 3:
-            split_runs[index].append(_split_pass(layer, loss, value, device, input_grad=grad, below=split_below))
-            return
-        run = runner(layer, loss, variant == 1, index == 0, selective=variant == 2)
-        with torch.enable_grad():
-            runs[variant][index].append(_pass_seconds(run, layer, value, device, input_grad=grad))
-
-    def floor_now(floor: _Floor) -> tuple[Pass, Split]:
-        now = floor.warm()
-        return now, floor.warm_split(now[1], split_below) if split else (0.0, 0.0, 0.0, 0.0, 0.0)
-
+    timer = _PassTimer(len(layers), device, loss_fn, input_grad, split, split_below)
     with preserved_state(layers, sample):
         floor = floor if floor is not None else _Floor(device)  # inside: its Linear draws from the generator
         inputs: list[Any] = []
@@ -308,34 +283,76 @@ def timed_passes(
             inputs.append(x)
             if not round_robin:
                 # Each pass but the first follows one of the same layer: both variants run warm alike.
-                now, split_now = floor_now(floor)
+                now = timer.floor_now(floor)
                 for _ in range(warmup + repeats):
-                    floors[index].append(now)
-                    split_floors[index].append(split_now)
-                    for wrapped in variants:
-                        time_pass(real, index, x, wrapped)
+                    timer.note_floor(now, [index])
+                    for variant in variants:
+                        timer.time_pass(real, index, x, variant)
         if round_robin:
             for _ in range(warmup + repeats):
-                now, split_now = floor_now(floor)
-                for layer_floors, layer_split_floors in zip(floors, split_floors, strict=True):
-                    layer_floors.append(now)
-                    layer_split_floors.append(split_now)
-                for wrapped in variants:
+                timer.note_floor(timer.floor_now(floor), range(len(layers)))
+                for variant in variants:
                     for index, layer in enumerate(layers):
-                        time_pass(layer, index, inputs[index], wrapped)
-    kept = [[layer_runs[warmup:] for layer_runs in variant_runs] for variant_runs in runs]
-    return Passes(
-        kept[0],
-        kept[1],
-        [f[warmup:] for f in floors],
-        kept[2] if selective else [],
-        [r[warmup:] for r in split_runs] if split else [],
-        [f[warmup:] for f in split_floors] if split else [],
-    )
+                        timer.time_pass(layer, index, inputs[index], variant)
+    return timer.passes(warmup, selective)
+
+
+class _PassTimer:
+    """The runs :func:`timed_passes` times, kept per variant and layer, each with the floor of its round."""
+
+    def __init__(
+        self, count: int, device: torch.device, loss_fn: LossFn | None, input_grad: bool, split: bool, below: bool
+    ) -> None:
+        self.device, self.loss_fn, self.input_grad, self.split, self.below = device, loss_fn, input_grad, split, below
+        self.last = count - 1
+        # runs[variant][layer]: (forward, backward) seconds of every timed run (split_runs: the split's); floors[layer]:
+        # the floor timed just before the round (round-robin) or the layer's runs (one after the other) it belongs to
+        self.runs: list[list[list[Pass]]] = [[[] for _ in range(count)] for _ in range(3)]
+        self.split_runs: list[list[Split]] = [[] for _ in range(count)]
+        self.floors: list[list[Pass]] = [[] for _ in range(count)]
+        self.split_floors: list[list[Split]] = [[] for _ in range(count)]
+
+    def time_pass(self, layer: nn.Module, index: int, value: Any, variant: int) -> None:
+        """Time one pass of ``layer``, the ``index``-th, on ``value``: plain, wrapped, selective or split (0 to 3)."""
+        grad = self.input_grad or index > 0
+        loss = self.loss_fn if index == self.last else None
+        if variant == 3:
+            split = _split_pass(layer, loss, value, self.device, input_grad=grad, below=self.below)
+            self.split_runs[index].append(split)
+            return
+        run = runner(layer, loss, variant == 1, index == 0, selective=variant == 2)
+        with torch.enable_grad():
+            self.runs[variant][index].append(_pass_seconds(run, layer, value, self.device, input_grad=grad))
+
+    def floor_now(self, floor: _Floor) -> tuple[Pass, Split]:
+        """The floor of a round: a one-element layer's pass, and its split."""
+        now = floor.warm()
+        return now, floor.warm_split(now[1], self.below) if self.split else (0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def note_floor(self, now: tuple[Pass, Split], indices: Iterable[int]) -> None:
+        """Record ``now`` as the floor of the next run of each layer of ``indices``."""
+        for index in indices:
+            self.floors[index].append(now[0])
+            self.split_floors[index].append(now[1])
+
+    def passes(self, warmup: int, selective: bool) -> Passes:
+        """The runs after the first ``warmup`` of each layer."""
+        kept = [[layer_runs[warmup:] for layer_runs in variant_runs] for variant_runs in self.runs]
+        return Passes(
+            kept[0],
+            kept[1],
+            [f[warmup:] for f in self.floors],
+            kept[2] if selective else [],
+            [r[warmup:] for r in self.split_runs] if self.split else [],
+            [f[warmup:] for f in self.split_floors] if self.split else [],
+        )
 
 
 @dataclass(frozen=True)
 class _Measured:
+    """What :func:`measured_times` found: its fields are :class:`~lightning_gpipe.profile.layer_profile.ModelProfile`'s
+    of the same names."""
+
     times: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
     recompute: dict[int, tuple[float, ...]]
     recompute_call: float
@@ -347,6 +364,10 @@ class _Measured:
     split_walk: dict[int, tuple[float, ...]]
     split_input_below: tuple[float, ...]
     split_weight_below: tuple[float, ...]
+
+    def profile_fields(self) -> dict[str, Any]:
+        """The measurements by name, as ``ModelProfile`` takes them."""
+        return {name.name: getattr(self, name.name) for name in fields(self)}
 
 
 def measured_times(
@@ -428,59 +449,3 @@ def _less_floor(passes: Sequence[tuple[float, ...]], floors: Sequence[tuple[floa
     """The median of the passes' ``part`` (of a :data:`Pass` or a :data:`Split`), each less the floor it was timed
     with."""
     return max(0.0, statistics.median(p[part] - f[part] for p, f in zip(passes, floors, strict=True)))
-
-
-def _step_seconds(
-    optimizer: OptimizerFactory,
-    shapes: Sequence[tuple[torch.Size, torch.dtype]],
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-) -> float:
-    """The median seconds of one ``optimizer`` step over zero-filled parameters (with gradients) of ``shapes``."""
-    params = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for shape, dtype in shapes]
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    stepper = optimizer(params)
-    samples = []
-    for index in range(warmup + repeats):
-        _sync(device)
-        start = time.perf_counter()
-        stepper.step()
-        _sync(device)
-        if index >= warmup:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def update_times(
-    layers: list[nn.Module], optimizer: OptimizerFactory | None, device: torch.device, repeats: int, warmup: int
-) -> tuple[tuple[float, ...], float]:
-    """Per layer, the seconds of one optimizer step over its trainable parameters less the step's fixed cost, and
-    that fixed cost (the intercept of one step over one and over two one-element parameters), which a stage pays
-    once. A parameter shared by several layers (tied weights) is stepped with the first. ``((), 0.0)`` without an
-    optimizer.
-
-    The layers are timed round-robin, one step each per round, as the passes are: a slow moment of a shared machine
-    then costs each layer one of its ``repeats`` samples, which the median drops, instead of every sample of the
-    layers timed during it. Each sample builds its own zero-filled copies, so that only one layer's exist at a time.
-    """
-    if optimizer is None:
-        return (), 0.0
-    one = (torch.Size([1]), torch.get_default_dtype())
-    single = _step_seconds(optimizer, [one], device, max(repeats, 5), max(warmup, 1))
-    double = _step_seconds(optimizer, [one, one], device, max(repeats, 5), max(warmup, 1))
-    call = max(0.0, 2 * single - double)
-    seen: set[int] = set()
-    shapes: list[list[tuple[torch.Size, torch.dtype]]] = []
-    for layer in layers:
-        own = [p for p in layer.parameters() if p.requires_grad and id(p) not in seen]
-        seen.update(id(p) for p in own)
-        shapes.append([(p.shape, p.dtype) for p in own])
-    samples: list[list[float]] = [[] for _ in layers]
-    for _ in range(repeats):
-        for index, layer_shapes in enumerate(shapes):
-            if layer_shapes:
-                samples[index].append(_step_seconds(optimizer, layer_shapes, device, 1, max(warmup, 1)))
-    updates = tuple(max(0.0, statistics.median(taken) - call) if taken else 0.0 for taken in samples)
-    return updates, call

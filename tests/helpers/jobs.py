@@ -4,7 +4,7 @@ A rank script is a module with ``main(*args: str)`` (``helpers.lightning_job``, 
 processes runs ``python -m helpers.jobs MODULE ARG... [-- MODULE ARG...]...``, which imports each ``MODULE`` in turn
 and calls its ``main`` with its arguments: several scripts can share one launch, and so the seconds each rank spends
 importing torch and Lightning. A test starts them with :func:`run_job` or :func:`run_scripts` (one process per rank,
-torchrun's environment) or :func:`launch` (one process whose Trainer starts the ranks): :mod:`benchmarks.launch`'s,
+torchrun's environment) or :func:`launch` (one process whose Trainer starts the ranks): :mod:`tools.launch`'s,
 with its deadlines and clean-up.
 """
 
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import launch as launcher
+from tools import launch as launcher
 
 __all__ = ["launch", "main", "run_job", "run_scripts"]
 
@@ -26,7 +26,7 @@ SEPARATOR = "--"
 def run_job(
     module: str, args: Sequence[str], world_size: int, *, timeout: float, cwd: str | Path | None = None
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Rank script ``module`` with ``args`` on ``world_size`` ranks (:func:`benchmarks.launch.run_job`)."""
+    """Rank script ``module`` with ``args`` on ``world_size`` ranks (:func:`tools.launch.run_job`)."""
     return run_scripts([[module, *args]], world_size, timeout=timeout, cwd=cwd)
 
 
@@ -41,7 +41,7 @@ def run_scripts(
 def launch(
     module: str, args: Sequence[str], *, timeout: float, cwd: str | Path | None = None
 ) -> tuple[subprocess.CompletedProcess[str], float, int]:
-    """Rank script ``module`` with ``args``, started once for Lightning to launch (:func:`benchmarks.launch.launch`)."""
+    """Rank script ``module`` with ``args``, started once for Lightning to launch (:func:`tools.launch.launch`)."""
     return launcher.launch("helpers.jobs", [module, *args], timeout=timeout, cwd=cwd)
 
 

@@ -2,7 +2,7 @@
 
 ``python -m helpers.jobs helpers.multi_node_job CONFIG.json`` runs every fit of the config with
 ``Trainer(devices=2, num_nodes=2)`` in processes started as torchrun starts them
-(:func:`benchmarks.launch.run_job` with ``nodes=2``). Each rank writes what Lightning made of its environment (cluster
+(:func:`tools.launch.run_job` with ``nodes=2``). Each rank writes what Lightning made of its environment (cluster
 environment, node, local and global rank) and, under ``GPipeStrategy``, its place in the layout; rank 0 writes the
 whole model's state dict after each fit.
 """

@@ -14,7 +14,7 @@ import torch
 from helpers.models import IN, batch, build, loss_fn
 from torch import nn
 
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage, resolve_balance
 from lightning_gpipe.partition.config import BuildConfig
 

@@ -8,8 +8,8 @@ import pytest
 from helpers.runif import RunIf
 
 from benchmarks.bubble.analysis import Sample, all_idle_fraction, idle_fraction, max_abs_difference, summarize
-from benchmarks.launch import run_module
 from lightning_gpipe.engine.schedule import bubble_fraction
+from tools.launch import run_module
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ from benchmarks.gpu_speed.configs import (
     configurations,
 )
 from benchmarks.gpu_speed.report import COLUMNS, model_flops, peak_tflops, read_table, rows, table
-from benchmarks.launch import run_module
+from tools.launch import run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PARAMETERS = 735_404_800  # the zoo's Transformer-L at L=12, D=2048, FF=8192, 16 heads, V=32000
@@ -34,7 +34,7 @@ def _measured(ms: float) -> dict[str, Any]:
 
 
 def test_mfu_reads_as_issue_33_measured_it() -> None:
-    # The issue's table: strategy="auto" at 194 ms a step on an H100 SXM is MFU 0.40 (989 TFLOP/s).
+    # The measured table: strategy="auto" at 194 ms a step on an H100 SXM is MFU 0.40 (989 TFLOP/s).
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0

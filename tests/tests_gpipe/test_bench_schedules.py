@@ -13,12 +13,12 @@ import torch
 from helpers.runif import RunIf
 from torch import nn
 
-from benchmarks.launch import run_module
 from benchmarks.schedule_memory.run import SavedBytes
 from benchmarks.schedule_speed.analysis import FORMULAS, bubble, formula_bubble, per_process
 from benchmarks.schedule_speed.run import FULL, TINY
 from benchmarks.schedule_speed.steps import SCHEDULE_NAMES, Model, stage_cells
 from lightning_gpipe.engine.timeline import Span, Timeline
+from tools.launch import run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

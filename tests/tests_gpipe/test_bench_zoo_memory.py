@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from helpers.runif import RunIf
 
-from benchmarks.launch import run_module
 from benchmarks.zoo_memory.run import Found, headlines
 from benchmarks.zoo_memory.scales import Probe
 from benchmarks.zoo_memory.search import SearchResult, largest_fitting
+from tools.launch import run_module
 
 REPO = Path(__file__).resolve().parents[2]
 

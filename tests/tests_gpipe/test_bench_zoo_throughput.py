@@ -11,11 +11,11 @@ from helpers.runif import RunIf
 
 from benchmarks.engine_speed.results import Measurement, Results, headline
 from benchmarks.engine_speed.worker import JobResult
-from benchmarks.launch import run_module
 from benchmarks.zoo_throughput.models import WORKLOADS, balance
 from benchmarks.zoo_throughput.plan import FULL, QUICK, TINY, TINY_CHUNKS, ZooJob
 from benchmarks.zoo_throughput.report import goal_lines, table_rows
 from benchmarks.zoo_throughput.steps import CONFIGS, build_step
+from tools.launch import run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BALANCES = {"transformer": (5, 5), "amoebanet": (8, 5), "tiny": (5, 5)}

@@ -17,11 +17,12 @@ from helpers.models import WithTable, cells, full_batch_grads, loss_fn, relative
 from helpers.runif import RunIf
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe import Unbatched
 from lightning_gpipe.engine.boundary import ActivationLink
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
-from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
+from lightning_gpipe.engine.transport import ProcessGroupTransport
+from tools.launch import run_processes
 
 TOLERANCE = 1e-6
 CHUNKS = 4
@@ -181,9 +182,9 @@ def test_a_leaf_that_is_none_on_some_microbatches_trains_as_the_plain_model(name
 
 @pytest.mark.parametrize("name", ["ragged", "unbatched"])
 def test_shapes_that_vary_per_microbatch_train_as_the_plain_model(name: str) -> None:
-    # Issue 15 item 2: sequences trimmed per micro-batch cross the boundary with their own lengths (refused before:
-    # "may differ only in the micro-batch dimension"). Item 3: a table marked Unbatched is never resized to the
-    # micro-batch size, and arrives still wrapped, as the unsplit model's next layer sees it.
+    # Sequences trimmed per micro-batch cross the boundary with their own lengths (refused before: "may differ only in
+    # the micro-batch dimension"); a table marked Unbatched is never resized to the micro-batch size, and arrives
+    # still wrapped, as the unsplit model's next layer sees it.
     model = build(name)
     model.zero_grad()
     run_in_threads(cells(model, BALANCES[name]), data(name), loss_fn, chunks=CHUNKS, timeout=60)

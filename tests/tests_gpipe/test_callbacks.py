@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers.runif import RunIf
 
-from benchmarks.launch import run_command
 from lightning_gpipe.callbacks import PipelineTimeline
+from tools.launch import run_command
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

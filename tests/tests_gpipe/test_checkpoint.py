@@ -12,8 +12,8 @@ import torch.utils.checkpoint
 from helpers.runif import RunIf
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe.engine.rematerialization import checkpoint_stop, checkpointed, is_recomputing, validate_mode
+from tools.launch import run_processes
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("always", 4), ("except_last", 3), ("never", 0)])

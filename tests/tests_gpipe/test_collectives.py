@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from helpers.runif import RunIf
 
-from benchmarks.launch import run_processes
 from lightning_gpipe.engine.collectives import broadcast_object, broadcast_tensors, buckets, portable, to_device
+from tools.launch import run_processes
 
 
 @dataclass

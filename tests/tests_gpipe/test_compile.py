@@ -25,8 +25,8 @@ from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, commit_running_stats
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.engine.torch_compat import compile_in_place, restore_compiled_call
-from lightning_gpipe.engine.transport import ThreadTransport
 from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.partition.compile import DEFAULT_OPTIONS, compile_layers, replayed_by_engine
 from lightning_gpipe.partition.config import BuildConfig
@@ -249,6 +249,21 @@ def test_the_compile_setting_is_checked_where_given_with_the_fix() -> None:
     assert GPipeStrategy(compile=True).config.compile is True
 
 
+def test_compiled_layers_keep_their_saved_tensors_until_restored_and_only_then() -> None:
+    # compile_layers turned torch's donated buffers off for the rest of the process, whatever ran after the stage.
+    with torch._functorch.config.patch(donated_buffer=True):
+        first = compile_layers([nn.Linear(2, 2)], {"dynamic": False})
+        second = compile_layers([nn.Linear(2, 2)], {"dynamic": False})
+        assert torch._functorch.config.donated_buffer is False
+        first.restore()
+        first.restore()  # a second restore gives back nothing more
+        assert torch._functorch.config.donated_buffer is False  # the second stage's layers still run compiled
+        second.restore()
+        assert torch._functorch.config.donated_buffer is True
+        compile_layers([nn.Linear(2, 2)], None).restore()  # nothing compiled: the setting is left alone
+        assert torch._functorch.config.donated_buffer is True
+
+
 @pytest.mark.heavy  # compiles a Transformer layer twice: about a minute on a loaded CPU
 @pytest.mark.timeout(600)
 def test_compiled_layers_train_under_a_split_backward(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,7 +271,6 @@ def test_compiled_layers_train_under_a_split_backward(tmp_path: pathlib.Path, mo
     # by a backward that did not keep it (the first stage's, here another process's run) reused its saved buffers,
     # torch's compile cache handed that backward to the next process, and torch refused the kept-graph backward there
     # ("compiled with non-empty donated buffers"): make bench-schedules' compiled zero-bubble step failed so.
-    monkeypatch.setattr(torch._functorch.config, "donated_buffer", True)  # torch's default: compile_layers turns it off
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cache of this test's own
 
     def layers() -> list[nn.Module]:
@@ -264,17 +278,22 @@ def test_compiled_layers_train_under_a_split_backward(tmp_path: pathlib.Path, mo
         return [nn.TransformerEncoderLayer(16, 2, 64, dropout=0.0, batch_first=True) for _ in range(2)]
 
     x, y = torch.randn(8, 8, 16), torch.randn(8, 8, 16)
-    first = layers()
-    compile_layers(first, {"dynamic": False})
-    # A plain backward compiles and caches each layer's backward, for a micro-batch that needs its input's gradient.
-    nn.Sequential(*first)(x[:2].clone().requires_grad_(True)).sum().backward()
-    torch._dynamo.reset()  # as a fresh process: compiled again, from the cache
-    compiled, reference = layers(), nn.Sequential(*layers())
-    compile_layers(compiled, {"dynamic": False})
-    cells = [nn.Identity(), nn.Sequential(*compiled)]  # the compiled layers on the stage whose input needs a gradient
-    x.requires_grad_(True)
-    loss = lambda out, mb: F.mse_loss(out, mb[1])  # noqa: E731
-    run_in_threads(cells, (x, y), loss, chunks=4, checkpoint="never", schedule="zero_bubble")
+    # torch's default, which compile_layers turns off while its layers are compiled; patched, so that it is put back.
+    with torch._functorch.config.patch(donated_buffer=True):
+        first = layers()
+        first_compiled = compile_layers(first, {"dynamic": False})
+        # A plain backward compiles and caches each layer's backward, for a micro-batch that needs its input's gradient.
+        nn.Sequential(*first)(x[:2].clone().requires_grad_(True)).sum().backward()
+        torch._dynamo.reset()  # as a fresh process: compiled again, from the cache
+        compiled, reference = layers(), nn.Sequential(*layers())
+        compiled_layers = compile_layers(compiled, {"dynamic": False})
+        cells = [nn.Identity(), nn.Sequential(*compiled)]  # compiled on the stage whose input needs a gradient
+        x.requires_grad_(True)
+        loss = lambda out, mb: F.mse_loss(out, mb[1])  # noqa: E731
+        run_in_threads(cells, (x, y), loss, chunks=4, checkpoint="never", schedule="zero_bubble")
+        first_compiled.restore()
+        compiled_layers.restore()
+        assert torch._functorch.config.donated_buffer is True
     F.mse_loss(reference(x), y).backward()
     for (name, got), want in zip(cells[1].named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)

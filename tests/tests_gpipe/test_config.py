@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import sys
 import typing
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +15,12 @@ import pytest
 import torch
 
 from lightning_gpipe.config import StrategyConfig
+from lightning_gpipe.engine import schedule
 from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, CheckpointMode
 from lightning_gpipe.engine.stage import Stage
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.partition.config import Balance, BuildConfig, ResolvedPipeline
 from lightning_gpipe.profile.cost import COST_SOURCES
 
@@ -236,3 +239,45 @@ def test_a_short_training_batch_that_interleaved_cannot_order_is_refused_with_th
         check_rounds(config, 5, processes=2)
     check_rounds(config, 4, processes=2)  # two rounds of two
     check_rounds(PipelineConfig(chunks=6, schedule="zbv"), 5, processes=2)  # ZB-V takes any number
+
+
+@pytest.mark.parametrize(("name", "v"), [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2), ("zbv", 1)])
+def test_the_schedule_is_checked_at_two_places_of_a_setup_and_never_per_step(
+    monkeypatch: pytest.MonkeyPatch, name: str, v: int
+) -> None:
+    # The schedule was checked at about eight places of a setup (every configuration, layout, pipeline and first
+    # step order) and again by every read of the layout and every step of a process of several stages.
+    sites: Counter[tuple[str, str]] = Counter()
+    real = schedule.validate_schedule
+
+    def counted(value: object) -> str:
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename == schedule.__file__:  # the schedule's own functions: who asked them
+            frame = frame.f_back  # type: ignore[assignment]
+        sites[frame.f_globals["__name__"], frame.f_code.co_name] += 1
+        return real(value)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "validate_schedule", None) is real:
+            monkeypatch.setattr(module, "validate_schedule", counted)
+    schedule.stage_table.cache_clear()
+    schedule.step_order.cache_clear()
+    settings = [StrategyConfig(chunks=4, schedule=name, virtual_stages=v).resolve(2, rank) for rank in range(2)]
+    cells = [torch.nn.Linear(2, 2) for _ in range(settings[0].num_stages)]
+    batch = torch.randn(4, 2)
+    loss = lambda output, _: output.sum()  # noqa: E731
+
+    def step() -> None:
+        run_in_threads(cells, batch, loss, chunks=4, schedule=name, virtual_stages=v)
+
+    step()
+    assert set(sites) <= {
+        ("lightning_gpipe.engine.config", "__post_init__"),
+        ("lightning_gpipe.engine.layout", "__post_init__"),
+    }, sites
+    sites.clear()
+    for layout in (s.layout for s in settings):
+        assert layout.stages
+        assert layout.last_stage_rank == 0
+    step()
+    assert sites == {("lightning_gpipe.engine.config", "__post_init__"): 1}  # run_in_threads' own configuration

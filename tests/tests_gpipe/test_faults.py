@@ -17,11 +17,11 @@ from helpers.models import batch, cells, loss_fn, mlp
 from helpers.runif import RunIf
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.engine.gradients import WorldGradScaler
 from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.transport import ProcessGroupTransport
+from tools.launch import run_processes
 
 
 class Explode(nn.Module):
@@ -75,7 +75,7 @@ def _against_a_dead_peer(rank: int, world_size: int) -> list[tuple[str, str, str
 
 @RunIf(multiprocess=True)
 def test_every_operation_on_a_link_to_a_dead_peer_raises_a_pipeline_error_naming_both_ends() -> None:
-    # Issue 29 C5: gloo's isend raises at once when the peer's connection has closed, and that error escaped raw
+    # gloo's isend raises at once when the peer's connection has closed, and that error escaped raw
     # ("Connection closed by peer ... GLHF!") from a gradient send in the backward; the send waited for at the end of
     # the step did not say what it carried. Real gloo, two processes: rank 1's process ends, as a killed worker's does.
     received, waited, sent = run_processes(_against_a_dead_peer, 2, timeout=120)[0]

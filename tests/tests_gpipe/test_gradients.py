@@ -8,8 +8,8 @@ from helpers.runif import RunIf
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from benchmarks.launch import run_processes
 from lightning_gpipe.engine.gradients import WorldGradScaler, average_gradients
+from tools.launch import run_processes
 
 
 class _Branches(nn.Module):

@@ -5,6 +5,7 @@ import datetime
 import pytest
 import torch.distributed as dist
 
+from lightning_gpipe.engine import schedule as schedule_module
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.transport import LinkGroups
 
@@ -18,6 +19,26 @@ def test_two_stages_two_replicas() -> None:
     assert layouts[0].replica_ranks() == [0, 2]
     assert layouts[3].last_stage_rank == 2
     assert layouts[0].num_replicas == 2
+
+
+@pytest.mark.parametrize(("name", "v"), [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2), ("zbv", 1)])
+def test_reading_a_layout_checks_nothing(monkeypatch: pytest.MonkeyPatch, name: str, v: int) -> None:
+    # Every read of stages, num_stages, holds_last_stage or last_stage_rank ran stages_of again, which checked the
+    # schedule: about seven times per training step at K=2.
+    checked: list[object] = []
+    real = schedule_module.validate_schedule
+    monkeypatch.setattr(schedule_module, "validate_schedule", lambda value: checked.append(value) or real(value))
+    schedule_module.stage_table.cache_clear()
+    layout = ProcessLayout(4, 2, 1, name, v)
+    assert checked  # made: the schedule is checked there
+    checked.clear()
+    for _ in range(3):  # as steps read it
+        assert layout.num_stages - 1 not in layout.stages
+        assert not layout.holds_last_stage
+        assert layout.last_stage_rank == layout.stage_ranks()[-1] == 0
+        assert layout.position_of(layout.stages[0]) == layout.stage
+        assert layout.stages_at(layout.stage) == layout.stages
+    assert checked == []
 
 
 def test_every_rank_has_exactly_one_place() -> None:

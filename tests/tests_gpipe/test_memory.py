@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from benchmarks.strategy_memory.measure import measure_runs
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.engine.pipeline import Pipeline
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 
 MIB = 2**20

@@ -10,7 +10,7 @@ Each equals plain training on the global batch of 32 samples. Lightning's distri
 permutation of the dataset per epoch (seed 0 + epoch): 4 DDP ranks of 8 samples, 2 pipelines of 16 and one pipeline of
 32 each train on its first 32 samples in the first step.
 
-The job runs twice (:func:`benchmarks.launch.run_job` with ``nodes=2``): with the variables torchrun's agent gives each
+The job runs twice (:func:`tools.launch.run_job` with ``nodes=2``): with the variables torchrun's agent gives each
 rank (``elastic=True``), which Lightning reads through its ``TorchElasticEnvironment`` (it takes ``RANK`` as given),
 and with ``LOCAL_RANK`` and ``NODE_RANK`` only, which it reads through its ``LightningEnvironment`` (the strategy
 numbers the ranks node-major itself).
@@ -29,7 +29,7 @@ from helpers.lightning_job import SequentialModule, dataset, trainer_for
 from helpers.runif import RunIf
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.launch import run_job
+from tools.launch import run_job
 
 TOLERANCE = 1e-5
 NODES, DEVICES = 2, 2

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_gpipe.engine.microbatch import gather, scatter
 from lightning_gpipe.engine.relay import CONTROL_BYTES, CallRelay
 from lightning_gpipe.engine.stage import Stage
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 
 V, D, EOS = 11, 16, 2
 

@@ -31,10 +31,10 @@ from helpers.runif import RunIf
 from test_strategy_equivalence import assert_same_parameters, plain
 from torch import nn
 
-from benchmarks.launch import loopback_store
 from lightning_gpipe import GPipeStrategy, PipelineError
 from lightning_gpipe.engine.fingerprint import batch_fingerprint, same_fingerprint
 from lightning_gpipe.engine.pipeline import run_in_threads
+from tools.launch import loopback_store
 
 # ---------------------------------------------------------------------------------------------- the bad-input catalogue
 
@@ -431,7 +431,7 @@ def test_a_rank_killed_mid_step_ends_the_job_and_its_last_checkpoint_resumes_exa
     # Started by Lightning's own launcher: rank 0 is the script, rank 1 its child. Killing rank 1 tests that the
     # launcher notices and exits non-zero; killing rank 0 (the launcher itself) that the orphan ends on its own.
     # Rank 1 (stage 0) dies where the backward passes begin, once the survivor has every activation: the survivor's
-    # first message to it is a gradient, whose isend gloo fails at once (issue 29 C5: that error escaped raw). Rank 0
+    # first message to it is a gradient, whose isend gloo fails at once (that error used to escape raw). Rank 0
     # (the last stage) dies in its forward of micro-batch 2, while its peer waits for gradients. In "collective" the
     # survivor's first contact is Lightning's reduce instead, in "clip" the norm of gradient_clip_val, in "gather" a
     # user's self.all_gather (both escaped raw too: neither was wrapped).

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_gpipe.engine.schedule import (
+    MULTI_STAGE,
     SCHEDULES,
     Action,
     Phase,
@@ -26,7 +27,7 @@ GRID = [(K, M) for K in range(1, 7) for M in range(1, 13)]
 F, B, I, W = Phase.FORWARD, Phase.BACKWARD, Phase.INPUT, Phase.WEIGHT  # noqa: E741 (the papers' letters)
 # Every schedule with the stages per process it is tried with: (schedule, virtual_stages).
 ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1), ("zbv", 1)]
-ONE_STAGE = [s for s in SCHEDULES if s not in ("interleaved", "zbv")]  # one stage per process: stage_actions
+ONE_STAGE = [s for s in SCHEDULES if s not in MULTI_STAGE]  # one stage per process: stage_actions
 
 
 def simulate(schedule: str, K: int, M: int, forward_time: float = 1.0, backward_time: float = 2.0) -> list[list[tuple]]:
@@ -277,7 +278,8 @@ def test_actions_name_their_stage_and_phase_letter():
 
 def test_the_schedules_of_several_stages_per_process_have_actions_per_process_only():
     assert set(SCHEDULES) == {"gpipe", "1f1b", "zero_bubble", "interleaved", "zbv"}
-    for name in ("interleaved", "zbv"):
+    assert {"interleaved", "zbv"} == MULTI_STAGE
+    for name in MULTI_STAGE:
         assert validate_schedule(name) == name
         with pytest.raises(ValueError, match=rf"schedule='{name}' places several stages on each process.*process_act"):
             stage_actions(name, 0, 2, 4)

@@ -15,9 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop, checkpointed, selective_checkpoint
-from lightning_gpipe.engine.transport import ThreadTransport
-from lightning_gpipe.plan import _memory_balanced, evaluate, plan
+from lightning_gpipe.engine.thread_transport import ThreadTransport
+from lightning_gpipe.plan import evaluate, plan
 from lightning_gpipe.plan.memory import stage_memory
+from lightning_gpipe.plan.search import _memory_balanced
 from lightning_gpipe.profile.layer_profile import LayerProfile, ModelProfile, profile_layers
 from lightning_gpipe.profile.tensor_bytes import LiveTensorBytes
 

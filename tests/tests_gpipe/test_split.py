@@ -17,7 +17,7 @@ from lightning_gpipe.engine.pipeline import run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.split import input_pass
 from lightning_gpipe.engine.stage import Stage
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.partition.compile import compile_layers
 
 

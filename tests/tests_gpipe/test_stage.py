@@ -18,18 +18,19 @@ from helpers.models import batch, build, cells, full_batch_grads, loss_fn
 from helpers.runif import RunIf
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline, first_element, run_in_threads
-from lightning_gpipe.engine.schedule import SCHEDULES, Phase, stage_actions
+from lightning_gpipe.engine.schedule import MULTI_STAGE, SCHEDULES, Phase, stage_actions
 from lightning_gpipe.engine.stage import GRADIENT_BYTES_AHEAD, GRADIENTS_AHEAD, Stage
-from lightning_gpipe.engine.transport import ProcessGroupTransport, ThreadTransport, Transport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
+from lightning_gpipe.engine.transport import ProcessGroupTransport, Transport
+from tools.launch import run_processes
 
 NESTED_BALANCE = [2, 1, 2]  # three stages; every boundary is a tuple with a bool mask and a None leaf
 CHUNKS = 4
 BATCH_SIZE = 10  # micro-batches of 3, 3, 2, 2 samples: gradient buffers must follow each one's shape
-ONE_STAGE = [s for s in SCHEDULES if s not in ("interleaved", "zbv")]  # the schedules of one stage per process
+ONE_STAGE = [s for s in SCHEDULES if s not in MULTI_STAGE]  # the schedules of one stage per process
 
 
 class RecordingTransport(ThreadTransport):
@@ -300,7 +301,7 @@ def test_a_failed_step_over_gloo_stops_the_next_one_at_once_and_the_job_shuts_do
 
 @pytest.mark.parametrize("mode", ["always", "except_last", "never"])
 def test_a_stage_starting_with_an_in_place_layer_trains(mode: str) -> None:
-    # C1: a received value's tensors are leaves that require grad, so ReLU(inplace=True) first in a stage raised
+    # A received value's tensors are leaves that require grad, so ReLU(inplace=True) first in a stage raised
     # "a leaf Variable that requires grad is being used in an in-place operation" in every checkpoint mode.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(inplace=True), torch.nn.Linear(12, 3))

@@ -13,12 +13,12 @@ from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss
 from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.microbatch import Microbatch
 from lightning_gpipe.engine.pipeline import Pipeline
-from lightning_gpipe.engine.schedule import SCHEDULES, Action, Phase
+from lightning_gpipe.engine.schedule import MULTI_STAGE, SCHEDULES, Action, Phase
 from lightning_gpipe.engine.step import HeldGradients
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 
 TOLERANCE = 1e-6
-ONE_STAGE = [s for s in SCHEDULES if s not in ("interleaved", "zbv")]  # the schedules of one stage per process
+ONE_STAGE = [s for s in SCHEDULES if s not in MULTI_STAGE]  # the schedules of one stage per process
 
 
 def one_stage(schedule: str = "gpipe", chunks: int = 4) -> Pipeline:
@@ -189,7 +189,7 @@ def test_a_loss_weight_under_1f1b_is_refused_with_the_fix_and_weighs_after_the_f
 
 
 def test_a_declared_loss_weight_weighs_an_early_loss_and_a_returned_one_beside_it_is_refused() -> None:
-    # Issue 29: a weight declared from the batch (the module's `batch_loss_weight`) is known before the schedule runs,
+    # A weight declared from the batch (the module's `batch_loss_weight`) is known before the schedule runs,
     # so 1F1B weighs micro-batch 0's loss by it before the last forward; a returned 'loss_weight' too says it twice.
     def declare(batch: torch.Tensor) -> torch.Tensor:
         return batch[0, 0]  # 1 and 9: weights 0.1 and 0.9

@@ -22,7 +22,6 @@ from helpers.tied_job import fit as fit_tied
 from test_strategy_equivalence import assert_same_parameters
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe import Pipeline, run_in_threads
 from lightning_gpipe.engine.gradients import clip_grad_norm
 from lightning_gpipe.engine.transport import ProcessGroupTransport
@@ -35,6 +34,7 @@ from lightning_gpipe.partition.state_dict import (
     parameter_aliases,
 )
 from lightning_gpipe.partition.tied import Tie, TiedCopies, find_ties, retie
+from tools.launch import run_processes
 
 
 class Holder(nn.Module):
@@ -76,7 +76,7 @@ def test_a_batch_norm_shared_by_two_stages_is_refused() -> None:
 
 
 def test_every_stage_holds_the_tensors_its_layers_share_with_another_stage() -> None:
-    # Issue 17.3: moving the other stage's layers to meta also moved the module they share with this stage's layers,
+    # Moving the other stage's layers to meta also moved the module they share with this stage's layers,
     # whose buffers were then meta (uninitialized after materialize): NaN from the first step, no error.
     for stage in (0, 1):
         layers = shared_table()
@@ -148,7 +148,7 @@ def test_optimizer_state_of_tied_copies_is_saved_once_under_the_first_name() -> 
 
 
 def test_split_refuses_a_tensor_shared_by_two_cells_unless_allowed() -> None:
-    # Issue 13 C4: split() handed each process a cell whose copy of a tied weight trained apart from the others'.
+    # split() handed each process a cell whose copy of a tied weight trained apart from the others'.
     with pytest.raises(
         ValueError, match=r"layer 0\.weight \(cell 0\) and layer 7\.weight \(cell 1\) share one parameter"
     ):
@@ -254,8 +254,8 @@ def _assert_checkpoint_is_the_plain_modules(checkpoint: Path) -> None:
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(600)
 def test_tied_embeddings_and_a_shared_buffer_module_train_like_plain_lightning_compiled_or_not(tmp_path: Path) -> None:
-    # Before: the tied embedding was refused ("share one parameter"), and the shared table gave NaN (issue 17.3).
-    # compile=True (issue 33): each stage's layers compiled in place train as the plain model and save its names.
+    # Before: the tied embedding was refused ("share one parameter"), and a table shared by two stages' layers gave
+    # NaN. With compile=True each stage's layers, compiled in place, train as the plain model and save its names.
     checkpoint, compiled_checkpoint = tmp_path / "two-stages.ckpt", tmp_path / "compiled.ckpt"
     compiled = {"options": {"compile": True}}
     two = _launch(tmp_path / "two", 2, [

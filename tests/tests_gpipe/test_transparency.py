@@ -13,10 +13,10 @@ import torch
 from helpers.models import BALANCES, batch, build, cells, full_batch_grads, loss_fn, relative_error, stage_stream_grads
 from helpers.runif import RunIf
 
-from benchmarks.launch import run_processes
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.engine.transport import ProcessGroupTransport
+from tools.launch import run_processes
 
 STAGES = [1, 2, 4]
 CHUNKS = [1, 3, 4, 8]

@@ -12,11 +12,12 @@ from helpers.runif import RunIf
 from helpers.stream_order import impose_stream_order
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.pipeline import Pipeline
 from lightning_gpipe.engine.stage import Stage
-from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport, ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
+from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
+from tools.launch import run_processes
 
 STALL = datetime.timedelta(seconds=6)
 

@@ -17,7 +17,6 @@ from helpers.models import WithTable, batch, build, cells, full_batch_grads, los
 from helpers.runif import RunIf
 from torch import nn
 
-from benchmarks.launch import run_processes
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.driver import StepDriver
@@ -27,9 +26,11 @@ from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline, run_in_threads
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.schedule import process_actions, stages_of
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.engine.timeline import Timeline
-from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport, ThreadTransport, _Loopback
+from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport, _Loopback
 from lightning_gpipe.engine.unbatched import Unbatched
+from tools.launch import run_processes
 
 TOLERANCE = 1e-6
 MODES: list[CheckpointMode] = ["always", "except_last", "selective", "never"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers.runif import RunIf
 
-from benchmarks.launch import run_command
+from tools.launch import run_command
 from zoo.cli import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.runif import RunIf
 
-from benchmarks.launch import run_command
+from tools.launch import run_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,5 +37,5 @@ def test_the_demo_pretrains_fine_tunes_and_reports_accuracy_before_and_after(tmp
     pretrained = torch.load(tmp_path / "pretrain" / "last.ckpt", weights_only=True)
     assert pretrained["zoo_model"] == "amoebanet_d"
     assert "new heads: layers." in result.stdout
-    # Progress with the output redirected, as here: a line per epoch of each of the three fits (issue 29 C8).
+    # Progress with the output redirected, as here: a line per epoch of each of the three fits (it printed none).
     assert len(re.findall(r"^epoch 1/1 of AmoebaNetD: \d+ s, \d+ steps; .*val_acc", result.stdout, re.M)) == 3

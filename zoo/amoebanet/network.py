@@ -64,7 +64,6 @@ from zoo.amoebanet.operations import batch_norm
 __all__ = ["AuxHead", "Classifier", "Stem", "amoebanet_layers", "head_indices", "reduction_indices"]
 
 AUX_SCALING = 0.4  # tensorflow/tpu's aux_scaling: 128 and 768 channels become 51 and 307
-NUM_STEM_CELLS = 2
 STEMS = ("imagenet", "cifar")
 
 

@@ -305,12 +305,6 @@ class PretrainedCausalLM(ZooModule):
 
     # Export.
 
-    def library_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights (LoRA adapters merged) under the ``transformers`` model's own names (tied names share one
-        tensor)."""
-        state = {f"layers.{key}": value for key, value in _merged(self.layers).state_dict().items()}
-        return {library: state[zoo] for zoo, library in self.library_keys.items()}
-
     def export_pretrained(self, directory: str | Path) -> Path:
         """Write the model (LoRA adapters merged) and its tokenizer, when it has one, as a ``transformers`` directory
         (``save_pretrained``), which ``AutoModelForCausalLM.from_pretrained(directory)`` loads with these weights."""

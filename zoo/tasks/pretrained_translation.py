@@ -103,11 +103,6 @@ class PretrainedTranslator(Seq2SeqTask):
         # The output projection is the shared embedding: fine-tuning keeps every pretrained weight.
         return ()
 
-    def library_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights under the ``transformers`` model's own state-dict names (tied names share one tensor)."""
-        state = self.state_dict()
-        return {library: state[zoo] for zoo, library in self.library_keys.items()}
-
     def export_pretrained(self, directory: str | Path) -> Path:
         """Write the model and its tokenizer as a ``transformers`` directory (``save_pretrained``), which
         ``AutoModelForSeq2SeqLM.from_pretrained(directory)`` loads with this model's weights."""

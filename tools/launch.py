@@ -34,20 +34,20 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TextIO
 
 __all__ = [
     "JobError",
     "JobTimeoutError",
     "Launcher",
     "RankFn",
-    "free_port",
     "importing_package_from",
     "launch",
     "loopback_store",
@@ -71,13 +71,6 @@ class JobError(RuntimeError):
 
 class JobTimeoutError(JobError, TimeoutError):
     """A rank of a job missed the deadline (on a heavily loaded machine a slow window does; no bug needed)."""
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -515,31 +508,64 @@ def launch(
 
 
 def run_command(
-    command: Sequence[str], *, timeout: float, cwd: str | Path | None = None, env: dict[str, str] | None = None
+    command: Sequence[str],
+    *,
+    timeout: float,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    echo: TextIO | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(command, capture_output=True, text=True, timeout=...)``, but on ``timeout`` every process the
     command started (the ranks Lightning's launcher spawns, a benchmark's workers) is killed with it.
 
     The command gets its own session; plain ``subprocess.run`` kills only its direct child, and a rank it started
-    could outlive the caller. The timeout is then raised.
+    could outlive the caller. The timeout is then raised. With ``echo``, the standard output is also written there
+    line by line as it comes, and the standard error goes to this process's (not captured); the
+    ``subprocess.TimeoutExpired`` then carries the output so far.
     """
     process = subprocess.Popen(
         list(command),
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.PIPE if echo is None else None,
         text=True,
         start_new_session=True,
     )
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        if echo is None:
+            stdout, stderr = process.communicate(timeout=timeout)
+        else:
+            stdout, stderr = _echoed(process, echo, timeout), None
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
         _kill_group(process.pid)
     return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
+
+
+def _echoed(process: subprocess.Popen[str], echo: TextIO, timeout: float) -> str:
+    """``process``'s standard output, copied to ``echo`` as it comes, once it exits within ``timeout`` seconds."""
+    lines: list[str] = []
+
+    def copy() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            echo.write(line)
+            lines.append(line)
+
+    reader = threading.Thread(target=copy, name="echo", daemon=True)
+    reader.start()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        reader.join(timeout=5)
+        raise subprocess.TimeoutExpired(process.args, timeout, output="".join(lines)) from None
+    reader.join(timeout=5)  # a process the command left running may hold the pipe: killed right after
+    return "".join(lines)
 
 
 def run_module(
