@@ -25,6 +25,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -131,11 +132,12 @@ def fit(run: dict[str, Any], root: Path, index: int) -> Module:
     module = Module(run)
     module.sync_dist = run.get("sync_dist", False)
     options = {**run.get("options", {}), "data_parallel": run.get("data_parallel", "ddp")}
+    # "16-mixed" on the CPU: Lightning would make it bf16, so the plugin is given with the GradScaler of a GPU's run.
+    precision: dict[str, Any] = {"precision": run.get("precision", "32-true")}
+    if precision["precision"] == "16-mixed":
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
     trainer = trainer_for(
-        {**run, "options": options},
-        root,
-        precision=run.get("precision", "32-true"),
-        enable_checkpointing=run.get("checkpointing", False),
+        {**run, "options": options}, root, enable_checkpointing=run.get("checkpointing", False), **precision
     )
     rank = trainer.strategy.global_rank
     trainer.callbacks.append(Holdings(root / f"held-{index}-rank{rank}.pt"))

@@ -45,6 +45,7 @@ FLOWS: dict[str, dict[str, Any]] = {
     "validation, logging": {"limit_val_batches": 2, "val_check_interval": 2, "sync_dist": True, "optimizer": "sgd"},
     "bf16-mixed": {"precision": "bf16-mixed"},
     "bf16-true": {"precision": "bf16-true"},
+    "16-mixed": {"precision": "16-mixed"},  # with a GradScaler, as on a GPU
     # Embedding and head on two processes (sharded alike), on one ZB-V process (kept whole), and built on meta.
     "tied": {"model": "tied"},
     "tied, zbv": {"model": "tied", "schedule": "zbv"},
@@ -293,12 +294,13 @@ def test_validation_and_logged_values_are_those_of_ddp(jobs: SharedJobs) -> None
 
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(600)
-def test_bf16_mixed_gathers_the_parameters_in_bf16(jobs: SharedJobs) -> None:
+def test_mixed_precision_gathers_the_parameters_in_half_precision(jobs: SharedJobs) -> None:
     fits = jobs("flows")
     for rank in (0, 2):  # the last stages, whose steps run on after the sequence's call
         assert fits["bf16-mixed fsdp"].held(rank)["gathered_dtypes"] == ["torch.bfloat16"]
         assert fits["bf16-mixed ddp"].held(rank)["gathered_dtypes"] == ["torch.float32"]  # autocast casts per op
         assert fits["bf16-true fsdp"].held(rank)["gathered_dtypes"] == ["torch.bfloat16"]
+        assert fits["16-mixed fsdp"].held(rank)["gathered_dtypes"] == ["torch.float16"]
 
 
 @RunIf(multiprocess=True)
