@@ -39,6 +39,7 @@ from lightning_gpipe.compat import (
     init_dist_connection,
     optimizers_to_device,
     running_loader,
+    set_device_mesh,
     sync_ddp_if_available,
 )
 from lightning_gpipe.config import NO_SHARDED_CHECKPOINTS, StartMethod, StrategyConfig, refuse_sharded_checkpoints
@@ -290,7 +291,7 @@ class GPipeStrategy(ParallelStrategy):
             assert replicas is not None
             self._device_mesh = self.layout.device_mesh(self.root_device.type, pipeline, replicas)
             if self.lightning_module is not None:
-                self.lightning_module._device_mesh = self._device_mesh  # LightningModule.device_mesh, as Lightning's
+                set_device_mesh(self.lightning_module, self._device_mesh)
 
     @contextlib.contextmanager
     @override

@@ -100,7 +100,8 @@ def shard_stage(
     the replicas (every replica shards alike).
     """
     stand_in = partition.stand_in
-    if any(isinstance(module, FSDPModule) for module in partition.module.modules()):
+    # The whole sequence too: the module holds only this process's layers now.
+    if any(isinstance(m, FSDPModule) for m in [*partition.module.modules(), *partition.original.modules()]):
         raise ValueError(
             f"{type(partition.module).__name__} already holds layers sharded with fully_shard: with "
             "data_parallel='fsdp' the strategy shards each layer of the sequence itself. Build the model unsharded."

@@ -7,6 +7,7 @@ rank holds at the end of training, its parameters gathered whole stage by stage,
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from pathlib import Path
@@ -14,16 +15,22 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers.fsdp_job import wide
 from helpers.jobs import run_job
 from helpers.runif import RunIf
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 
 from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.engine.sharding import ShardedCell, is_sharded, whole
 from lightning_gpipe.engine.transport import ThreadTransport
 from lightning_gpipe.partition.assembly import assemble_stage
 from lightning_gpipe.partition.config import BuildConfig
-from lightning_gpipe.partition.fsdp import _skeleton, mixed_precision, ties_kept_whole
+from lightning_gpipe.partition.fsdp import _skeleton, mixed_precision, shard_stage, ties_kept_whole
+from lightning_gpipe.partition.sequence import partition_module
 from lightning_gpipe.partition.tied import Tie
 
 TOLERANCE = 1e-5
@@ -219,6 +226,45 @@ def test_trainable_parameters_outside_the_sequence_are_refused_under_fsdp() -> N
     transport = ThreadTransport.create(2)[1]
     with pytest.raises(ValueError, match=r"trainable parameters outside the pipelined sequence 'layers': scale"):
         assemble_stage(Outside(), settings, torch.device("cpu"), transport)
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+def test_a_model_with_layers_sharded_already_is_refused() -> None:
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    module = nn.Module()
+    module.layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    fully_shard(module.layers[1], mesh=mesh)  # on the other stage: the check must look at the whole sequence
+    partition = partition_module(module, "layers", module.layers, [1, 1], stage=0)
+    with pytest.raises(ValueError, match=r"Module already holds layers sharded with fully_shard.*unsharded"):
+        shard_stage(partition, ProcessLayout(4, 2, 1), mesh, torch.device("cpu"), seed=0, deferred_batch_norm=False)
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+def test_a_sharded_cell_reduces_the_steps_whole_gradients_once_at_its_end_and_drops_a_failed_steps() -> None:
+    # One rank: the reduction is an identity, so the shards' gradients must be the plain layers' own.
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    cell = copy.deepcopy(plain)
+    for layer in (cell[0], cell[2]):
+        fully_shard(layer, mesh=mesh)
+    sharded = ShardedCell.of(cell)
+    assert sharded is not None
+    assert ShardedCell.of(plain) is None
+    for part in torch.randn(6, 3).split(2):  # three micro-batches, each its own backward
+        cell(part).sum().backward()
+        plain(part).sum().backward()
+        assert not any(is_sharded(p) for p in cell.parameters())  # gathered for the whole step
+    sharded.end_step(reduce=True)
+    assert all(is_sharded(p) for p in cell.parameters())
+    expected = [p.grad.clone() for p in plain.parameters()]
+    assert all(torch.equal(whole(p.grad), g) for p, g in zip(cell.parameters(), expected, strict=True))
+    cell(torch.randn(2, 3)).sum().backward()  # a failed step's backward: dropped, not added to the next
+    sharded.abort()
+    sharded.end_step(reduce=True)
+    assert all(torch.equal(whole(p.grad), g) for p, g in zip(cell.parameters(), expected, strict=True))
 
 
 # ------------------------------------------------------------------ two pipelines of two stages, 4 gloo ranks
