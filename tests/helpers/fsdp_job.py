@@ -11,7 +11,8 @@ per fit and rank, what the rank holds at the end of training, before the strateg
   ``trainer.save_checkpoint`` (``"save"``).
 
 ``"measure_setup"`` records how much the peak RSS grew during setup (where the stage is allocated); ``"checkpointing"``
-gives the Trainer its default ``ModelCheckpoint``.
+gives the Trainer its default ``ModelCheckpoint``; ``"zoo"`` trains a zoo model's tiny configuration on its tiny batch
+instead (``"hf_causal_lm"``: the Hugging Face language model saved in the config's folder, see :mod:`helpers.zoo_job`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.strategy_memory.measure import pin_mmap_threshold
 from helpers.lightning_job import BATCH, SequentialModule, dataset, trainer_for
 from helpers.models import IN, OUT
 from helpers.tied_job import VOCAB, tied_lm, tokens
+from helpers.zoo_job import CAUSAL_LM, Repeated, causal_lm
+from helpers.zoo_tiny import tiny_batch, tiny_model
 from lightning_gpipe.engine.sharding import is_sharded, local_shard, whole
 
 WIDE = 1024  # the wide model's layers: 4 MiB of float32 each, so that a stage's allocation shows in the RSS
@@ -115,22 +118,20 @@ class Holdings(L.Callback):
             "optimizer": sum(local_shard(t).numel() for t in state),
         }
         whole_parameters = {name: whole(p.detach()).clone() for name, p in parameters.items()}  # stage by stage
-        assert isinstance(module, Module)
         mesh = getattr(trainer.strategy, "_device_mesh", None)
         extras = {
             "sharded": sorted(name for name, p in parameters.items() if is_sharded(p)),
-            "setup_growth": module.setup_growth,
-            "gathered_dtypes": sorted(map(str, module.gathered_dtypes)),
+            "setup_growth": getattr(module, "setup_growth", 0),
+            "gathered_dtypes": sorted(map(str, getattr(module, "gathered_dtypes", ()))),
             "mesh": None if mesh is None else (mesh["pipe"].mesh.tolist(), mesh["data"].mesh.tolist()),
             "module_mesh": module.device_mesh is mesh,
         }
         torch.save({"parameters": whole_parameters, "held": held, **extras}, self.path)
 
 
-def fit(run: dict[str, Any], root: Path, index: int) -> Module:
+def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
-    module = Module(run)
-    module.sync_dist = run.get("sync_dist", False)
+    module, data = _module_and_data(run, root)
     options = {**run.get("options", {}), "data_parallel": run.get("data_parallel", "ddp")}
     # "16-mixed" on the CPU: Lightning would make it bf16, so the plugin is given with the GradScaler of a GPU's run.
     precision: dict[str, Any] = {"precision": run.get("precision", "32-true")}
@@ -141,8 +142,8 @@ def fit(run: dict[str, Any], root: Path, index: int) -> Module:
     )
     rank = trainer.strategy.global_rank
     trainer.callbacks.append(Holdings(root / f"held-{index}-rank{rank}.pt"))
-    data = tokens() if run.get("model") == "tied" else dataset()
-    loader = DataLoader(data, batch_size=run.get("batch", BATCH))
+    batch_size = len(data) // run["steps"] if "zoo" in run else run.get("batch", BATCH)
+    loader = DataLoader(data, batch_size=batch_size)
     validation = loader if run.get("limit_val_batches") else None
     trainer.fit(module, loader, validation)
     if run.get("save"):
@@ -151,6 +152,16 @@ def fit(run: dict[str, Any], root: Path, index: int) -> Module:
         except NotImplementedError as error:
             (root / f"error-{index}-rank{rank}.txt").write_text(str(error))
     return module
+
+
+def _module_and_data(run: dict[str, Any], root: Path) -> tuple[L.LightningModule, Dataset]:
+    name = run.get("zoo")
+    if name is None:
+        module = Module(run)
+        module.sync_dist = run.get("sync_dist", False)
+        return module, tokens() if run.get("model") == "tied" else dataset()
+    zoo_module, batch = causal_lm(root) if name == CAUSAL_LM else (tiny_model(name), tiny_batch(name))
+    return zoo_module, Repeated(batch, run["steps"])  # the same batch every step
 
 
 def main(config_path: str) -> None:
