@@ -7,6 +7,7 @@ per fit and rank, what the rank holds at the end of training, before the strateg
 - ``held-N-rankR.pt``: the rank's parameters gathered whole (``DTensor.full_tensor()``, stage by stage), and how many
   elements of parameters, gradients and optimizer state the rank itself holds;
 - ``result-N.pt`` (rank 0): the whole model's state dict after ``fit`` (reassembled from the shards);
+- ``predictions-N.pt`` (rank 0, with ``"predict"``): ``trainer.predict`` on the training data after ``fit``;
 - ``error-N-rankR.txt``: the error of a fit that is expected to fail (``"expect_error"``), or of its
   ``trainer.save_checkpoint`` (``"save"``).
 
@@ -146,6 +147,13 @@ def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
     loader = DataLoader(data, batch_size=batch_size)
     validation = loader if run.get("limit_val_batches") else None
     trainer.fit(module, loader, validation)
+    if rank == 0:  # before predict, which clears them
+        logged = {key: value.detach().cpu() for key, value in trainer.callback_metrics.items()}
+        torch.save(logged, root / f"metrics-{index}.pt")
+    if run.get("predict"):  # a new setup after fit's teardown: the stages sharded again, then resharded after each step
+        predictions = trainer.predict(module, DataLoader(data, batch_size=BATCH))
+        if rank == 0:
+            torch.save(torch.cat(predictions), root / f"predictions-{index}.pt")  # type: ignore[arg-type]
     if run.get("save"):
         try:
             trainer.save_checkpoint(root / "refused.ckpt")
@@ -177,5 +185,3 @@ def main(config_path: str) -> None:
             continue
         if module.global_rank == 0:
             torch.save(module.state_dict(), root / f"result-{index}.pt")
-            logged = {key: value.detach().cpu() for key, value in module.trainer.callback_metrics.items()}
-            torch.save(logged, root / f"metrics-{index}.pt")

@@ -50,7 +50,9 @@ FLOWS: dict[str, dict[str, Any]] = {
     "never, 1f1b": {"checkpoint": "never", "schedule": "1f1b"},
     "deferred batch norm": {"batch_norm": True, "deferred_batch_norm": True},
     "meta": {"meta": True},
-    "validation, logging": {"limit_val_batches": 2, "val_check_interval": 2, "sync_dist": True, "optimizer": "sgd"},
+    "validation, logging": {
+        **{"limit_val_batches": 2, "val_check_interval": 2, "sync_dist": True, "optimizer": "sgd", "predict": True}
+    },
     "bf16-mixed": {"precision": "bf16-mixed"},
     "bf16-true": {"precision": "bf16-true"},
     "16-mixed": {"precision": "16-mixed"},  # with a GradScaler, as on a GPU
@@ -342,12 +344,16 @@ def test_sharded_stages_train_like_ddp_with_every_flow(jobs: SharedJobs, flow: s
 
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(600)
-def test_validation_and_logged_values_are_those_of_ddp(jobs: SharedJobs) -> None:
+def test_validation_logged_values_and_predictions_are_those_of_ddp(jobs: SharedJobs) -> None:
     fits = jobs("flows")
-    ddp, fsdp = fits["validation, logging ddp"].metrics, fits["validation, logging fsdp"].metrics
-    assert {"train_loss", "val_loss"} <= ddp.keys() == fsdp.keys()
-    key, difference = _difference(fsdp, ddp)
+    ddp, fsdp = fits["validation, logging ddp"], fits["validation, logging fsdp"]
+    assert {"train_loss", "val_loss"} <= ddp.metrics.keys() == fsdp.metrics.keys()
+    key, difference = _difference(fsdp.metrics, ddp.metrics)
     assert difference <= TOLERANCE, key
+    expected = torch.load(ddp.folder / f"predictions-{ddp.index}.pt", weights_only=True)
+    predicted = torch.load(fsdp.folder / f"predictions-{fsdp.index}.pt", weights_only=True)
+    assert predicted.shape == expected.shape == (64, 3)
+    assert (predicted - expected).abs().max().item() <= TOLERANCE
 
 
 @RunIf(multiprocess=True)
