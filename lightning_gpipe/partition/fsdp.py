@@ -75,7 +75,7 @@ def ties_kept_whole(ties: Sequence[Tie], position_of: Callable[[int], int]) -> l
     for tie in ties:
         layers: dict[int, set[str]] = {}
         for name, stage in zip(tie.names, tie.name_stages, strict=True):
-            layers.setdefault(position_of(stage), set()).add(name.split(".", 1)[0])  # the layer's index
+            layers.setdefault(position_of(stage), set()).add(_layer_of(name))
         if tie.is_parameter and any(len(named) > 1 for named in layers.values()):
             kept.append(tie)
     return kept
@@ -132,9 +132,13 @@ def shard_stage(
         partition.original._modules[name] = skeleton
 
 
+def _layer_of(name: str) -> str:
+    """The layer (its index in the sequence) of the tensor ``name``, relative to the sequence."""
+    return name.split(".", 1)[0]
+
+
 def _in(name: str, layer: str) -> bool:
-    """Whether the tensor ``name`` (relative to the sequence) belongs to the sequence's layer ``layer``."""
-    return name.split(".", 1)[0] == layer
+    return _layer_of(name) == layer
 
 
 def _tensors(layer: nn.Module) -> list[Tensor]:
