@@ -3,8 +3,9 @@
 A layer sharded with ``torch.distributed.fsdp.fully_shard`` (a *unit*) holds one shard of each of its parameters, a
 ``DTensor``; its forward gathers them whole first. A pipeline stage runs M forwards and M backwards per step, so its
 units run as torchtitan runs a pipelined FSDP stage: the whole parameters stay gathered after a forward and after a
-backward (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``), so that the step's first forward
-gathers them and the other passes reuse them, and gradients accumulate whole, with no reduction inside the step
+backward (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``), so that they are gathered once per
+step and reused by every pass (:class:`ShardedCell` starts every unit's gather when the step begins, and each unit's
+first forward waits for its own), and gradients accumulate whole, with no reduction inside the step
 (``set_requires_gradient_sync(False)``): the split backward's weight passes and the replays of re-materialization run
 outside FSDP's hooks, and only the end of the step knows that no backward is left. :class:`ShardedCell` ends each
 step: a training step's gradients are reduce-scattered once (averaged over the replicas and added to the shards'
@@ -59,6 +60,11 @@ class ShardedCell:
         """The units of ``cell``, or ``None`` when none of its layers is sharded."""
         units = [module for module in cell.modules() if isinstance(module, FSDPModule)]
         return cls(units) if units else None
+
+    def begin_step(self) -> None:
+        """Start gathering every unit's parameters at once; each unit's first forward waits for its own."""
+        for unit in self.units:
+            unit.unshard(async_op=True)
 
     def end_step(self, reduce: bool) -> None:
         """End a step: with ``reduce`` (a step that ran backward passes), reduce-scatter the gradients accumulated

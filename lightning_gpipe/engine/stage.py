@@ -245,6 +245,8 @@ class Stage:
         for link in (self._inbox, self._outbox):
             if link is not None:
                 link.begin_step(sizes, fingerprint)
+        if self._sharded is not None:
+            self._sharded.begin_step()
 
     def _record(self, phase: str, index: int) -> AbstractContextManager[None]:
         return self.timeline.record(self.index, phase, index) if self.timeline is not None else nullcontext()
