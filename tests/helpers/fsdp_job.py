@@ -7,7 +7,8 @@ per fit and rank, what the rank holds at the end of training, before the strateg
 - ``held-N-rankR.pt``: the rank's parameters gathered whole (``DTensor.full_tensor()``, stage by stage), and how many
   elements of parameters, gradients and optimizer state the rank itself holds;
 - ``result-N.pt`` (rank 0): the whole model's state dict after ``fit`` (reassembled from the shards);
-- ``predictions-N.pt`` (rank 0, with ``"predict"``): ``trainer.predict`` on the training data after ``fit``;
+- ``predictions-N.pt`` (rank 0, with ``"predict"``): ``trainer.predict`` on the training data after ``fit``; with
+  ``"decode"``: the language model's greedy continuations of :func:`helpers.zoo_job.prompts`;
 - ``error-N-rankR.txt``: the error of a fit that is expected to fail (``"expect_error"``), or of its
   ``trainer.save_checkpoint`` (``"save"``).
 
@@ -35,7 +36,7 @@ from benchmarks.strategy_memory.measure import pin_mmap_threshold
 from helpers.lightning_job import BATCH, SequentialModule, dataset, trainer_for
 from helpers.models import IN, OUT
 from helpers.tied_job import VOCAB, tied_lm, tokens
-from helpers.zoo_job import CAUSAL_LM, Repeated, causal_lm
+from helpers.zoo_job import CAUSAL_LM, GENERATION, PROMPT_LENGTHS, Repeated, causal_lm, prompts
 from helpers.zoo_tiny import tiny_batch, tiny_model
 from lightning_gpipe.engine.sharding import is_sharded, local_shard, whole
 
@@ -154,6 +155,11 @@ def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
         predictions = trainer.predict(module, DataLoader(data, batch_size=BATCH))
         if rank == 0:
             torch.save(torch.cat(predictions), root / f"predictions-{index}.pt")  # type: ignore[arg-type]
+    if run.get("decode"):  # greedy decoding: each token a further call of the sequence, relayed through the stages
+        module.hparams["generation"] = GENERATION["greedy"]
+        (tokens_out,) = trainer.predict(module, DataLoader(Repeated(prompts(), 1), batch_size=len(PROMPT_LENGTHS)))
+        if rank == 0:
+            torch.save(tokens_out, root / f"predictions-{index}.pt")
     if run.get("save"):
         try:
             trainer.save_checkpoint(root / "refused.ckpt")

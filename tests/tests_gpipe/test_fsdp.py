@@ -36,6 +36,8 @@ from zoo.hf.causal_lm_tiny import save_tiny_causal_lm
 
 TOLERANCE = 1e-5
 WORLD = 4
+CAUSAL = "hf_causal_lm"
+_ZOO = {"steps": 3, "chunks": 2, "clip": None}
 _PAIR = {"pipe_size": 2, "devices": WORLD, "chunks": 4, "steps": 5, "clip": 0.05}
 SCHEDULES: dict[str, dict[str, Any]] = {
     "gpipe": {},
@@ -83,13 +85,14 @@ JOBS: dict[str, dict[str, dict[str, Any]]] = {
         "alone fsdp": {**_ALONE, "data_parallel": "fsdp"},
     },
     "flows": {**_pairs(FLOWS), "refused at setup": _REFUSED[0], "refused save": _REFUSED[1]},
-    # A Hugging Face decoder LM (Gemma: its embedding tied to the head across the stages, rotary tables) and the zoo's
-    # encoder-decoder Transformer (a nested boundary value with a padding mask), each decoder layer its own unit. No
-    # clipping: Adam turns the noise-level gradients of attention's key biases into whole steps, so a norm summed in
-    # another order (shards, then stages) moves them by 1e-4; without it the two are bit for bit equal.
+    # A Hugging Face decoder LM (Gemma: its embedding tied to the head across the stages, rotary tables), then greedy
+    # decoding in predict steps, and the zoo's encoder-decoder Transformer (a nested boundary value with a padding
+    # mask), each decoder layer its own unit. No clipping: Adam turns the noise-level gradients of attention's key
+    # biases into whole steps, so a norm summed in another order (shards, then stages) moves them by 1e-4; without it
+    # the two are bit for bit equal. chunks=2: decoding 4 prompts in 4 micro-batches fails under "ddp" too (reported).
     "zoo": {
-        f"{name} {dp}": {**_PAIR, "steps": 3, "zoo": name, "clip": None, "data_parallel": dp}
-        for name in ("hf_causal_lm", "transformer")
+        f"{name} {dp}": {**_PAIR, **_ZOO, "zoo": name, "data_parallel": dp, "decode": name == CAUSAL}
+        for name in (CAUSAL, "transformer")
         for dp in ("ddp", "fsdp")
     },
     "setup": {
@@ -407,6 +410,11 @@ def test_zoo_models_train_like_ddp_with_sharded_stages(jobs: SharedJobs, name: s
     assert_trains_like_ddp(fits[f"{name} ddp"], fits[f"{name} fsdp"])
     sharded = {n for rank in range(WORLD) for n in fits[f"{name} fsdp"].held(rank)["sharded"]}
     assert len(sharded) > 10
+    if name == "hf_causal_lm":  # then greedy decoding in predict steps, each token a relayed call of the stages
+        ddp, fsdp = (fits[f"{name} {dp}"] for dp in ("ddp", "fsdp"))
+        decoded = [torch.load(f.folder / f"predictions-{f.index}.pt", weights_only=True) for f in (ddp, fsdp)]
+        assert decoded[0].shape == (4, 12)
+        assert torch.equal(decoded[0], decoded[1])
 
 
 @RunIf(multiprocess=True)
