@@ -36,12 +36,12 @@ from benchmarks.machine import machine_line
 __all__ = ["main"]
 
 HERE = Path(__file__).resolve().parent
-WIDTH, LAYERS, OUT, BATCH, CHUNKS, WARMUP = 1024, 8, 16, 64, 4, 3
+WIDTH, LAYERS, OUT, BATCH, CHUNKS, WARMUP = 1024, 8, 16, 256, 4, 3
 CONFIGS = ("ddp", "fsdp")
 MIB = 2**20
 
 
-def _rank(rank: int, world_size: int, data_parallel: str, steps: int, memory: bool) -> dict[str, Any]:
+def _rank(rank: int, world_size: int, data_parallel: str, steps: int, memory: bool, batch: int) -> dict[str, Any]:
     """Rank ``rank`` of a 2 x 2 fit under ``data_parallel``: its bytes held, its peak RSS growth (if ``memory``), its
     median step times."""
     import lightning as L
@@ -115,7 +115,7 @@ def _rank(rank: int, world_size: int, data_parallel: str, steps: int, memory: bo
             }
 
     torch.manual_seed(0)
-    samples = BATCH * (steps + WARMUP) * world_size // 2  # one epoch: each pipeline reads its half
+    samples = batch * (steps + WARMUP) * world_size // 2  # one epoch: each pipeline reads its half
     data = TensorDataset(torch.randn(samples, WIDTH), torch.randn(samples, OUT))
     measure = Measure()
     trainer = quiet_trainer(
@@ -125,7 +125,7 @@ def _rank(rank: int, world_size: int, data_parallel: str, steps: int, memory: bo
         max_steps=steps + WARMUP,
         callbacks=[measure],
     )
-    trainer.fit(Stack(measure), DataLoader(data, batch_size=BATCH))
+    trainer.fit(Stack(measure), DataLoader(data, batch_size=batch))
     timed = measure.starts[WARMUP:]
     wall = statistics.median(b[0] - a[0] for a, b in itertools.pairwise(timed))
     cpu = statistics.median(b[1] - a[1] for a, b in itertools.pairwise(timed))
@@ -139,14 +139,14 @@ def _mib(value: float) -> str:
 Runs = dict[str, list[dict[str, Any]]]  # configuration: every rank's result
 
 
-def markdown(rounds: list[Runs], memory: Runs, steps: int, command: str) -> str:
+def markdown(rounds: list[Runs], memory: Runs, steps: int, batch: int, command: str) -> str:
     """The results page: per rank and configuration, bytes held and peak RSS growth (``memory``); the step times."""
     parameters = LAYERS * (WIDTH * WIDTH + WIDTH) + WIDTH * OUT + OUT
     lines = [
         '# `data_parallel="fsdp"` against `"ddp"`: memory per rank and step time',
         "",
         f"Model: {LAYERS} x (Linear({WIDTH}, {WIDTH}) + Tanh) + Linear({WIDTH}, {OUT}), {parameters / 1e6:.1f} M "
-        f"parameters ({parameters * 4 / MIB:.1f} MiB in float32); MSE, Adam; batch {BATCH}, "
+        f"parameters ({parameters * 4 / MIB:.1f} MiB in float32); MSE, Adam; batch {batch}, "
         f'`GPipeStrategy(pipe_size=2, chunks={CHUNKS}, data_parallel=...)` on `Trainer(accelerator="cpu", '
         f"devices=4)`: two pipelines of two stages, one thread per rank, {WARMUP} warm-up steps and {steps} measured; "
         f"{len(rounds)} timed rounds alternating the two, then one pair of runs measuring memory.",
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=BATCH, help="samples per pipeline and step")
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = parser.parse_args(argv)
     rounds: list[Runs] = []
@@ -203,12 +204,13 @@ def main(argv: list[str] | None = None) -> None:
         for index in range(args.rounds):
             results = {}
             for config in CONFIGS:
-                results[config] = launcher.run(_rank, (config, args.steps, False), 4, timeout=900, label=config)
+                run = (config, args.steps, False, args.batch)
+                results[config] = launcher.run(_rank, run, 4, timeout=900, label=config)
                 print(f"round {index + 1} {config}: {1e3 * results[config][0]['step']:.1f} ms per step", flush=True)
             rounds.append(results)
-        memory = {config: launcher.run(_rank, (config, 2, True), 4, timeout=900, label=config) for config in CONFIGS}
+        memory = {c: launcher.run(_rank, (c, 2, True, args.batch), 4, timeout=900, label=c) for c in CONFIGS}
     command = "python -m benchmarks.fsdp_memory.run" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    page = markdown(rounds, memory, args.steps, command)
+    page = markdown(rounds, memory, args.steps, args.batch, command)
     print(page)
     if not args.no_write:
         (HERE / "RESULTS.md").write_text(page)
