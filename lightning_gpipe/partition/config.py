@@ -212,7 +212,7 @@ def _check_data_parallel(data_parallel: object, compile: Compile) -> None:
         )
     if data_parallel == "fsdp" and compile is not False:
         raise ValueError(
-            f"compile={compile!r} with data_parallel='fsdp' is not supported yet: compiled layers are not sharded. "
+            f"compile={compile!r} with data_parallel='fsdp' is not supported yet. "
             "Use compile=False with 'fsdp', or data_parallel='ddp' with compile"
         )
 
