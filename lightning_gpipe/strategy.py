@@ -286,10 +286,7 @@ class GPipeStrategy(ParallelStrategy):
         groups = new_stage_groups(self.layout, self._process_group_backend, self.config.timeout)
         self._pipeline_group, self._replica_group, self._links, self._object_group, self._control_group = groups
         if self.settings.data_parallel == "fsdp":  # made of the groups above: the replicas shard over "data"
-            pipeline, replicas = self._pipeline_group, self._replica_group
-            assert pipeline is not None
-            assert replicas is not None
-            self._device_mesh = self.layout.device_mesh(self.root_device.type, pipeline, replicas)
+            self._device_mesh = self.layout.device_mesh(self.root_device.type, groups.pipeline, groups.replicas)
             if self.lightning_module is not None:
                 set_device_mesh(self.lightning_module, self._device_mesh)
 
