@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 XDIST ?= -n 2 --dist loadfile
 DOC_TESTS := tests/test_docs.py tests/test_api_reference.py  # run by `make docs`
 
-.PHONY: env demo test test-fast lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-schedules bench-plan bench-gpu gpu-check clean
+.PHONY: env demo test test-fast lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-fsdp bench-schedules bench-plan bench-gpu gpu-check clean
 
 env:  ## create or sync .venv from uv.lock (installs uv when missing)
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
@@ -57,6 +57,9 @@ bench-overhead: env  ## GPipeStrategy with K=1, M=1 against strategy="auto"; the
 
 bench-memory: env  ## peak memory of re-materialization against the paper's formula
 	$(RUN) python -m benchmarks.strategy_memory.run
+
+bench-fsdp: env  ## data_parallel="fsdp" against "ddp", 2 pipelines x 2 stages on 4 CPU ranks: bytes per rank, peak RSS, step-time ratio (about 3 minutes)
+	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.fsdp_memory.run
 
 bench-schedules: env  ## our five schedules against torch.distributed.pipelining's on K = 2 and 4 CPU processes: throughput, bubble, activation memory, Gantt charts (about 15 minutes; QUICK=1: about 5, docs left alone)
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.schedule_speed.run $(if $(QUICK),--quick)

@@ -26,6 +26,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import Metric
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "recording_log",
     "replace_clipping",
     "running_loader",
+    "set_device_mesh",
     "set_metric_step_value",
     "sync_ddp_if_available",
 ]
@@ -92,6 +94,11 @@ def recording_log(module: LightningModule, record: Callable[..., None]) -> Itera
 def replace_clipping(plugin: Precision, clip: Callable[[torch.optim.Optimizer, float], None]) -> None:
     """Make ``gradient_clip_algorithm="norm"`` run ``clip(optimizer, clip_val)``, after the plugin unscales."""
     plugin.clip_grad_by_norm = clip  # type: ignore[method-assign,assignment]
+
+
+def set_device_mesh(module: LightningModule, mesh: DeviceMesh) -> None:
+    """Make ``module.device_mesh`` return ``mesh``, as Lightning's ``ModelParallelStrategy`` sets it (no setter)."""
+    module._device_mesh = mesh
 
 
 # --- torchmetrics

@@ -6,7 +6,9 @@ slice of the model, so three things change on that path, each in one place here:
 loss scaled as Lightning scales the closure's (:meth:`StageGradients.scale_loss`); after the closure, tied weights'
 gradients are summed over their stages and every gradient is averaged over the stage's data-parallel replicas
 (:meth:`StageGradients.after_closure`); the plugin's loss scaler agrees on found infs over the world and its clipping
-uses the norm over every stage (:meth:`StageGradients.install`).
+uses the norm over every stage (:meth:`StageGradients.install`). Under ``data_parallel="fsdp"`` the stage's sharded
+gradients were reduce-scattered over the replicas already, at the end of each step's backward passes
+(:mod:`lightning_gpipe.engine.sharding`): only the tensors kept whole are averaged here, and the norm sums the shards.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lightning_gpipe.compat import replace_clipping
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.gradients import WorldGradScaler, average_gradients, clip_grad_norm
 from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.engine.sharding import is_sharded
 from lightning_gpipe.partition.sequence import Partition
 from lightning_gpipe.partition.tied import TiedCopies
 
@@ -38,6 +41,7 @@ class StageGradients:
         pipeline_group: the stages of this pipeline (the clipping norm is summed over it).
         replica_group: this stage's data-parallel replicas (gradients are averaged over it).
         ties: the copies of tensors shared by several stages, if any.
+        sharded: whether the stage is sharded over its replicas (``data_parallel="fsdp"``).
     """
 
     def __init__(
@@ -46,11 +50,13 @@ class StageGradients:
         pipeline_group: dist.ProcessGroup | None,
         replica_group: dist.ProcessGroup | None,
         ties: TiedCopies | None,
+        sharded: bool = False,
     ) -> None:
         self.layout = layout
         self.pipeline_group = pipeline_group
         self.replica_group = replica_group
         self.ties = ties
+        self.sharded = sharded
 
     def install(self, plugin: Precision, device: torch.device, fitting: bool) -> None:
         """Make ``plugin``'s loss scaler skip the same steps on every rank, and its clipping use the global norm.
@@ -66,9 +72,15 @@ class StageGradients:
 
     def _clip(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        duplicates = self.ties.duplicates() if self.ties is not None else ()
+        if self.sharded:  # each rank holds a shard of each gradient: the norm sums over every rank
+            first_replica = self.layout.replica == 0  # a tensor every replica holds whole counts once
+            with collective_errors(self.layout.stage, "summing the gradients' norm over every rank (gradient_clip)"):
+                clip_grad_norm(parameters, clip_val, dist.group.WORLD, duplicates, count_whole=first_replica)
+            return
         group = self.pipeline_group if self.layout.pipe_size > 1 else None
         with collective_errors(self.layout.stage, "summing the gradients' norm over the stages (gradient_clip_val)"):
-            clip_grad_norm(parameters, clip_val, group, self.ties.duplicates() if self.ties is not None else ())
+            clip_grad_norm(parameters, clip_val, group, duplicates)
 
     @staticmethod
     def scale_loss(plugin: Precision, trainer: Trainer) -> Callable[[Tensor], Tensor]:
@@ -92,6 +104,8 @@ class StageGradients:
             if self.ties is not None:
                 with collective_errors(stage, "summing the gradients of tied weights over the stages that share them"):
                     self.ties.sum_gradients()
+            if self.sharded:  # the shards' gradients were reduced at the end of each step: the whole tensors are left
+                parameters = [p for p in parameters if not is_sharded(p)]
             replicas = self.layout.replica_ranks()
             with collective_errors(stage, f"averaging gradients with the replicas of this stage {replicas}"):
                 average_gradients(parameters, self.replica_group, self.layout.num_replicas)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_gpipe.checkpoint_io import StageCheckpoints, save_atomically
@@ -38,9 +39,10 @@ from lightning_gpipe.compat import (
     init_dist_connection,
     optimizers_to_device,
     running_loader,
+    set_device_mesh,
     sync_ddp_if_available,
 )
-from lightning_gpipe.config import StartMethod, StrategyConfig
+from lightning_gpipe.config import NO_SHARDED_CHECKPOINTS, StartMethod, StrategyConfig, refuse_sharded_checkpoints
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.layout import ProcessLayout, new_stage_groups
 from lightning_gpipe.engine.relay import CallRelay
@@ -51,7 +53,8 @@ from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
 from lightning_gpipe.log_mirror import sharing_from_last_stage, sync_metrics_over
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
 from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
-from lightning_gpipe.partition.config import Balance, ResolvedPipeline
+from lightning_gpipe.partition.config import Balance, DataParallel, ResolvedPipeline
+from lightning_gpipe.partition.fsdp import mixed_precision
 from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.plan.auto import AutoPlan, auto_plan, planned_settings
@@ -89,6 +92,8 @@ class GPipeStrategy(ParallelStrategy):
         plan: ``"auto"`` or an :class:`~lightning_gpipe.AutoPlan`: rank 0 plans K, M, balance, checkpoint and schedule
             at setup, every rank follows it (docs/guide/planning.md); leave those five at their defaults.
         compile: ``torch.compile`` each layer of each stage in place: ``True`` or a dict of its keyword arguments.
+        data_parallel: how the replicas of a stage share it: ``"ddp"`` (default: each holds it whole) or ``"fsdp"``
+            (each holds a shard of every parameter, its gradient and its optimizer state; docs/guide/fsdp.md).
     """
 
     strategy_name = "gpipe"
@@ -116,6 +121,7 @@ class GPipeStrategy(ParallelStrategy):
         verify_batches: bool = True,
         plan: str | AutoPlan | None = None,
         compile: bool | dict[str, Any] = False,
+        data_parallel: DataParallel = "ddp",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -139,6 +145,7 @@ class GPipeStrategy(ParallelStrategy):
             detect_anomalies=detect_anomalies,
             verify_batches=verify_batches,
             compile=compile,
+            data_parallel=data_parallel,
         )
         # Settled in setup, by _follow_plan; refused here beside the settings it would choose.
         self._auto_plan = auto_plan(
@@ -154,6 +161,7 @@ class GPipeStrategy(ParallelStrategy):
         self._object_group: dist.ProcessGroup | None = None
         self._links: list[LinkGroups | None] = []  # per adjacent stage pair, a group per direction (None: in-process)
         self._control_group: dist.ProcessGroup | None = None
+        self._device_mesh: DeviceMesh | None = None  # ("pipe", "data"), under data_parallel="fsdp"
         self._assembled: AssembledStage | None = None  # this process's stage of the module, its partition and ties
         self._stages: tuple[Stage, ...] = ()  # this process's stages, in model order
         self._steps: UserSteps | None = None  # the Lightning-side step: the user's hooks over micro-batches
@@ -271,6 +279,10 @@ class GPipeStrategy(ParallelStrategy):
         """The groups of the layout: pipelines, replicas, links, objects and control (collective over the world)."""
         groups = new_stage_groups(self.layout, self._process_group_backend, self.config.timeout)
         self._pipeline_group, self._replica_group, self._links, self._object_group, self._control_group = groups
+        if self.settings.data_parallel == "fsdp":  # made of the groups above: the replicas shard over "data"
+            self._device_mesh = self.layout.device_mesh(self.root_device.type, groups.pipeline, groups.replicas)
+            if self.lightning_module is not None:
+                set_device_mesh(self.lightning_module, self._device_mesh)
 
     @contextlib.contextmanager
     @override
@@ -290,6 +302,8 @@ class GPipeStrategy(ParallelStrategy):
         check_automatic_optimization(module)
         if self._auto_plan is not None:
             self._follow_plan(module)
+        if self.settings.data_parallel == "fsdp":
+            refuse_sharded_checkpoints(trainer)
         assembled = self._partition_model(module)
         self.precision_plugin.convert_module(self.model)  # type: ignore[arg-type]
         self.model_to_device()
@@ -301,7 +315,8 @@ class GPipeStrategy(ParallelStrategy):
             if advice is not None:
                 rank_zero_warn(advice)
         self.setup_precision_plugin()
-        self._gradients = StageGradients(self.layout, self._pipeline_group, self._replica_group, assembled.ties)
+        groups, sharded = (self._pipeline_group, self._replica_group), self.settings.data_parallel == "fsdp"
+        self._gradients = StageGradients(self.layout, *groups, assembled.ties, sharded)
         self._gradients.install(self.precision_plugin, self.root_device, fitting)
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -328,9 +343,11 @@ class GPipeStrategy(ParallelStrategy):
         transport = ProcessGroupTransport.for_stages(
             ranks, self.layout.stages, self.root_device, timeout, links=self._links
         )
+        sharded = self.settings.data_parallel == "fsdp"
         self._assembled = assembled = assemble_stage(
             module, self.settings, self.root_device, transport, sample=module.example_input_array,
-            replica_group=self._replica_group, timeline=self.timeline,
+            replica_group=self._replica_group, timeline=self.timeline, mesh=self._device_mesh,
+            mixed_precision=mixed_precision(self.precision_plugin.precision) if sharded else None,
         )  # fmt: skip
         if self._replica_group is not None:
             sync_metrics_over(module, self._replica_group)
@@ -443,6 +460,8 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        if self.settings.data_parallel == "fsdp":
+            raise NotImplementedError(NO_SHARDED_CHECKPOINTS)
         return self._checkpoints().module_state(self.lightning_module)
 
     @override
@@ -464,6 +483,8 @@ class GPipeStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         assert self._assembled is not None
+        if self.settings.data_parallel == "fsdp":
+            raise NotImplementedError(NO_SHARDED_CHECKPOINTS)
         self._checkpoints().load_module_state(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override

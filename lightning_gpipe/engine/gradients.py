@@ -6,6 +6,8 @@ sum over stages of each stage's squared norm. Clipping by a stage's local norm w
 and change the training (off by 1e-3 after a few steps in our measurements); clipping here matches
 ``torch.nn.utils.clip_grad_norm_`` on the unpartitioned model. A tied parameter, whose copies on several stages hold
 the same summed gradient (:mod:`lightning_gpipe.partition.tied`), counts once: its other copies are scaled, not counted.
+A stage sharded over its replicas (``data_parallel="fsdp"``) holds one shard of each gradient: the squares of the local
+shards, summed over the whole world, count every element once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from lightning_gpipe.engine.collectives import BUCKET_BYTES, buckets
 from lightning_gpipe.engine.errors import collective_errors
+from lightning_gpipe.engine.sharding import is_sharded, local_shard
 from lightning_gpipe.engine.torch_compat import InfAgreeingScaler, flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = ["WorldGradScaler", "average_gradients", "clip_grad_norm"]
@@ -75,19 +78,24 @@ def clip_grad_norm(
     max_norm: float,
     group: dist.ProcessGroup | None,
     duplicates: Iterable[torch.nn.Parameter] = (),
+    *,
+    count_whole: bool = True,
 ) -> torch.Tensor:
-    """Scale gradients so that the norm over every stage in ``group`` is at most ``max_norm``; returns that norm.
+    """Scale gradients so that the norm over every rank in ``group`` is at most ``max_norm``; returns that norm.
 
-    ``duplicates`` are copies of parameters whose gradient another stage counts (tied weights): scaled, not counted.
+    ``duplicates`` are copies of parameters whose gradient another stage counts (tied weights): scaled, not counted. A
+    sharded gradient counts its local shard; a whole one counts only where ``count_whole``: with stages sharded over
+    the replicas, ``group`` is the world, and a tensor that every replica holds whole counts on one replica only.
     """
     parameters = list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [local_shard(p.grad) for p in parameters if p.grad is not None]
     skipped = {id(p) for p in duplicates}
     device = grads[0].device if grads else torch.device("cpu")
     squared = torch.zeros((), dtype=torch.float32, device=device)
     for parameter in parameters:
-        if parameter.grad is not None and id(parameter) not in skipped:
-            squared += parameter.grad.detach().float().pow(2).sum()
+        grad = parameter.grad
+        if grad is not None and id(parameter) not in skipped and (count_whole or is_sharded(grad)):
+            squared += local_shard(grad).detach().float().pow(2).sum()
     if group is not None:
         dist.all_reduce(squared, group=group)
     total = squared.sqrt()

@@ -30,6 +30,15 @@ would wait for that receive (a deadlock when the peer sends only after the same 
 process pair, a middle stage's sends would queue behind the receives it posted from the previous stage; and on one
 group per link, under 1F1B stage s's send of activation 1 would wait for the receive of it, queued on s+1 behind the
 send of gradient 0, which waits for s's receive of it, queued behind the send of activation 1.
+
+The same groups make the job's two-dimensional ``DeviceMesh`` (:meth:`ProcessLayout.device_mesh`), dimensions
+``("pipe", "data")``: along ``"pipe"`` the processes of one pipeline, along ``"data"`` the replicas of one process,
+whose slice ``mesh["data"]`` ``data_parallel="fsdp"`` shards a stage over. With 4 ranks and K = 2, ``mesh[p, r]`` is
+the rank at offset ``p`` of pipeline ``r``::
+
+    mesh      data 0  data 1
+    pipe 0      0       2
+    pipe 1      1       3
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_gpipe.engine.schedule import stage_table, stages_per_process
 from lightning_gpipe.engine.transport import LinkGroups
@@ -158,6 +169,16 @@ class ProcessLayout:
         data-parallel group, which holds the same stages."""
         position = self.stage if stage is None else stage
         return [ranks[position] for ranks in map(self.pipeline_ranks, range(self.num_replicas))]
+
+    def device_mesh(
+        self, device_type: str, pipeline_group: dist.ProcessGroup, replica_group: dist.ProcessGroup
+    ) -> DeviceMesh:
+        """The job's ``DeviceMesh`` of dimensions ``("pipe", "data")``, made of this rank's pipeline and replica groups
+        (:meth:`new_groups`): no new process group. ``mesh["data"]`` is this rank's replica group."""
+        ranks = torch.arange(self.world_size).reshape(self.num_replicas, self.pipe_size).T  # [offset, replica]
+        return DeviceMesh.from_group(
+            [pipeline_group, replica_group], device_type, mesh=ranks, mesh_dim_names=("pipe", "data")
+        )
 
     def new_groups(
         self, timeout: datetime.timedelta

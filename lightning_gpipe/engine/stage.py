@@ -47,6 +47,7 @@ from lightning_gpipe.engine.rematerialization import (
     checkpoint_stop,
     checkpointed,
 )
+from lightning_gpipe.engine.sharding import ShardedCell
 from lightning_gpipe.engine.split import WeightPass, input_pass
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import Transport
@@ -182,6 +183,8 @@ class Stage:
         self._grad_outbox = GradientLink(transport, self.index - 1) if not self.is_first else None
         # Found once, not by walking the modules every step: only cells with deferred BatchNorm commit statistics.
         self._commits_statistics = any(isinstance(m, DeferredBatchNorm) for m in cell.modules())
+        self._sharded = ShardedCell.of(cell)  # layers sharded over the replicas: reduced and resharded per step
+        self._backward_ran = False  # in this step: whether it has gradients to reduce
         self._num_microbatches = 0
         self._inputs: dict[int, list[torch.Tensor]] = {}
         self._outputs: dict[int, list[torch.Tensor]] = {}
@@ -236,11 +239,14 @@ class Stage:
             )
         self._num_microbatches = len(sizes)
         self._split = split_backward
+        self._backward_ran = False
         self._forwarded.clear()
         self._unposted_gradients = deque(gradient_order if gradient_order is not None and not self.is_last else ())
         for link in (self._inbox, self._outbox):
             if link is not None:
                 link.begin_step(sizes, fingerprint)
+        if self._sharded is not None:
+            self._sharded.begin_step()
 
     def _record(self, phase: str, index: int) -> AbstractContextManager[None]:
         return self.timeline.record(self.index, phase, index) if self.timeline is not None else nullcontext()
@@ -345,6 +351,7 @@ class Stage:
 
     def backward(self, index: int, loss: torch.Tensor | None = None) -> None:
         """Back-propagate micro-batch ``index``. The last stage is given the (already weighted) loss."""
+        self._backward_ran = True
         if self.is_last:
             if loss is None:
                 raise PipelineError(self.index, f"the last stage needs the loss of micro-batch {index} for backward")
@@ -373,6 +380,7 @@ class Stage:
         """The first half of a split backward of micro-batch ``index``: the gradient of the stage's input, sent on at
         once, and what :meth:`weight_backward` needs kept (:mod:`~lightning_gpipe.engine.split`). The last stage is
         given the (already weighted) loss."""
+        self._backward_ran = True
         grads: list[torch.Tensor] | None = None
         if self.is_last:
             if loss is None:
@@ -407,13 +415,16 @@ class Stage:
             weights.run()
 
     def end_step(self) -> None:
-        """Finish the step: wait for outgoing messages and commit deferred BatchNorm statistics.
+        """Finish the step: wait for outgoing messages, commit deferred BatchNorm statistics, and end the step of a
+        sharded cell (its gradients reduced over the replicas, its parameters resharded: :class:`ShardedCell`).
 
-        Cells are expected to be converted (:meth:`DeferredBatchNorm.convert`) before the stage is built.
+        Cells are expected to be converted (:meth:`DeferredBatchNorm.convert`) and sharded before the stage is built.
         """
         self.transport.wait_sends()
         if self.cell.training and self._commits_statistics:
             commit_running_stats(self.cell)
+        if self._sharded is not None:
+            self._sharded.end_step(reduce=self._backward_ran)
 
     def abort(self, reason: str) -> None:
         """Drop the step's state and tell the other stages (where the transport can) that this one failed.
@@ -432,4 +443,6 @@ class Stage:
         self._weights.clear()
         self._forwarded.clear()
         self._unposted_gradients.clear()
+        if self._sharded is not None:
+            self._sharded.abort()
         self.transport.abort(reason)

@@ -7,13 +7,14 @@ what ``DeferredBatchNorm`` subclasses and what re-materialization, tied copies a
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,8 +24,10 @@ __all__ = [
     "TorchDispatchMode",
     "abort_process_group",
     "compile_in_place",
+    "drop_unsharded_gradients",
     "flatten_dense_tensors",
     "keep_compiled_saved_tensors",
+    "reduce_unsharded_gradients",
     "restore_compiled_call",
     "storage_key",
     "unflatten_dense_tensors",
@@ -136,3 +139,39 @@ def restore_compiled_call(module: nn.Module, previous: CompiledCall) -> None:
 def abort_process_group(group: dist.ProcessGroup) -> None:
     """Abort ``group``'s pending operations so that the process can exit (torch has no public abort)."""
     dist.distributed_c10d._abort_process_group(group)
+
+
+def reduce_unsharded_gradients(units: Sequence[FSDPModule]) -> None:
+    """Reduce-scatter the gradients that FSDP2 ``units`` accumulated unsharded into their sharded ``.grad`` (added to
+    what is there), as FSDP2 does at the end of a backward with gradient sync on.
+
+    A pipeline stage runs one backward per micro-batch (and a split backward's weight passes outside any FSDP hook)
+    with the sync off; FSDP2 has no public call that reduces afterwards, so this runs what its post-backward hooks
+    run: each parameter group's ``post_backward``, then each root's final callback, which waits for the reductions.
+    ``torch.distributed.pipelining``'s stage does the same (``perform_reduce_grad``). The sync is off again after.
+    """
+    states = [fully_shard.state(unit) for unit in units]  # type: ignore[attr-defined]
+    for unit in units:
+        unit.set_requires_gradient_sync(True, recurse=False)
+        unit.set_is_last_backward(True)
+    try:
+        for state in states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        for state in states:
+            if state._is_root:
+                state._root_post_backward_final_callback()
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+            unit.set_is_last_backward(False)
+
+
+def drop_unsharded_gradients(units: Sequence[FSDPModule]) -> None:
+    """Forget the gradients FSDP2 ``units`` accumulated unsharded (a failed step's), which a next step would add to."""
+    for unit in units:
+        for group in fully_shard.state(unit)._fsdp_param_groups:  # type: ignore[attr-defined]
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                if hasattr(param, "_unsharded_param"):
+                    param.unsharded_param.grad = None

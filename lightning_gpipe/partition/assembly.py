@@ -5,7 +5,8 @@ rank follows (several steps are collectives): find the ``nn.Sequential``, record
 checkpoints, resolve the balance (measured on rank 0 and broadcast), cut the module down to this stage's layers,
 allocate and initialize layers built on the meta device, convert BatchNorm to :class:`DeferredBatchNorm` when asked,
 compile each layer in place when asked (:mod:`lightning_gpipe.partition.compile`), give the replicas of the stage the
-same weights, set up the copies of tensors tied across processes, and wrap the cell in a
+same weights (under ``data_parallel="fsdp"``, layer by layer, each then sharded over them:
+:mod:`lightning_gpipe.partition.fsdp`), set up the copies of tensors tied across processes, and wrap the cell in a
 :class:`~lightning_gpipe.engine.pipeline.Pipeline` over the given transport.
 
 A process may hold several stages (``schedule="interleaved"`` or ``"zbv"``): its module then holds the layers of each,
@@ -27,18 +28,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.collectives import broadcast_tensors, to_device
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.sharding import is_sharded
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import Transport
 from lightning_gpipe.partition.balance import balance_by_cost, checked_total, in_place_starts
 from lightning_gpipe.partition.compile import CompiledLayers, compile_layers
 from lightning_gpipe.partition.config import ResolvedPipeline
+from lightning_gpipe.partition.fsdp import shard_stage
 from lightning_gpipe.partition.sequence import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.partition.tied import TiedCopies, retie, ties_between_processes
@@ -110,6 +115,8 @@ def assemble_stage(
     sample: Any = None,
     replica_group: dist.ProcessGroup | None = None,
     timeline: Timeline | None = None,
+    mesh: DeviceMesh | None = None,
+    mixed_precision: MixedPrecisionPolicy | None = None,
 ) -> AssembledStage:
     """Cut ``module`` down to this process's stages (``settings.layout``) and build its pipeline over ``transport``.
 
@@ -127,6 +134,10 @@ def assemble_stage(
         sample: one input of the sequence, for a balance measured on it (``"flops"``, ``"time"``, ``"memory"``).
         replica_group: the ranks running this stage in every replica: they start from replica 0's weights.
         timeline: records the pipeline's actions when given.
+        mesh: the job's ``("pipe", "data")`` mesh (:meth:`~lightning_gpipe.engine.layout.ProcessLayout.device_mesh`),
+            over whose ``"data"`` dimension ``settings.data_parallel="fsdp"`` shards the stage; needed then only.
+        mixed_precision: FSDP's mixed precision under ``"fsdp"``
+            (:func:`~lightning_gpipe.partition.fsdp.mixed_precision`); default: none.
     """
     layout = settings.layout
     path, sequence = find_sequence(module, settings.module_name)
@@ -145,11 +156,18 @@ def assemble_stage(
     whole = parameter_counts(module.parameters())  # before the split: each tied tensor once
     balance = resolve_balance(settings, sequence, sample, device)
     partition = partition_module(module, path, sequence, balance, layout.stages)
-    own = [(i, sequence[i]) for i in partition.layers]
-    materialize(own, device, seed=torch.initial_seed() % 2**62)
-    retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
-    if settings.deferred_batch_norm:
-        DeferredBatchNorm.convert(partition.stand_in)
+    seed = torch.initial_seed() % 2**62
+    if settings.data_parallel == "fsdp":
+        assert mesh is not None, "data_parallel='fsdp' shards over the job's mesh: pass mesh="
+        shard_stage(
+            partition, layout, mesh["data"], device, seed=seed, deferred_batch_norm=settings.deferred_batch_norm,
+            policy=mixed_precision,
+        )  # fmt: skip
+    else:
+        materialize([(i, sequence[i]) for i in partition.layers], device, seed=seed)
+        retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
+        if settings.deferred_batch_norm:
+            DeferredBatchNorm.convert(partition.stand_in)
     # The final layer objects (materialized, BatchNorm converted) are the ones compiled; the checkpointed cell
     # around them stays eager, so a replay runs the compiled layers with the engine's RNG and BatchNorm handling.
     # Compiled selective layers re-materialize themselves, inside their graphs: the stage wraps nothing around them.
@@ -240,10 +258,10 @@ def _broadcast_replica_weights(
         return
     assert group is not None, "data-parallel replicas need their replica group"
     # NCCL broadcasts device tensors only, and the module (or a buffer outside the sequence) may still be on the
-    # CPU here: move it first.
+    # CPU here: move it first. Sharded layers got replica 0's values before they were sharded.
     module.to(device)
     source = layout.replica_ranks()[0]
-    tensors = [tensor.data for tensor in [*module.parameters(), *module.buffers()]]
+    tensors = [tensor.data for tensor in [*module.parameters(), *module.buffers()] if not is_sharded(tensor)]
     with collective_errors(layout.stage, f"receiving the weights of replica 0 of this stage (global rank {source})"):
         broadcast_tensors(tensors, source, group)
 

@@ -11,7 +11,7 @@ import datetime
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 from lightning_gpipe.engine.config import PipelineConfig, validate_flag
 from lightning_gpipe.engine.layout import ProcessLayout
@@ -21,11 +21,17 @@ from lightning_gpipe.partition.balance import checked_entries
 from lightning_gpipe.partition.compile import Compile, check_compile, compile_options
 from lightning_gpipe.profile.cost import COST_SOURCES, CostFn
 
-__all__ = ["Balance", "BuildConfig", "ResolvedPipeline"]
+__all__ = ["DATA_PARALLEL", "Balance", "BuildConfig", "DataParallel", "ResolvedPipeline"]
 
 Balance = list[int] | Literal["params", "flops", "time", "memory"] | CostFn | None
 """Layers per stage (a list of ``K·v`` ints: one per stage of the pipeline), or how to find them: a cost name of
 :data:`~lightning_gpipe.profile.cost.COST_SOURCES`, a callable ``cost(layer)``, or ``None``."""
+
+DataParallel = Literal["ddp", "fsdp"]
+"""How the replicas of a stage share it: each holds it whole and gradients are averaged (``"ddp"``), or each holds a
+shard of its parameters, gradients and optimizer state (``"fsdp"``, :mod:`lightning_gpipe.partition.fsdp`)."""
+DATA_PARALLEL: tuple[str, ...] = get_args(DataParallel)
+"""The values of :data:`DataParallel`, for checks and messages."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,8 @@ class BuildConfig(PipelineConfig):
 
     ``pipe_size=None`` and ``chunks=None`` defer to the world size (see :meth:`resolve`); ``timeout`` is how long a
     stage waits for a peer, in the pipeline and in the collectives of the build; ``compile`` compiles each layer of
-    the stage (``True`` or ``torch.compile``'s keyword arguments, see :mod:`lightning_gpipe.partition.compile`).
+    the stage (``True`` or ``torch.compile``'s keyword arguments, see :mod:`lightning_gpipe.partition.compile`);
+    ``data_parallel`` how the replicas of a stage share it (:data:`DataParallel`).
     """
 
     pipe_size: int | None = None
@@ -43,6 +50,7 @@ class BuildConfig(PipelineConfig):
     deferred_batch_norm: bool = False
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     compile: Compile = False
+    data_parallel: DataParallel = "ddp"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,6 +67,7 @@ class BuildConfig(PipelineConfig):
         validate_flag("deferred_batch_norm", self.deferred_batch_norm)
         _check_timeout(self.timeout)
         object.__setattr__(self, "compile", check_compile(self.compile))  # a copy: the caller's dict may change
+        _check_data_parallel(self.data_parallel, self.compile)
 
     def sizes(self, world_size: int, chosen: Mapping[str, Any] | None = None) -> tuple[int, int]:
         """K and M in a job of ``world_size`` processes: ``pipe_size`` (default: the world size) and ``chunks``
@@ -73,6 +82,7 @@ class BuildConfig(PipelineConfig):
         ``pipe_size=None`` becomes the world size and ``chunks=None`` ``4 * pipe_size``. ``chosen`` holds settings made
         for the user, which take the place of these: under ``plan="auto"`` the planner's ``pipe_size``, ``chunks``,
         ``balance``, ``checkpoint``, ``schedule`` and ``virtual_stages`` (the strategy refuses a plan beside them).
+        ``data_parallel="fsdp"`` with a single replica (nothing to shard over) warns and resolves to ``"ddp"``.
 
         Raises:
             ValueError: the world cannot be cut into pipelines of ``pipe_size`` processes, a list balance has
@@ -116,6 +126,7 @@ class BuildConfig(PipelineConfig):
             self.deferred_batch_norm,
             self.timeout,
             compile_options(self.compile),
+            _resolve_data_parallel(self.data_parallel, layout),
         )
 
 
@@ -132,6 +143,7 @@ class ResolvedPipeline:
         balance: layers per stage (``K·v`` ints), or how assembly finds them from the sequence (``resolve_balance``).
         module_name, deferred_batch_norm, timeout: as given (see :class:`BuildConfig`).
         compile: ``torch.compile``'s keyword arguments for each layer of the stage, or ``None``: not compiled.
+        data_parallel: how the stage's replicas share it; ``"fsdp"`` only where there are several replicas.
     """
 
     layout: ProcessLayout
@@ -141,6 +153,7 @@ class ResolvedPipeline:
     deferred_batch_norm: bool
     timeout: datetime.timedelta
     compile: dict[str, Any] | None = None
+    data_parallel: DataParallel = "ddp"
 
     @property
     def pipe_size(self) -> int:
@@ -196,6 +209,33 @@ def _check_balance(balance: Any, num_stages: int | None, per_process: int = 1) -
         f"balance={balance!r} must be a list of ints (layers per stage), a cost name or a callable, "
         f"not {type(balance).__name__}"
     )
+
+
+def _check_data_parallel(data_parallel: object, compile: Compile) -> None:
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(
+            f"data_parallel={data_parallel!r} is not a way to share a stage among its replicas; use 'ddp' (each "
+            "replica holds the whole stage, gradients averaged) or 'fsdp' (each holds a shard of its parameters, "
+            "gradients and optimizer state)"
+        )
+    if data_parallel == "fsdp" and compile is not False:
+        raise ValueError(
+            f"compile={compile!r} with data_parallel='fsdp' is not supported yet. "
+            "Use compile=False with 'fsdp', or data_parallel='ddp' with compile"
+        )
+
+
+def _resolve_data_parallel(data_parallel: DataParallel, layout: ProcessLayout) -> DataParallel:
+    """``data_parallel`` for this run: ``"fsdp"`` over a single replica warns and runs as ``"ddp"``."""
+    if data_parallel == "fsdp" and layout.num_replicas == 1:
+        warnings.warn(
+            f"data_parallel='fsdp' with a single replica (world_size={layout.world_size}, pipe_size="
+            f"{layout.pipe_size}) has nothing to shard over: each stage runs as with 'ddp'. Shard with more "
+            "processes than pipe_size (devices x num_nodes = replicas x pipe_size).",
+            stacklevel=4,
+        )
+        return "ddp"
+    return data_parallel
 
 
 def _check_module_name(module_name: object) -> str | None:

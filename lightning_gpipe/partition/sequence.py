@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
+from lightning_gpipe.engine.sharding import whole
 from lightning_gpipe.partition.balance import cell_bounds
 from lightning_gpipe.partition.tied import Tie, find_ties, retie, set_aside
 
@@ -285,8 +286,8 @@ class Partition:
     def stage_state(self) -> dict[str, torch.Tensor]:
         """This stage's part of the sequence on the CPU, keys relative to the sequence: its state dict and also its
         non-persistent buffers (rotary tables, BERT's ``position_ids``), which no state dict holds but the other
-        stages need to reassemble the model."""
-        state = {key: value.detach().cpu() for key, value in self.stand_in.state_dict().items()}
+        stages need to reassemble the model. Sharded parameters are gathered whole: a collective over the replicas."""
+        state = {key: whole(value.detach()).cpu() for key, value in self.stand_in.state_dict().items()}
         for key, buffer in _non_persistent_buffers(self.stand_in):
             state[key] = buffer.detach().cpu()
         return state
@@ -308,10 +309,11 @@ class Partition:
     def restore(self, sequence_state: Mapping[str, torch.Tensor], device: torch.device) -> None:
         """Put the whole sequence back, its layers loaded from ``sequence_state`` (the stages' :meth:`stage_state`
         merged, keys relative to the sequence)."""
+        # The other stages' layers, and this stage's where the sequence holds a meta copy (its layers were sharded).
         others = [
             layer
             for index, layer in enumerate(self.original)
-            if self.owner_of(f"{self.path}.{index}") not in self.stages
+            if self.owner_of(f"{self.path}.{index}") not in self.stages or _holds_meta(layer)
         ]
         for layer in others:
             layer.to_empty(device=device)
@@ -326,6 +328,10 @@ class Partition:
             for key, buffer in _non_persistent_buffers(layer):
                 buffer.copy_(sequence_state[f"{index}.{key}"])
         _assign(self.module, self.path, self.original)
+
+
+def _holds_meta(module: nn.Module) -> bool:
+    return any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()])
 
 
 def _non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,7 +12,9 @@ model's layers use the one tensor, and the copies stay equal:
 Checkpoints need nothing more: a stage's state dict names a tied tensor as the plain module's does, under every name
 its own layers give it, so the stages' merged state dict is the plain module's. The sums run over one process group
 per set of stages that share something, per data-parallel replica; a sum over stages followed by the average over
-replicas is DDP's gradient.
+replicas is DDP's gradient. Copies sharded over the replicas (``data_parallel="fsdp"``) are sharded alike on every
+stage, rank ``r`` of each stage's replicas holding the same rows of each copy, so the broadcasts and sums run shard by
+shard within a replica.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_gpipe.engine.sharding import local_shard, whole
 from lightning_gpipe.engine.torch_compat import BatchNormBase, flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = ["Tie", "TiedCopies", "find_ties", "retie", "set_aside", "ties_between_processes"]
@@ -205,7 +208,7 @@ class TiedCopies:
     def broadcast(self, device: torch.device | None = None) -> None:
         """Give every copy the owner's value (at setup); ``device`` is where the backend communicates (CUDA: NCCL)."""
         for tie, name in self._held:
-            tensor = self._tensor(tie, name).detach()
+            tensor = local_shard(self._tensor(tie, name).detach())
             wire = tensor if device is None else tensor.to(device)
             # From each tie's own owner: ties over the same stages may have different owners.
             dist.broadcast(wire, src=self._ranks[tie.owner], group=self._groups[tie.stages])
@@ -231,14 +234,17 @@ class TiedCopies:
                 # One count per parameter rides along: how many stages had a gradient for it.
                 counts = torch.tensor([float(p.grad is not None) for p in members], dtype=dtype, device=device)
                 grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in members]
-                flat = flatten_dense_tensors([*grads, counts])
+                shards = [local_shard(grad) for grad in grads]
+                flat = flatten_dense_tensors([*shards, counts])
                 dist.all_reduce(flat, group=group)
-                *summed, counts = unflatten_dense_tensors(flat, [*grads, counts])
-                for parameter, grad, total, count in zip(members, grads, summed, counts.tolist(), strict=True):
+                *summed, counts = unflatten_dense_tensors(flat, [*shards, counts])
+                for parameter, grad, shard, total, count in zip(
+                    members, grads, shards, summed, counts.tolist(), strict=True
+                ):
                     if count == 0:
                         parameter.grad = None
                         continue
-                    grad.copy_(total)
+                    shard.copy_(total)
                     parameter.grad = grad
 
     def duplicates(self) -> list[nn.Parameter]:
@@ -250,5 +256,6 @@ class TiedCopies:
         ]
 
     def values(self) -> dict[str, Tensor]:
-        """Copies of this stage's tied tensors, by their names here (to put back after the model is reassembled)."""
-        return {name: self._tensor(tie, name).detach().clone() for tie, name in self._held}
+        """Copies of this stage's tied tensors, by their names here (to put back after the model is reassembled);
+        sharded ones gathered whole (a collective over the replicas)."""
+        return {name: whole(self._tensor(tie, name).detach()).clone() for tie, name in self._held}

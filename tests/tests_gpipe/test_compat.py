@@ -202,3 +202,9 @@ def test_torch_private_names_are_used_in_torch_compat_only() -> None:
         if path.name != "torch_compat.py" and (names := _private_torch_names(path))
     }
     assert not uses, f"private torch names outside engine/torch_compat.py: {uses}; import them from torch_compat"
+
+
+def test_a_module_shows_the_device_mesh_it_is_given() -> None:
+    module, mesh = L.LightningModule(), object()
+    compat.set_device_mesh(module, mesh)  # type: ignore[arg-type]
+    assert module.device_mesh is mesh, HINT

@@ -1,0 +1,193 @@
+"""Fits of two pipelines of two stages under ``data_parallel="ddp"`` and ``"fsdp"``, one process per rank.
+
+``python -m helpers.jobs helpers.fsdp_job CONFIG.json`` runs every fit of the config (the runs of
+:mod:`helpers.lightning_job`, with ``"data_parallel"``, ``"optimizer"`` and ``"model"`` among their keys) and writes,
+per fit and rank, what the rank holds at the end of training, before the strategy reassembles the model:
+
+- ``held-N-rankR.pt``: the rank's parameters gathered whole (``DTensor.full_tensor()``, stage by stage), and how many
+  elements of parameters, gradients and optimizer state the rank itself holds;
+- ``result-N.pt`` (rank 0): the whole model's state dict after ``fit`` (reassembled from the shards);
+- ``predictions-N.pt`` (rank 0, with ``"predict"``): ``trainer.predict`` on the training data after ``fit``; with
+  ``"decode"``: the language model's greedy continuations of :func:`helpers.zoo_job.prompts`;
+- ``error-N-rankR.txt``: the error of a fit that is expected to fail (``"expect_error"``), or of its
+  ``trainer.save_checkpoint`` (``"save"``).
+
+``"measure_setup"`` records how much the peak RSS grew during setup (where the stage is allocated); ``"checkpointing"``
+gives the Trainer its default ``ModelCheckpoint``; ``"zoo"`` trains a zoo model's tiny configuration on its tiny batch
+instead (``"hf_causal_lm"``: the Hugging Face language model saved in the config's folder, see :mod:`helpers.zoo_job`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks.strategy_memory.measure import pin_mmap_threshold
+from helpers.lightning_job import BATCH, SequentialModule, dataset, trainer_for
+from helpers.models import IN, OUT
+from helpers.tied_job import VOCAB, tied_lm, tokens
+from helpers.zoo_job import CAUSAL_LM, GENERATION, PROMPT_LENGTHS, Repeated, causal_lm, prompts
+from helpers.zoo_tiny import tiny_batch, tiny_model
+from lightning_gpipe.engine.sharding import is_sharded, local_shard, whole
+
+WIDE = 1024  # the wide model's layers: 4 MiB of float32 each, so that a stage's allocation shows in the RSS
+
+
+def wide() -> nn.Sequential:
+    """Sixteen layers of 4 MiB (67 MiB of parameters): what setup allocates dwarfs the allocator's noise."""
+    return nn.Sequential(nn.Linear(IN, WIDE), *[nn.Linear(WIDE, WIDE) for _ in range(14)], nn.Linear(WIDE, OUT))
+
+
+BUILDERS = {"tied": tied_lm, "wide": wide}
+
+
+class Module(SequentialModule):
+    """The strategy tests' module, with Adam (or SGD), on the mlp, a tied language model or the wide model."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        model = job.get("model", "mlp")
+        special = model in BUILDERS
+        super().__init__("mlp" if special else model, job.get("batch_norm", False), job.get("meta", False) or special)
+        self.model_name, self.job = model, job
+        if special and not job.get("meta"):
+            torch.manual_seed(0)
+            self.layers = BUILDERS[model]()
+        self.setup_growth = 0  # bytes of peak RSS that setup (the stage's allocation) added, for "measure_setup"
+        self.gathered_dtypes: set[torch.dtype] = set()  # of the parameters the last stage's first layer computed with
+
+    def configure_model(self) -> None:
+        if self.layers is None and self.model_name in BUILDERS:
+            self.layers = BUILDERS[self.model_name]()
+        super().configure_model()
+
+    def setup(self, stage: str) -> None:
+        if self.job.get("measure_setup"):
+            pin_mmap_threshold()  # freed tensors leave the RSS, whatever the fits before this one allocated
+            self._rss_before = _status_bytes("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")  # the peak RSS from here on is setup's
+
+    def on_fit_start(self) -> None:
+        if self.job.get("measure_setup"):
+            self.setup_growth = _status_bytes("VmHWM") - self._rss_before
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        output = self.layers(x)  # type: ignore[misc]
+        weighted = next(layer for layer in self.layers.children() if any(True for _ in layer.parameters()))  # type: ignore[union-attr]
+        self.gathered_dtypes |= {p.dtype for p in weighted.parameters()}  # gathered for the step: as computed with
+        if self.model_name == "tied":
+            loss = F.cross_entropy(output.reshape(-1, VOCAB), y.reshape(-1))
+        else:
+            loss = F.mse_loss(output, y)
+        self.log("train_loss", loss, sync_dist=self.sync_dist)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.job.get("optimizer", "adam") == "adam":
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+        return super().configure_optimizers()
+
+
+def _status_bytes(field: str) -> int:
+    match = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    assert match is not None
+    return int(match.group(1)) * 1024
+
+
+class Holdings(L.Callback):
+    """At the end of training, before reassembly: the rank's parameters whole, and the elements it holds itself."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        parameters = dict(module.named_parameters())
+        optimizer = trainer.optimizers[0]
+        state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()]
+        held = {
+            "parameters": sum(local_shard(p).numel() for p in parameters.values()),
+            "gradients": sum(local_shard(p.grad).numel() for p in parameters.values() if p.grad is not None),
+            "optimizer": sum(local_shard(t).numel() for t in state),
+        }
+        whole_parameters = {name: whole(p.detach()).clone() for name, p in parameters.items()}  # stage by stage
+        mesh = getattr(trainer.strategy, "_device_mesh", None)
+        extras = {
+            "sharded": sorted(name for name, p in parameters.items() if is_sharded(p)),
+            "setup_growth": getattr(module, "setup_growth", 0),
+            "gathered_dtypes": sorted(map(str, getattr(module, "gathered_dtypes", ()))),
+            "mesh": None if mesh is None else (mesh["pipe"].mesh.tolist(), mesh["data"].mesh.tolist()),
+            "module_mesh": module.device_mesh is mesh,
+        }
+        torch.save({"parameters": whole_parameters, "held": held, **extras}, self.path)
+
+
+def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
+    L.seed_everything(0, verbose=False)
+    module, data = _module_and_data(run, root)
+    options = {**run.get("options", {}), "data_parallel": run.get("data_parallel", "ddp")}
+    # "16-mixed" on the CPU: Lightning would make it bf16, so the plugin is given with the GradScaler of a GPU's run.
+    precision: dict[str, Any] = {"precision": run.get("precision", "32-true")}
+    if precision["precision"] == "16-mixed":
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    trainer = trainer_for(
+        {**run, "options": options}, root, enable_checkpointing=run.get("checkpointing", False), **precision
+    )
+    rank = trainer.strategy.global_rank
+    trainer.callbacks.append(Holdings(root / f"held-{index}-rank{rank}.pt"))
+    batch_size = len(data) // run["steps"] if "zoo" in run else run.get("batch", BATCH)
+    loader = DataLoader(data, batch_size=batch_size)
+    validation = loader if run.get("limit_val_batches") else None
+    trainer.fit(module, loader, validation)
+    if rank == 0:  # before predict, which clears them
+        logged = {key: value.detach().cpu() for key, value in trainer.callback_metrics.items()}
+        torch.save(logged, root / f"metrics-{index}.pt")
+    if run.get("predict"):  # a new setup after fit's teardown: the stages sharded again, then resharded after each step
+        predictions = trainer.predict(module, DataLoader(data, batch_size=BATCH))
+        if rank == 0:
+            torch.save(torch.cat(predictions), root / f"predictions-{index}.pt")  # type: ignore[arg-type]
+    if run.get("decode"):  # greedy decoding: each token a further call of the sequence, relayed through the stages
+        module.hparams["generation"] = GENERATION["greedy"]
+        (tokens_out,) = trainer.predict(module, DataLoader(Repeated(prompts(), 1), batch_size=len(PROMPT_LENGTHS)))
+        if rank == 0:
+            torch.save(tokens_out, root / f"predictions-{index}.pt")
+    if run.get("save"):
+        try:
+            trainer.save_checkpoint(root / "refused.ckpt")
+        except NotImplementedError as error:
+            (root / f"error-{index}-rank{rank}.txt").write_text(str(error))
+    return module
+
+
+def _module_and_data(run: dict[str, Any], root: Path) -> tuple[L.LightningModule, Dataset]:
+    name = run.get("zoo")
+    if name is None:
+        module = Module(run)
+        module.sync_dist = run.get("sync_dist", False)
+        return module, tokens() if run.get("model") == "tied" else dataset()
+    zoo_module, batch = causal_lm(root) if name == CAUSAL_LM else (tiny_model(name), tiny_batch(name))
+    return zoo_module, Repeated(batch, run["steps"])  # the same batch every step
+
+
+def main(config_path: str) -> None:
+    config = json.loads(Path(config_path).read_text())
+    root = Path(config_path).parent
+    for index, run in enumerate(config["runs"]):
+        try:
+            module = fit(run, root, index)
+        except ValueError as error:
+            if not run.get("expect_error"):
+                raise
+            (root / f"error-{index}-rank{os.environ['RANK']}.txt").write_text(str(error))
+            continue
+        if module.global_rank == 0:
+            torch.save(module.state_dict(), root / f"result-{index}.pt")
