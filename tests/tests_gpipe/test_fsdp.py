@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.sharding import ShardedCell, is_sharded, whole
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.partition.assembly import assemble_stage
 from lightning_gpipe.partition.config import BuildConfig
 from lightning_gpipe.partition.fsdp import _skeleton, mixed_precision, shard_stage, ties_kept_whole
