@@ -53,6 +53,7 @@ from lightning_gpipe.log_mirror import LogRecorder, mirror_logs, sharing_from_la
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
 from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.partition.config import Balance, ResolvedPipeline
+from lightning_gpipe.partition.reader import WeightsReader, claim_reader
 from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.plan.auto import AutoPlan, auto_plan, planned_settings
@@ -163,6 +164,7 @@ class GPipeStrategy(ParallelStrategy):
         self._links: list[LinkGroups | None] = []  # per adjacent stage pair, a group per direction (None: in-process)
         self._control_group: dist.ProcessGroup | None = None
         self._assembled: AssembledStage | None = None  # this process's stage of the module, its partition and ties
+        self._reader: WeightsReader | None = None  # the module's pretrained weights, claimed in connect
         self._stages: tuple[Stage, ...] = ()  # this process's stages, in model order
         self._steps: UserSteps | None = None  # the user's step hooks over micro-batches
         self._driver: StepDriver | None = None  # the step in progress
@@ -278,6 +280,13 @@ class GPipeStrategy(ParallelStrategy):
         groups = new_stage_groups(self.layout, self._process_group_backend, self.config.timeout)
         self._pipeline_group, self._replica_group, self._links, self._object_group, self._control_group = groups
 
+    @override
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        # Before configure_model, which would have a module with a weights reader read everything: each stage reads
+        # its own tensors once the module is cut (assemble_stage).
+        self._reader = claim_reader(model) or self._reader
+
     @contextlib.contextmanager
     @override
     def model_sharded_context(self) -> Iterator[None]:
@@ -335,8 +344,9 @@ class GPipeStrategy(ParallelStrategy):
         transport = ProcessGroupTransport.for_stages(ranks, self.layout.stages, self.root_device, timeout, links=links)
         self._assembled = assembled = assemble_stage(
             module, self.settings, self.root_device, transport, sample=module.example_input_array,
-            replica_group=self._replica_group, timeline=self.timeline,
+            replica_group=self._replica_group, timeline=self.timeline, reader=self._reader,
         )  # fmt: skip
+        self._reader = None
         if self._replica_group is not None:
             sync_metrics_over(module, self._replica_group)
         self._stages, self._names = assembled.pipeline.stages, assembled.names

@@ -39,6 +39,7 @@ from lightning_gpipe.engine.transport import Transport
 from lightning_gpipe.partition.balance import balance_by_cost, checked_total, in_place_starts
 from lightning_gpipe.partition.compile import CompiledLayers, compile_layers
 from lightning_gpipe.partition.config import ResolvedPipeline
+from lightning_gpipe.partition.reader import WeightsReader, read_held
 from lightning_gpipe.partition.sequence import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.partition.tied import TiedCopies, retie, ties_between_processes
@@ -110,6 +111,7 @@ def assemble_stage(
     sample: Any = None,
     replica_group: dist.ProcessGroup | None = None,
     timeline: Timeline | None = None,
+    reader: WeightsReader | None = None,
 ) -> AssembledStage:
     """Cut ``module`` down to this process's stages (``settings.layout``) and build its pipeline over ``transport``.
 
@@ -127,6 +129,8 @@ def assemble_stage(
         sample: one input of the sequence, for a balance measured on it (``"flops"``, ``"time"``, ``"memory"``).
         replica_group: the ranks running this stage in every replica: they start from replica 0's weights.
         timeline: records the pipeline's actions when given.
+        reader: the module's pretrained weights (:mod:`lightning_gpipe.partition.reader`): this stage's tensors are
+            read from it, the module's others never are.
     """
     layout = settings.layout
     path, sequence = find_sequence(module, settings.module_name)
@@ -143,11 +147,14 @@ def assemble_stage(
         )
     names = ModelNames.of(module)
     whole = parameter_counts(module.parameters())  # before the split: each tied tensor once
-    balance = resolve_balance(settings, sequence, sample, device)
+    balance = resolve_balance(settings, sequence, sample, device, deferred=reader is not None)
     partition = partition_module(module, path, sequence, balance, layout.stages)
     own = [(i, sequence[i]) for i in partition.layers]
-    materialize(own, device, seed=torch.initial_seed() % 2**62)
+    provided = set(reader.keys()) if reader is not None else set()
+    materialize(own, device, torch.initial_seed() % 2**62, lambda i, name: f"{path}.{i}.{name}" in provided)
     retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
+    if reader is not None:
+        read_held(module, reader, device)
     if settings.deferred_batch_norm:
         DeferredBatchNorm.convert(partition.stand_in)
     # The final layer objects (materialized, BatchNorm converted) are the ones compiled; the checkpointed cell
@@ -177,20 +184,21 @@ def assemble_stage(
 
 
 def resolve_balance(
-    settings: ResolvedPipeline, sequence: nn.Sequential, sample: Any, device: torch.device
+    settings: ResolvedPipeline, sequence: nn.Sequential, sample: Any, device: torch.device, deferred: bool = False
 ) -> list[int]:
     """Layers per stage (``K·v`` of them): ``settings.balance`` if it is a list (checked against the sequence), else
     found from costs.
 
     A measured balance is decided on global rank 0 and broadcast over the world, since measured costs differ between
     processes; without a process group (one process building every stage), each call measures for itself. The
-    default is ``"flops"`` when there is a ``sample`` and the layers are not on the meta device, else ``"params"``.
+    default is ``"flops"`` when there is a ``sample`` and the layers are not on the meta device, else ``"params"``;
+    layers whose weights wait in a reader (``deferred``) count as real, their FLOPs counted on the meta device.
     """
     if isinstance(settings.balance, list):
         return checked_total(settings.balance, len(sequence))  # its entries were checked where it was given
     how = settings.balance
     if how is None:
-        how = "flops" if sample is not None and not _is_meta(sequence) else "params"
+        how = "flops" if sample is not None and (deferred or not _is_meta(sequence)) else "params"
     if how in ("flops", "time", "memory") and sample is None:
         raise ValueError(
             f"balance={how!r} measures the layers on a sample input: set `self.example_input_array` in the "
@@ -199,6 +207,9 @@ def resolve_balance(
     distributed = dist.is_available() and dist.is_initialized()
     balance: list[int] | None = None
     if not distributed or settings.layout.rank == 0:
+        if deferred and how == "flops" and _is_meta(sequence):
+            # A meta copy, the sample with it: the values of the weights do not change a layer's FLOPs.
+            sequence, sample = copy.deepcopy(sequence).to("meta"), to_device(sample, torch.device("meta"))
         costs = measured_costs(sequence, how, sample, device)
         balance = balance_by_cost(costs, settings.num_stages, avoid_cuts=in_place_starts(sequence))
     if distributed:
