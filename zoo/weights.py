@@ -173,6 +173,9 @@ class DistributedCheckpoint(TensorFiles):
     def read_into(self, targets: Mapping[str, Tensor]) -> None:
         import torch.distributed.checkpoint as dcp
 
+        for name, target in targets.items():  # DCP would raise its own exception, for every rank, without the fix
+            if self.entries[name].shape != tuple(target.shape):
+                _copy(target, torch.empty(self.entries[name].shape, device="meta"), name, self.path)
         wanted = {f"{self.prefix}{name}": target for name, target in targets.items()}
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
             warnings.simplefilter("ignore", UserWarning)

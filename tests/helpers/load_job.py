@@ -4,8 +4,9 @@
 Trainer's launcher starts the other ranks, which run this script again. Each rank measures (VmRSS and VmHWM, as
 ``/proc/self/status`` reports them) its growth through ``zoo.load_pretrained(SOURCE)`` and from the Trainer's
 ``setup`` hook (process groups are up by then) to the start of training, then writes ``OUT/rank-N.json``:
-``{"load": bytes, "setup": bytes, "growth": bytes}``, ``growth`` being the larger of the load's own peak and what the
-load kept plus the setup's peak. The module then trains one step, so that a broken stage cannot pass.
+``{"load": bytes, "setup": bytes, "growth": bytes, "read": [keys], "held": [keys]}``, ``growth`` being the larger of
+the load's own peak and what the load kept plus the setup's peak, ``read`` the state-dict keys this process read from
+the checkpoint and ``held`` those of its stage. The module then trains one step, so that a broken stage cannot pass.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def reset_peak() -> None:
 
 
 class SetupMemory(L.Callback):
-    """The peak from the Trainer's ``setup`` hook (after the process groups) to the start of training."""
+    """The peak from the Trainer's ``setup`` hook (after the process groups) to the start of training, and the keys
+    of the stage held then."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.before = resident()[0]
@@ -50,6 +52,22 @@ class SetupMemory(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.peak = resident()[1]
+        self.held = list(pl_module.state_dict())
+
+
+def _recording_reads() -> list[str]:
+    """The keys every :class:`~zoo.weights.CheckpointReader` of this process reads from now on."""
+    from zoo.weights import CheckpointReader
+
+    read: list[str] = []
+    original = CheckpointReader.read_into
+
+    def read_into(self: CheckpointReader, tensors: Any) -> None:
+        read.extend(tensors)
+        original(self, tensors)
+
+    CheckpointReader.read_into = read_into  # type: ignore[method-assign]
+    return read
 
 
 def _batches(vocab: int) -> DataLoader:
@@ -75,6 +93,7 @@ def main(source: str, out: str, pipe_size: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     _import_model_code(source)
+    read = _recording_reads()
     before = resident()[0]
     reset_peak()
     model = zoo.load_pretrained(source)
@@ -87,6 +106,7 @@ def main(source: str, out: str, pipe_size: str) -> None:
     vocab: Any = model.hparams["config"]["vocab_size"]
     trainer.fit(model, _batches(int(vocab)))
     setup = memory.peak - memory.before
-    record = {"load": load_peak - before, "setup": setup, "growth": max(load_peak - before, loaded - before + setup)}
+    growth = max(load_peak - before, loaded - before + setup)
+    record = {"load": load_peak - before, "setup": setup, "growth": growth, "read": read, "held": memory.held}
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank-{rank}.json").write_text(json.dumps(record))
