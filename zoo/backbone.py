@@ -30,7 +30,7 @@ from zoo.weights import (
     load_torch_file,
 )
 
-__all__ = ["LoadReport", "checkpoint_tensors", "load_backbone", "read_checkpoint"]
+__all__ = ["LoadReport", "load_backbone", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
-def checkpoint_tensors(path: str | Path) -> TensorFiles:
+def _checkpoint_tensors(path: str | Path) -> TensorFiles:
     """The state dict's tensors of the checkpoint at ``path`` (a file's ``state_dict``, a directory's ``model.*``)."""
     return DistributedCheckpoint(path) if is_distributed_checkpoint(path) else TorchFile(path, "state_dict")
 
@@ -106,7 +106,7 @@ def load_backbone(model: ZooModule, checkpoint: str | Path | Mapping[str, Any]) 
         )
     stored: Mapping[str, Any]
     if path is not None:
-        files = checkpoint_tensors(path)
+        files = _checkpoint_tensors(path)
         stored = files.entries
     else:
         stored = {key: value for key, value in content["state_dict"].items() if isinstance(value, torch.Tensor)}

@@ -6,8 +6,9 @@ their index, ``config.json``, the generation config, the tokenizer) without the 
 - a model whose ``layers`` hold one pipeline stage (after ``fit`` under ``GPipeStrategy``, or in a callback during
   it) exports as a collective: every process calls it, each stage's first replica writes the shard of the layers it
   holds, and once every shard is written global rank 0 writes the index and the rest;
-- a whole model writes groups of consecutive layers of at most ``max_shard_size`` bytes, a shard per group, each
-  group's tensors read from the pending weights when they wait (:mod:`zoo.deferred`) and released once written:
+- a whole model (global rank 0 writes it, whichever ranks call) writes groups of consecutive layers of at most
+  ``max_shard_size`` bytes, a shard per group, each group's tensors read from the pending weights when they wait
+  (:mod:`zoo.deferred`) and released once written:
   ``zoo.load_pretrained(checkpoint).export_pretrained(directory)`` streams a checkpoint (a sharded one included) to
   the Hugging Face format holding one group at a time;
 - LoRA adapters are merged into their base weights layer by layer; a tied tensor is written once, under the name
@@ -94,12 +95,16 @@ def export_directory(
         _replace(out, staging)
 
     limit = convert_file_size_to_int(max_shard_size)
-    if getattr(model.layers, "holds_all_layers", True):
+    if not getattr(model.layers, "holds_all_layers", True):
+        _write_stage(model, out, library_keys, saved, finish)
+    elif _rank() == 0:  # a whole model on every rank (data parallel, a pipeline put back together): one writer
         staging = _staging(out, os.getpid())
         finish(staging, _write_whole(model, staging, library_keys, saved, limit))
-    else:
-        _write_stage(model, out, library_keys, saved, finish)
     return out
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _check_replaceable(out: Path) -> None:
@@ -216,6 +221,7 @@ def _write_whole(
         with _held(model, indices):
             tensors = _library_tensors(model, indices, library_keys, set(keys).__contains__)
             shards.append(_write_shard(staging / _shard_name(number, len(groups)), tensors))
+            del tensors  # the group's memory goes back before the next group is read
     return shards
 
 
@@ -237,7 +243,7 @@ def _write_stage(
 ) -> None:
     """Every process's part of a pipelined model's export: the first replica of each stage writes its layers' shard
     (a tensor tied across stages by the first stage holding it), then global rank 0 the rest."""
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = _rank()
     held = sorted(int(name) for name, _ in model.layers.named_children())
     keys = [key for index in held for key, _ in _layer_keys(model, index, library_keys, saved)]
     proposed = str(_staging(out, os.getpid())) if rank == 0 else None
