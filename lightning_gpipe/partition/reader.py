@@ -11,15 +11,13 @@ fills them with :func:`read_held`. A tensor tied across stages is read by every 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.partition.sequence import allocate_meta
-
-__all__ = ["WeightsReader", "claim_reader", "read_held"]
+__all__ = ["WeightsReader", "allocate_meta", "claim_reader", "read_held"]
 
 
 @runtime_checkable
@@ -61,3 +59,22 @@ def read_held(module: nn.Module, reader: WeightsReader, device: torch.device) ->
     with torch.no_grad():
         reader.read_into({key: state[key].detach() for key in keys})
     return keys
+
+
+def allocate_meta(module: nn.Module, names: Iterable[str], device: torch.device) -> None:
+    """Give the tensors ``names`` of ``module`` (parameters or buffers, dotted names) that are on the meta device
+    uninitialized memory on ``device``; a tensor under several names stays one tensor."""
+    allocated: dict[int, torch.Tensor] = {}
+    for name in names:
+        path, _, attribute = name.rpartition(".")
+        owner = module.get_submodule(path)
+        table: dict[str, Any] = owner._parameters if attribute in owner._parameters else owner._buffers
+        tensor = table[attribute]
+        if tensor is None or not tensor.is_meta:
+            continue
+        new = allocated.get(id(tensor))
+        if new is None:
+            empty = torch.empty_like(tensor, device=device)
+            new = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+            allocated[id(tensor)] = new
+        table[attribute] = new

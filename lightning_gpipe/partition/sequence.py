@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,13 +21,13 @@ from torch import nn
 
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.partition.balance import cell_bounds
+from lightning_gpipe.partition.reader import allocate_meta
 from lightning_gpipe.partition.tied import Tie, find_ties, retie, set_aside
 
 __all__ = [
     "Partition",
     "PipelinedSequential",
     "RemoteLayers",
-    "allocate_meta",
     "find_sequence",
     "materialize",
     "partition_module",
@@ -470,25 +470,6 @@ def materialize(
             "owns them a reset_parameters() that initializes them, or build the model in __init__ instead of "
             "configure_model."
         )
-
-
-def allocate_meta(module: nn.Module, names: Iterable[str], device: torch.device) -> None:
-    """Give the tensors ``names`` of ``module`` (parameters or buffers, dotted names) that are on the meta device
-    uninitialized memory on ``device``; a tensor under several names stays one tensor."""
-    allocated: dict[int, torch.Tensor] = {}
-    for name in names:
-        path, _, attribute = name.rpartition(".")
-        owner = module.get_submodule(path)
-        table: dict[str, Any] = owner._parameters if attribute in owner._parameters else owner._buffers
-        tensor = table[attribute]
-        if tensor is None or not tensor.is_meta:
-            continue
-        new = allocated.get(id(tensor))
-        if new is None:
-            empty = torch.empty_like(tensor, device=device)
-            new = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-            allocated[id(tensor)] = new
-        table[attribute] = new
 
 
 def _versions(layer: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:

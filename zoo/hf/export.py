@@ -259,6 +259,14 @@ def _write_stage(
         assigned.update(plan[writer])
     numbered = [writer for writer, writes in plan.items() if writes]
     result: _Shard | str | None = None
+    unheld = sorted(saved - assigned)
+    if unheld:  # every process sees the same gathered layers: all raise, none writes
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError(
+            f"no process holds {unheld[:4]}{' ...' if len(unheld) > 4 else ''}: a model whose layers hold one pipeline "
+            "stage exports as a collective, so call export_pretrained on every rank of the job"
+        )
     if rank in numbered:
         try:
             tensors = _library_tensors(model, held, library_keys, set(plan[rank]).__contains__)
