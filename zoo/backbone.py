@@ -82,22 +82,29 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
-def _checkpoint_tensors(path: str | Path) -> TensorFiles:
-    """The state dict's tensors of the checkpoint at ``path`` (a file's ``state_dict``, a directory's ``model.*``)."""
-    return DistributedCheckpoint(path) if is_distributed_checkpoint(path) else TorchFile(path, "state_dict")
+def _checkpoint_tensors(path: str | Path, content: Mapping[str, Any]) -> TensorFiles:
+    """The state dict's tensors of the checkpoint at ``path`` (a file's ``state_dict``, a directory's ``model.*``);
+    ``content``: what :func:`read_checkpoint` read of it."""
+    if is_distributed_checkpoint(path):
+        return DistributedCheckpoint(path)
+    return TorchFile(path, "state_dict", loaded=content)
 
 
-def load_backbone(model: ZooModule, checkpoint: str | Path | Mapping[str, Any]) -> LoadReport:
+def load_backbone(
+    model: ZooModule, checkpoint: str | Path | Mapping[str, Any], content: Mapping[str, Any] | None = None
+) -> LoadReport:
     """Load every backbone tensor of ``checkpoint`` into ``model``; the heads (``model.head_prefixes()``) stay fresh.
 
     A checkpoint given by its path (a file or a sharded directory) is checked, then left to be read on first use or
     per pipeline stage: the backbone's tensors move to the meta device (if they are not there) and wait in a reader
     (:meth:`~zoo.deferred.DeferredWeights.defer_weights`). A checkpoint already in memory is copied at once. Raises
     ``ValueError``, leaving ``model`` untouched, when the checkpoint is of another architecture: another registry
-    name, or backbone keys or shapes that differ from ``model``'s.
+    name, or backbone keys or shapes that differ from ``model``'s. ``content``: what :func:`read_checkpoint` read of the
+    checkpoint at that path already.
     """
     path = None if isinstance(checkpoint, Mapping) else checkpoint
-    content = checkpoint if isinstance(checkpoint, Mapping) else read_checkpoint(checkpoint)
+    if content is None:
+        content = checkpoint if isinstance(checkpoint, Mapping) else read_checkpoint(checkpoint)
     saved_name = content.get("zoo_model")
     if saved_name != model.zoo_name:
         raise ValueError(
@@ -106,7 +113,7 @@ def load_backbone(model: ZooModule, checkpoint: str | Path | Mapping[str, Any]) 
         )
     stored: Mapping[str, Any]
     if path is not None:
-        files = _checkpoint_tensors(path)
+        files = _checkpoint_tensors(path, content)
         stored = files.entries
     else:
         stored = {key: value for key, value in content["state_dict"].items() if isinstance(value, torch.Tensor)}

@@ -108,7 +108,7 @@ def load_pretrained(
     assert isinstance(model, ZooModule)
     heads = [key for key in nn.Module.state_dict(model) if model.is_head(key)]
     initialize_unread(model, heads, _reset)
-    model.load_report = load_backbone(model, path)
+    model.load_report = load_backbone(model, path, checkpoint)
     return model
 
 

@@ -109,19 +109,26 @@ class TorchFile(TensorFiles):
     tensors leaves the others (and an optimizer's state) unread; a file in torch's legacy format, which cannot be
     mapped, is read whole at each read."""
 
-    def __init__(self, path: str | Path, entry: str | None = None, files: Iterable[str | Path] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        entry: str | None = None,
+        files: Iterable[str | Path] | None = None,
+        loaded: Mapping[str, Any] | None = None,
+    ) -> None:
         self.path = Path(path)
         self.entry = entry
         self.files: dict[str, Path] = {}
         self.entries = {}
         for file in [Path(file) for file in files] if files is not None else [self.path]:
-            for name, value in self._state(file).items():
+            state = self._state(file, loaded if file == self.path else None)  # `loaded`: ``path`` read already
+            for name, value in state.items():
                 if isinstance(value, Tensor):
                     self.files[name] = file
                     self.entries[name] = StoredTensor(tuple(value.shape), value.dtype)
 
-    def _state(self, file: Path) -> Mapping[str, Any]:
-        loaded = load_torch_file(file)
+    def _state(self, file: Path, loaded: Any = None) -> Mapping[str, Any]:
+        loaded = load_torch_file(file) if loaded is None else loaded
         state = loaded[self.entry] if self.entry is not None and isinstance(loaded, Mapping) else loaded
         if not isinstance(state, Mapping):
             raise ValueError(f"{str(file)!r} holds no state dict{f' under {self.entry!r}' if self.entry else ''}")
