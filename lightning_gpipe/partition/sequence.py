@@ -24,14 +24,7 @@ from lightning_gpipe.partition.balance import cell_bounds
 from lightning_gpipe.partition.reader import allocate_meta
 from lightning_gpipe.partition.tied import Tie, find_ties, retie, set_aside
 
-__all__ = [
-    "Partition",
-    "PipelinedSequential",
-    "RemoteLayers",
-    "find_sequence",
-    "materialize",
-    "partition_module",
-]
+__all__ = ["Partition", "PipelinedSequential", "RemoteLayers", "find_sequence", "materialize", "partition_module"]
 
 
 def _resolve(module: nn.Module, path: str) -> Any:

@@ -180,6 +180,7 @@ def test_an_export_replaces_an_export_whole_and_nothing_else(tmp_path: Path, mon
     with pytest.raises(OSError, match="No space left on device"):
         model.export_pretrained(out, max_shard_size="20KB")
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before, "the previous export is whole"
+    assert not list(tmp_path.glob(".export.*")), "nor is the failed one's staging directory left behind"
     monkeypatch.undo()
     model.export_pretrained(out, max_shard_size="20KB")
     assert (out / "model.safetensors.index.json").is_file()

@@ -99,7 +99,11 @@ def export_directory(
         _write_stage(model, out, library_keys, saved, finish)
     elif _rank() == 0:  # a whole model on every rank (data parallel, a pipeline put back together): one writer
         staging = _staging(out, os.getpid())
-        finish(staging, _write_whole(model, staging, library_keys, saved, limit))
+        try:
+            finish(staging, _write_whole(model, staging, library_keys, saved, limit))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return out
 
 
