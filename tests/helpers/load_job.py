@@ -4,9 +4,10 @@
 Trainer's launcher starts the other ranks, which run this script again. Each rank measures (VmRSS and VmHWM, as
 ``/proc/self/status`` reports them) its growth through ``zoo.load_pretrained(SOURCE)`` and from the Trainer's
 ``setup`` hook (process groups are up by then) to the start of training, then writes ``OUT/rank-N.json``:
-``{"load": bytes, "setup": bytes, "growth": bytes, "read": [keys], "held": [keys]}``, ``growth`` being the larger of
-the load's own peak and what the load kept plus the setup's peak, ``read`` the state-dict keys this process read from
-the checkpoint and ``held`` those of its stage. The module then trains one step, so that a broken stage cannot pass.
+``{"load": bytes, "setup": bytes, "growth": bytes, "read_at_load": [keys], "read": [keys], "held": [keys]}``,
+``growth`` being the larger of the load's own peak and what the load kept plus the setup's peak, ``read`` the
+state-dict keys this process read from the checkpoint (``read_at_load``: by the end of ``zoo.load_pretrained``) and
+``held`` those of its stage. The module then trains one step, so that a broken stage cannot pass.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def main(source: str, out: str, pipe_size: str) -> None:
     reset_peak()
     model = zoo.load_pretrained(source)
     loaded, load_peak = resident()
+    read_at_load = list(read)
     memory = SetupMemory()
     trainer = quiet_trainer(
         accelerator="cpu", devices=int(pipe_size), strategy=GPipeStrategy(pipe_size=int(pipe_size), chunks=1),
@@ -107,6 +109,9 @@ def main(source: str, out: str, pipe_size: str) -> None:
     trainer.fit(model, _batches(int(vocab)))
     setup = memory.peak - memory.before
     growth = max(load_peak - before, loaded - before + setup)
-    record = {"load": load_peak - before, "setup": setup, "growth": growth, "read": read, "held": memory.held}
+    record = {
+        "load": load_peak - before, "setup": setup, "growth": growth, "read_at_load": read_at_load, "read": read,
+        "held": memory.held,
+    }  # fmt: skip
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank-{rank}.json").write_text(json.dumps(record))

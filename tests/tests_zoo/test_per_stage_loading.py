@@ -51,7 +51,8 @@ def test_no_rank_grows_by_the_whole_model_when_a_bfloat16_checkpoint_loads_as_fl
     for rank, record in enumerate(_launched(source, tmp_path / "out", 2)):
         growth = record["growth"] / whole
         assert growth < 0.8, f"rank {rank} grew by {growth:.2f}x the whole float32 model through load and setup"
-        assert record["load"] < 0.1 * whole, f"rank {rank}: zoo.load_pretrained read weights"
+        assert record["read_at_load"] == [], f"rank {rank}: zoo.load_pretrained read weights"
+        assert record["load"] < 0.25 * whole, f"rank {rank}: zoo.load_pretrained took {record['load']} bytes"
 
 
 @RunIf(multiprocess=True)
