@@ -55,6 +55,7 @@ from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
 from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.partition.config import Balance, DataParallel, ResolvedPipeline
 from lightning_gpipe.partition.fsdp import mixed_precision
+from lightning_gpipe.partition.reader import WeightsReader, claim_reader
 from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.plan.auto import AutoPlan, auto_plan, planned_settings
@@ -163,6 +164,7 @@ class GPipeStrategy(ParallelStrategy):
         self._control_group: dist.ProcessGroup | None = None
         self._device_mesh: DeviceMesh | None = None  # ("pipe", "data"), under data_parallel="fsdp"
         self._assembled: AssembledStage | None = None  # this process's stage of the module, its partition and ties
+        self._reader: WeightsReader | None = None  # the module's pretrained weights, claimed in connect
         self._stages: tuple[Stage, ...] = ()  # this process's stages, in model order
         self._steps: UserSteps | None = None  # the Lightning-side step: the user's hooks over micro-batches
         self._gradients: StageGradients | None = None
@@ -284,6 +286,13 @@ class GPipeStrategy(ParallelStrategy):
             if self.lightning_module is not None:
                 set_device_mesh(self.lightning_module, self._device_mesh)
 
+    @override
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        # Before configure_model, which would have a module with a weights reader read everything: each stage reads
+        # its own tensors once the module is cut (assemble_stage).
+        self._reader = claim_reader(model) or self._reader
+
     @contextlib.contextmanager
     @override
     def model_sharded_context(self) -> Iterator[None]:
@@ -347,8 +356,9 @@ class GPipeStrategy(ParallelStrategy):
         self._assembled = assembled = assemble_stage(
             module, self.settings, self.root_device, transport, sample=module.example_input_array,
             replica_group=self._replica_group, timeline=self.timeline, mesh=self._device_mesh,
-            mixed_precision=mixed_precision(self.precision_plugin.precision) if sharded else None,
+            mixed_precision=mixed_precision(self.precision_plugin.precision) if sharded else None, reader=self._reader,
         )  # fmt: skip
+        self._reader = None
         if self._replica_group is not None:
             sync_metrics_over(module, self._replica_group)
         self._stages, self._names = assembled.pipeline.stages, assembled.names

@@ -1,10 +1,12 @@
 """Fine-tuning from a pretrained checkpoint: the backbone's weights loaded exactly, the task heads new.
 
 A checkpoint written by ``Trainer.save_checkpoint`` (with any number of pipeline stages: GPipeStrategy saves the whole
-model under its unpartitioned names) carries the zoo model's registry name and constructor arguments, so
-:func:`load_pretrained` can rebuild the architecture, load every backbone weight and start the heads afresh, as the
-GPipe paper fine-tunes its ImageNet AmoebaNet on CIFAR and Food-101. Files are read with ``weights_only=True``: a
-checkpoint whose unpickling would run code is refused.
+model under its unpartitioned names; a file, or a sharded directory) carries the zoo model's registry name and
+constructor arguments, so :func:`load_pretrained` can rebuild the architecture, load every backbone weight and start
+the heads afresh, as the GPipe paper fine-tunes its ImageNet AmoebaNet on CIFAR and Food-101. Files are read with
+``weights_only=True``: a checkpoint whose unpickling would run code is refused. No weight is read by
+:func:`load_pretrained` itself: the model is built on the meta device, and its weights are read on first use, or by
+``GPipeStrategy`` one stage per process (:mod:`zoo.deferred`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from zoo._registry import model_class
 from zoo.backbone import load_backbone, read_checkpoint
+from zoo.deferred import initialize_unread, parameters_on_meta
 from zoo.tasks.base import ZooModule
 from zoo.timm_models import load_timm
 
@@ -38,7 +43,8 @@ def load_pretrained(
     """Rebuild the zoo model saved at ``path`` for a new task: backbone weights loaded, heads new.
 
     Args:
-        path: a checkpoint written by ``Trainer.save_checkpoint`` from a zoo model, with any number of stages;
+        path: a checkpoint written by ``Trainer.save_checkpoint`` from a zoo model, with any number of stages (a
+            file, or a sharded checkpoint directory);
             ``"timm/<model name>"`` for a timm ResNet, ConvNeXt or ViT with timm's pretrained weights (a local file
             with ``weights=PATH``; see :func:`zoo.timm_models.load_timm`); or a Hugging Face translation model
             (M2M-100, NLLB, Marian): a hub id such as ``"facebook/m2m100_418M"`` or a ``save_pretrained`` directory,
@@ -56,7 +62,9 @@ def load_pretrained(
             arguments must stay as saved, or the backbone will not fit).
 
     Returns:
-        The model; ``model.load_report`` (a :class:`LoadReport`) lists the loaded, new and skipped keys.
+        The model, its pretrained weights on the meta device until their first use (``model.load_weights()`` reads
+        them now; under ``GPipeStrategy`` each process reads its own stage's); ``model.load_report`` (a
+        :class:`LoadReport`) lists the loaded, new and skipped keys of a zoo checkpoint or timm source.
 
     Raises:
         FileNotFoundError: ``path`` is neither an existing file or directory nor a hub id, with the accepted forms.
@@ -94,10 +102,19 @@ def load_pretrained(
         if key not in accepted:
             raise ValueError(f"{key}={value!r}: the {name!r} model has no such argument ({', '.join(accepted)})")
         arguments[key] = value
-    model = cls(**arguments)
+    with parameters_on_meta():  # the backbone is read later, the heads start as the model's code starts them
+        model = cls(**arguments)
     assert isinstance(model, ZooModule)
-    model.load_report = load_backbone(model, checkpoint)
+    heads = [key for key in nn.Module.state_dict(model) if model.is_head(key)]
+    initialize_unread(model, heads, _reset)
+    model.load_report = load_backbone(model, path, checkpoint)
     return model
+
+
+def _reset(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
 
 
 _HF_TRANSLATION = "hf_translation"  # PretrainedTranslator.zoo_name, outside the registry

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from lightning_gpipe.partition.balance import balance_by_cost, checked_total, in
 from lightning_gpipe.partition.compile import CompiledLayers, compile_layers
 from lightning_gpipe.partition.config import ResolvedPipeline
 from lightning_gpipe.partition.fsdp import shard_stage
+from lightning_gpipe.partition.reader import WeightsReader, read_held
 from lightning_gpipe.partition.sequence import Partition, find_sequence, materialize, partition_module
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.partition.tied import TiedCopies, retie, ties_between_processes
@@ -117,6 +119,7 @@ def assemble_stage(
     timeline: Timeline | None = None,
     mesh: DeviceMesh | None = None,
     mixed_precision: MixedPrecisionPolicy | None = None,
+    reader: WeightsReader | None = None,
 ) -> AssembledStage:
     """Cut ``module`` down to this process's stages (``settings.layout``) and build its pipeline over ``transport``.
 
@@ -138,6 +141,8 @@ def assemble_stage(
             over whose ``"data"`` dimension ``settings.data_parallel="fsdp"`` shards the stage; needed then only.
         mixed_precision: FSDP's mixed precision under ``"fsdp"``
             (:func:`~lightning_gpipe.partition.fsdp.mixed_precision`); default: none.
+        reader: the module's pretrained weights (:mod:`lightning_gpipe.partition.reader`): this stage's tensors are
+            read from it, the module's others never are.
     """
     layout = settings.layout
     path, sequence = find_sequence(module, settings.module_name)
@@ -154,18 +159,28 @@ def assemble_stage(
         )
     names = ModelNames.of(module)
     whole = parameter_counts(module.parameters())  # before the split: each tied tensor once
-    balance = resolve_balance(settings, sequence, sample, device)
+    balance = resolve_balance(settings, sequence, sample, device, deferred=reader is not None)
     partition = partition_module(module, path, sequence, balance, layout.stages)
     seed = torch.initial_seed() % 2**62
+    provided = set(reader.keys()) if reader is not None else set()
+
+    def is_provided(index: int, name: str) -> bool:
+        return f"{path}.{index}.{name}" in provided
+
     if settings.data_parallel == "fsdp":
         assert mesh is not None, "data_parallel='fsdp' shards over the job's mesh: pass mesh="
+        fill = None if reader is None else partial(_read_layer, module, reader, device, path)
         shard_stage(
             partition, layout, mesh["data"], device, seed=seed, deferred_batch_norm=settings.deferred_batch_norm,
-            policy=mixed_precision,
+            policy=mixed_precision, provided=is_provided, fill=fill,
         )  # fmt: skip
+        if reader is not None:  # what lies outside the sequence (a frozen part), never sharded
+            read_held(module, reader, device, only=lambda key: not key.startswith(f"{path}."))
     else:
-        materialize([(i, sequence[i]) for i in partition.layers], device, seed=seed)
+        materialize([(i, sequence[i]) for i in partition.layers], device, seed, is_provided)
         retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
+        if reader is not None:
+            read_held(module, reader, device)
         if settings.deferred_batch_norm:
             DeferredBatchNorm.convert(partition.stand_in)
     # The final layer objects (materialized, BatchNorm converted) are the ones compiled; the checkpointed cell
@@ -194,21 +209,27 @@ def assemble_stage(
     return AssembledStage(partition, pipeline, ties, names, whole, compiled, layout.pipe_size)
 
 
+def _read_layer(module: nn.Module, reader: WeightsReader, device: torch.device, path: str, index: int) -> None:
+    """Fill layer ``index`` of the sequence at ``path`` from ``reader`` (before it is sharded)."""
+    read_held(module, reader, device, only=lambda key: key.startswith(f"{path}.{index}."))
+
+
 def resolve_balance(
-    settings: ResolvedPipeline, sequence: nn.Sequential, sample: Any, device: torch.device
+    settings: ResolvedPipeline, sequence: nn.Sequential, sample: Any, device: torch.device, deferred: bool = False
 ) -> list[int]:
     """Layers per stage (``K·v`` of them): ``settings.balance`` if it is a list (checked against the sequence), else
     found from costs.
 
     A measured balance is decided on global rank 0 and broadcast over the world, since measured costs differ between
     processes; without a process group (one process building every stage), each call measures for itself. The
-    default is ``"flops"`` when there is a ``sample`` and the layers are not on the meta device, else ``"params"``.
+    default is ``"flops"`` when there is a ``sample`` and the layers are not on the meta device, else ``"params"``;
+    layers whose weights wait in a reader (``deferred``) count as real, their FLOPs counted on the meta device.
     """
     if isinstance(settings.balance, list):
         return checked_total(settings.balance, len(sequence))  # its entries were checked where it was given
     how = settings.balance
     if how is None:
-        how = "flops" if sample is not None and not _is_meta(sequence) else "params"
+        how = "flops" if sample is not None and (deferred or not _is_meta(sequence)) else "params"
     if how in ("flops", "time", "memory") and sample is None:
         raise ValueError(
             f"balance={how!r} measures the layers on a sample input: set `self.example_input_array` in the "
@@ -217,6 +238,9 @@ def resolve_balance(
     distributed = dist.is_available() and dist.is_initialized()
     balance: list[int] | None = None
     if not distributed or settings.layout.rank == 0:
+        if deferred and how == "flops" and _is_meta(sequence):
+            # A meta copy, the sample with it: the values of the weights do not change a layer's FLOPs.
+            sequence, sample = copy.deepcopy(sequence).to("meta"), to_device(sample, torch.device("meta"))
         costs = measured_costs(sequence, how, sample, device)
         balance = balance_by_cost(costs, settings.num_stages, avoid_cuts=in_place_starts(sequence))
     if distributed:

@@ -90,10 +90,13 @@ def shard_stage(
     seed: int,
     deferred_batch_norm: bool,
     policy: MixedPrecisionPolicy | None = None,
+    provided: Callable[[int, str], bool] | None = None,
+    fill: Callable[[int], None] | None = None,
 ) -> None:
     """Shard each layer of this process's stages over ``mesh`` (its replicas), one layer at a time.
 
-    Each layer is materialized (if built on the meta device, seeded ``seed + index`` as under ``"ddp"``), retied,
+    Each layer is materialized (if built on the meta device, seeded ``seed + index`` as under ``"ddp"``; tensors
+    ``provided(index, name)`` says a weights reader holds are only allocated, then filled by ``fill(index)``), retied,
     converted to deferred BatchNorm (``deferred_batch_norm``), given replica 0's values, and sharded (``policy``: FSDP's
     mixed precision). The whole module's sequence (``partition.original``) then holds a meta copy of each of these
     layers, as it holds the other stages' layers: reassembly rebuilds them from the gathered shards. A collective over
@@ -112,8 +115,10 @@ def shard_stage(
     skeletons: dict[str, nn.Module] = {}
     for index in partition.layers:
         name = str(index)
-        materialize([(index, stand_in.get_submodule(name))], device, seed)
+        materialize([(index, stand_in.get_submodule(name))], device, seed, provided)
         retie(partition.original, [tie for tie in partition.ties if any(_in(n, name) for n in tie.names)])
+        if fill is not None:
+            fill(index)
         layer = stand_in.get_submodule(name)
         if deferred_batch_norm:
             stand_in._modules[name] = layer = DeferredBatchNorm.convert(layer)  # the layer itself may be replaced

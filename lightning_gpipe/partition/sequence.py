@@ -22,6 +22,7 @@ from torch import nn
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.sharding import whole
 from lightning_gpipe.partition.balance import cell_bounds
+from lightning_gpipe.partition.reader import allocate_meta
 from lightning_gpipe.partition.tied import Tie, find_ties, retie, set_aside
 
 __all__ = ["Partition", "PipelinedSequential", "RemoteLayers", "find_sequence", "materialize", "partition_module"]
@@ -421,24 +422,36 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def materialize(layers: Sequence[tuple[int, nn.Module]], device: torch.device, seed: int) -> None:
-    """Allocate meta-device layers on ``device`` and initialize them with their ``reset_parameters``.
+def materialize(
+    layers: Sequence[tuple[int, nn.Module]],
+    device: torch.device,
+    seed: int,
+    provided: Callable[[int, str], bool] | None = None,
+) -> None:
+    """Allocate the meta tensors of ``layers`` on ``device`` and initialize them with their ``reset_parameters``.
 
     Layer ``i`` is initialized from a generator seeded ``seed + i``, so its weights are the same whichever stage
-    holds it: a model built on meta starts from the same parameters for every number of stages.
+    holds it: a model built on meta starts from the same parameters for every number of stages. Tensors that are not
+    on meta (a rotary table computed when the model was built) keep their values. ``provided(i, name)`` says that a
+    weights reader will fill tensor ``name`` of layer ``i`` (:mod:`lightning_gpipe.partition.reader`): such tensors
+    are only allocated, and a layer whose meta tensors are all provided is not initialized at all.
     """
     untouched: dict[int, list[str]] = {}
     for index, layer in layers:
-        if not any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
+        meta = [name for name, (tensor, _) in _versions(layer).items() if tensor.is_meta]
+        if not meta:
             continue
-        layer.to_empty(device=device)
+        fresh = [name for name in meta if provided is None or not provided(index, name)]
+        allocate_meta(layer, meta, device)
+        if not fresh:
+            continue
         allocated = _versions(layer)
         with _seeded(seed + index, device):
             for submodule in layer.modules():
                 reset = getattr(submodule, "reset_parameters", None)
                 if callable(reset):
                     reset()
-        names = _never_written(index, layer, allocated)
+        names = _never_written(index, layer, {name: allocated[name] for name in fresh})
         if names:
             untouched[index] = names
     # Refused only once every layer is allocated: the teardown after the error moves the module to the CPU, which
@@ -450,17 +463,17 @@ def materialize(layers: Sequence[tuple[int, nn.Module]], device: torch.device, s
         raise ValueError(
             f"layer{'s' if len(indices) > 1 else ''} {', '.join(indices)} {'were' if len(indices) > 1 else 'was'} "
             f"built on the meta device (in configure_model) and {shown} would start as uninitialized memory: "
-            "materialization allocates each stage's layers with to_empty() and then calls every module's "
-            "reset_parameters(), and none of them writes these tensors (an nn.Parameter or buffer made in __init__, "
-            "such as a class token, a position embedding or a layer-scale gamma, has no reset_parameters of its own). "
-            "Give the module that owns them a reset_parameters() that initializes them, or build the model in "
-            "__init__ instead of configure_model."
+            "materialization allocates each stage's layers and then calls every module's reset_parameters(), and "
+            "none of them writes these tensors (an nn.Parameter or buffer made in __init__, such as a class token, "
+            "a position embedding or a layer-scale gamma, has no reset_parameters of its own). Give the module that "
+            "owns them a reset_parameters() that initializes them, or build the model in __init__ instead of "
+            "configure_model."
         )
 
 
 def _versions(layer: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     # Every in-place write (nn.init, fill_, copy_) bumps a tensor's version counter: a tensor still at the version
-    # to_empty gave it, and not replaced, was never written.
+    # its allocation gave it, and not replaced, was never written.
     tensors = [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]
     return {name: (tensor, tensor._version) for name, tensor in tensors}
 

@@ -180,13 +180,15 @@ def test_on_meta_the_vit_materializes_every_parameter_including_its_tokens() -> 
     assert embedding.cls_token.abs().max().item() < 1e-4
 
 
-def test_on_meta_models_that_timm_alone_can_initialize_or_weights_are_refused() -> None:
+def test_on_meta_models_that_timm_alone_can_initialize_or_weights_it_converts_are_refused(tmp_path: Path) -> None:
     name, kwargs = TINY["convnext"]
     uninitialized = r"holds parameters that only timm's own initializer sets \(stages.0.blocks.0"
     with pytest.raises(ValueError, match=uninitialized), torch.device("meta"):
         zoo.create_model("timm", model_name=name, model_kwargs=kwargs)
-    with (
-        pytest.raises(ValueError, match=r"pretrained=True under the meta device: weights cannot be loaded"),
-        torch.device("meta"),
-    ):
-        zoo.create_model("timm", model_name="resnet18", pretrained=True)
+    # A ViT's weights for 32-pixel images into a 64-pixel model: timm resamples the position embedding, whole.
+    name, kwargs = TINY["vit"]
+    weights = tmp_path / "vit32.safetensors"
+    save_file({key: value.contiguous() for key, value in tiny_timm("vit").state_dict().items()}, weights)
+    converted = r"pretrained='.*vit32.safetensors' under the meta device: these weights are converted by timm"
+    with pytest.raises(ValueError, match=converted), torch.device("meta"):
+        zoo.create_model("timm", model_name=name, pretrained=str(weights), model_kwargs={**kwargs, "img_size": 64})

@@ -13,19 +13,19 @@ The sequence::
     TokenEmbedding, CausalDecoderLayer x N, FinalNorm, LanguageModelHead
 
 Weights are the library model's own tensors (tied ones stay one ``nn.Parameter``); :func:`zoo.hf.conversion.key_map`
-and :func:`zoo.hf.conversion.export_state_dict` carry them back.
+names them for :mod:`zoo.hf.export`, which writes them back.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from zoo.hf.causal_lm_layers import CausalDecoderLayer, FinalNorm, LanguageModelHead, TokenEmbedding
+from zoo.hf.checkpoint import LibraryWeights, build_on_meta, resolve_dtype
 
 __all__ = [
     "ROTARY_PER_LAYER_TYPE",
@@ -102,23 +102,27 @@ def check_causal_structure(model: nn.Module, source: str) -> None:
 
 def build_causal_lm(
     source: str, config: dict[str, Any] | None = None, *, pretrained: bool = True, dtype: str = "float32"
-) -> PreTrainedModel:
-    """The ``transformers`` model of ``source``: its weights (``pretrained``) as ``dtype`` (a ``torch`` dtype's name,
-    or ``"auto"``: the checkpoint's), or random ones from ``config`` (a ``config.to_dict()``; default the source's) in
-    the default dtype. Random initialization also works under ``torch.device("meta")``. Refuses an unsupported model
-    before reading any weight."""
-    weights = dtype if dtype == "auto" else getattr(torch, dtype, None)
-    if not (weights == "auto" or isinstance(weights, torch.dtype) and weights.is_floating_point):
-        raise ValueError(f"dtype={dtype!r} is not a floating-point torch dtype; use 'float32', 'bfloat16' or 'auto'")
+) -> tuple[PreTrainedModel, LibraryWeights | None]:
+    """The ``transformers`` model of ``source``, built without reading a weight, and where its weights are.
+
+    With ``pretrained``: every tensor the checkpoint holds is on the meta device, in ``dtype`` (a ``torch`` dtype's
+    name, or ``"auto"``: the checkpoint's), and :class:`~zoo.hf.checkpoint.LibraryWeights` says where each is stored
+    (what the files lack is initialized as ``from_pretrained`` does). Without: random weights from ``config`` (a
+    ``config.to_dict()``; default the source's) in the default dtype, and no weights to read (random initialization
+    also works under ``torch.device("meta")``). An unsupported model is refused from its config and its structure
+    (built on the meta device), before any weight file is opened.
+    """
     hf_config = AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(source)
     check_causal_config(hf_config, source)
-    if pretrained:
-        model = AutoModelForCausalLM.from_pretrained(source, config=hf_config, dtype=weights)
-    else:
+    if not pretrained:
+        resolve_dtype(dtype, hf_config)  # a bad dtype is refused alike
         model = AutoModelForCausalLM.from_config(hf_config)
-    assert isinstance(model, PreTrainedModel), type(model)
+        assert isinstance(model, PreTrainedModel), type(model)
+        check_causal_structure(model, source)
+        return model, None
+    model = build_on_meta(AutoModelForCausalLM, hf_config, resolve_dtype(dtype, hf_config, source))
     check_causal_structure(model, source)
-    return model
+    return model, LibraryWeights.of(model, source)
 
 
 def _sliding(config: PretrainedConfig, index: int) -> bool:

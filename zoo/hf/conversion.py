@@ -3,7 +3,7 @@
 Supported: ``M2M100ForConditionalGeneration`` (M2M-100 and NLLB, which is M2M-100's architecture) and
 ``MarianMTModel``. The sequence is built from the library model's own modules (see :mod:`zoo.hf.layers`), so tied
 weights stay one ``nn.Parameter`` and every zoo state-dict key names a tensor of the library model; :func:`key_map`
-records which, and :func:`export_state_dict` turns a zoo state dict back into the library's.
+records which, for :mod:`zoo.hf.export` to write them back under the library's names.
 
 The sequence, for ``E`` encoder and ``N`` decoder layers (the norms only where the model has them)::
 
@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 
+from zoo.hf.checkpoint import LibraryWeights, build_on_meta, resolve_dtype
 from zoo.hf.layers import (
     DecoderEmbedding,
     DecoderLayer,
@@ -34,7 +34,6 @@ from zoo.hf.layers import (
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "build_library_model",
-    "export_state_dict",
     "is_hf_source",
     "key_map",
     "layers_from_library_model",
@@ -83,21 +82,25 @@ def check_config(config: PretrainedConfig, source: str) -> None:
 
 
 def build_library_model(
-    source: str, config: dict[str, Any] | None = None, *, pretrained: bool = True
-) -> PreTrainedModel:
-    """The ``transformers`` model of ``source``: its weights (``pretrained``), or random ones from ``config`` (a
-    ``config.to_dict()``; default the source's). Random initialization also works under ``torch.device("meta")``.
+    source: str, config: dict[str, Any] | None = None, *, pretrained: bool = True, dtype: str = "float32"
+) -> tuple[PreTrainedModel, LibraryWeights | None]:
+    """The ``transformers`` model of ``source``, built without reading a weight, and where its weights are.
+
+    With ``pretrained``: every tensor the checkpoint holds is on the meta device, in ``dtype`` (a ``torch`` dtype's
+    name, or ``"auto"``: the checkpoint's), and :class:`~zoo.hf.checkpoint.LibraryWeights` says where each is stored
+    (what the files lack, such as Marian's sinusoidal tables, is initialized as ``from_pretrained`` does). Without:
+    random weights from ``config`` (a ``config.to_dict()``; default the source's), and nothing to read; random
+    initialization also works under ``torch.device("meta")``. A model type the layers do not wrap is refused from its
+    config, before any weight file is opened.
     """
-    if pretrained:
-        model = AutoModelForSeq2SeqLM.from_pretrained(source)
-        assert isinstance(model, PreTrainedModel), type(model)
-        check_config(model.config, source)
-        return model
     hf_config = AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(source)
     check_config(hf_config, source)
-    model = AutoModelForSeq2SeqLM.from_config(hf_config)
-    assert isinstance(model, PreTrainedModel), type(model)
-    return model
+    if not pretrained:
+        model = AutoModelForSeq2SeqLM.from_config(hf_config)
+        assert isinstance(model, PreTrainedModel), type(model)
+        return model, None
+    model = build_on_meta(AutoModelForSeq2SeqLM, hf_config, resolve_dtype(dtype, hf_config, source))
+    return model, LibraryWeights.of(model, source)
 
 
 def layers_from_library_model(model: nn.Module) -> nn.Sequential:
@@ -140,33 +143,3 @@ def key_map(layers: nn.Module, model: nn.Module) -> dict[str, str]:
     unmapped = [name for name, target in mapping.items() if not target]
     assert not unmapped, f"layers hold tensors the library model does not: {unmapped}"
     return mapping
-
-
-def export_state_dict(state: dict[str, torch.Tensor], mapping: dict[str, str], model: nn.Module) -> None:
-    """Copy the zoo state dict ``state`` into the library model ``model`` through ``mapping`` (a :func:`key_map`).
-
-    Every persistent tensor of ``model`` must receive a value, except the fixed sinusoidal position tables that the
-    library rebuilds itself; raises ``ValueError`` naming the keys that do not.
-    """
-    target = model.state_dict()
-    filled: set[str] = set()
-    by_library_key: dict[str, str] = {}
-    for zoo_key, library_key in mapping.items():
-        by_library_key.setdefault(library_key, zoo_key)
-    owners: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        owners.setdefault(id(tensor), []).append(name)
-    with torch.no_grad():
-        for names in owners.values():
-            source = next((by_library_key[name] for name in names if name in by_library_key), None)
-            if source is None:
-                continue
-            for name in names:
-                target[name].copy_(state[source])
-                filled.add(name)
-    missing = [name for name in target if name not in filled and "embed_positions" not in name]
-    if missing:
-        raise ValueError(
-            f"the zoo state dict has no value for {missing[:4]}: it does not come from a model converted from "
-            "this Hugging Face architecture"
-        )

@@ -7,16 +7,19 @@ from typing import Any, ClassVar
 import lightning as L
 from torch import nn
 
+from zoo.deferred import DeferredWeights
+
 __all__ = ["ZooModule"]
 
 
-class ZooModule(L.LightningModule):
+class ZooModule(DeferredWeights, L.LightningModule):
     """Base class of the zoo's LightningModules.
 
     Subclasses build their whole network as ``self.layers`` (one flat ``nn.Sequential``, so ``strategy="gpipe"`` can
     split it), call ``self.save_hyperparameters()`` in ``__init__`` and return the state-dict prefixes of their
     task heads from :meth:`head_prefixes`. Checkpoints then carry the registry name and the constructor arguments,
-    which is all :func:`zoo.load_pretrained` needs to rebuild the model.
+    which is all :func:`zoo.load_pretrained` needs to rebuild the model. Pretrained weights wait on the meta device
+    until their first use, or until ``GPipeStrategy`` reads each stage's (:class:`~zoo.deferred.DeferredWeights`).
     """
 
     zoo_name: ClassVar[str] = ""  # set by zoo.register_model

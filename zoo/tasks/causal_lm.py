@@ -17,11 +17,21 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
+from zoo.deferred import allocate_unread
 from zoo.hf.causal_lm import build_causal_lm, causal_layers
 from zoo.hf.causal_lm_generation import MAX_NEW_TOKENS, generate
-from zoo.hf.conversion import export_state_dict, key_map
+from zoo.hf.checkpoint import build_on_meta
+from zoo.hf.conversion import key_map
+from zoo.hf.export import DEFAULT_SHARD_SIZE, export_directory
 from zoo.tasks.base import ZooModule
 
 __all__ = ["IGNORE_INDEX", "SAMPLE_TOKENS", "PretrainedCausalLM"]
@@ -55,6 +65,9 @@ class PretrainedCausalLM(ZooModule):
     what ``GPipeStrategy(plan="auto")`` and ``balance="flops"`` measure the layers on: set it to one sequence of your
     training length to plan for that.
 
+    With ``pretrained``, building the model reads no weight: under ``GPipeStrategy`` each process reads its own stage's
+    tensors at setup, anywhere else the first use reads them all (:mod:`zoo.deferred`).
+
     Args:
         name_or_path: where the weights (with ``pretrained``) and the tokenizer, if any, come from.
         config: the library config as a dict; filled in from ``name_or_path`` and saved with the hyper-parameters,
@@ -74,8 +87,7 @@ class PretrainedCausalLM(ZooModule):
             (Llama 3 Instruct lists several) and padding token are those :meth:`generate` uses.
         dtype: what the pretrained weights load as: ``"float32"`` (Lightning's ``precision`` then decides what trains:
             ``"bf16-true"`` casts the model, ``"bf16-mixed"`` keeps float32 weights), ``"bfloat16"``, or ``"auto"``
-            (the checkpoint's, ``transformers``' own default). Each process reads the whole model into host memory
-            before the strategy keeps its stage, so a large model loads in ``"bfloat16"`` to halve that.
+            (the checkpoint's, ``transformers``' own default). Each tensor is converted as it is read.
     """
 
     zoo_name: ClassVar[str] = "hf_causal_lm"
@@ -103,12 +115,13 @@ class PretrainedCausalLM(ZooModule):
             raise ValueError(
                 "freeze_backbone=True and lora=... both choose what trains (the head, or the adapters); pass one"
             )
-        library = build_causal_lm(str(name_or_path), config, pretrained=bool(pretrained), dtype=dtype)
+        library, weights = build_causal_lm(str(name_or_path), config, pretrained=bool(pretrained), dtype=dtype)
         library_config: PretrainedConfig = library.config
         self.save_hyperparameters(ignore=["config", "generation_config"])
         self.hparams["config"] = library_config.to_dict()
-        if generation_config is None:  # from_pretrained read the source's generation_config.json, if it has one
-            generation_config = library.generation_config.to_dict()
+        if generation_config is None:  # the source's generation_config.json, as from_pretrained reads it
+            generation_config = _source_generation_config(str(name_or_path), library) if pretrained else None
+            generation_config = generation_config or library.generation_config.to_dict()
         self.hparams["generation_config"] = generation_config
         self.layers = causal_layers(library)
         # Zoo state-dict key -> library state-dict key, for export; the library model itself is not kept.
@@ -121,7 +134,13 @@ class PretrainedCausalLM(ZooModule):
         if freeze_backbone:
             self.freeze_backbone_parameters()
         if lora is not None:
+            if weights is not None and _reads_base_weights(lora):  # PiSSA, OLoRA, ...: read the weights first
+                self.defer_weights(weights.reader(self))
+                self.load_weights()
+                weights = None
             self._add_lora(lora)
+        if weights is not None:
+            self.defer_weights(weights.reader(self))
         self.example_input_array = self.sample_input()
         # from_pretrained returns the library model in eval mode, and Lightning keeps each module's mode.
         self.train()
@@ -196,9 +215,11 @@ class PretrainedCausalLM(ZooModule):
         settings = {"target_modules": default, **lora}
         if self.hparams["config"].get("model_type") == "gpt2":
             settings.setdefault("fan_in_fan_out", True)  # Conv1D stores its weight transposed
-        inject_adapter_in_model(LoraConfig(**settings), self.layers)
+        config = LoraConfig(**settings)
+        inject_adapter_in_model(config, self.layers)
         for name, parameter in self.layers.named_parameters():
             parameter.requires_grad_("lora_" in name)
+        _initialize_adapters_on_meta(self.layers, config)
 
     # Training.
 
@@ -292,6 +313,7 @@ class PretrainedCausalLM(ZooModule):
         settings.setdefault("pad_token_id", self.pad_id)
         length = input_ids.shape[1] + settings.get("max_new_tokens", MAX_NEW_TOKENS)
         self._check_length(length, "a prompt and its max_new_tokens")
+        self.load_weights()
         return generate(self, input_ids, attention_mask, **settings)
 
     def configure_optimizers(self) -> Any:
@@ -305,18 +327,26 @@ class PretrainedCausalLM(ZooModule):
 
     # Export.
 
-    def export_pretrained(self, directory: str | Path) -> Path:
+    def export_pretrained(self, directory: str | Path, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
         """Write the model (LoRA adapters merged) and its tokenizer, when it has one, as a ``transformers`` directory
-        (``save_pretrained``), which ``AutoModelForCausalLM.from_pretrained(directory)`` loads with these weights."""
-        library = build_causal_lm(self.hparams["name_or_path"], self.hparams["config"], pretrained=False)
-        state = {f"layers.{key}": value for key, value in _merged(self.layers).state_dict().items()}
-        export_state_dict(state, self.library_keys, library)
-        library.generation_config = GenerationConfig.from_dict(self.hparams["generation_config"])
-        out = Path(directory)
-        library.save_pretrained(out)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(out)
-        return out
+        (what ``save_pretrained`` writes), which ``AutoModelForCausalLM.from_pretrained(directory)`` loads with these
+        weights.
+
+        The model is never gathered in one process (:mod:`zoo.hf.export`): pending weights are read a group of layers
+        at a time (at most ``max_shard_size`` bytes, a shard each); a model whose ``layers`` hold one pipeline stage
+        (after ``fit`` under ``GPipeStrategy``) exports as a collective, so call it on every process.
+        """
+        config = AutoConfig.for_model(**self.hparams["config"])
+        library = build_on_meta(AutoModelForCausalLM, config, torch.float32)
+
+        def write_rest(staging: Path) -> None:
+            GenerationConfig.from_dict(self.hparams["generation_config"]).save_pretrained(staging)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(staging)
+
+        return export_directory(
+            self, directory, library, self.library_keys, write_rest=write_rest, max_shard_size=max_shard_size
+        )
 
     def export_adapter(self, directory: str | Path) -> Path:
         """Write the LoRA adapters alone as ``peft`` writes them (``adapter_config.json``,
@@ -351,6 +381,43 @@ class PretrainedCausalLM(ZooModule):
             for written in Path(staging).iterdir():
                 os.replace(written, out / written.name)
         return out
+
+
+_BASE_FREE_LORA_INITS = (True, False, "gaussian")  # peft's initializations that do not read the base weights
+
+
+def _reads_base_weights(lora: dict[str, Any]) -> bool:
+    return lora.get("init_lora_weights", True) not in _BASE_FREE_LORA_INITS
+
+
+def _initialize_adapters_on_meta(layers: nn.Module, config: Any) -> None:
+    """Adapters injected beside base weights still on the meta device were moved there by peft, their initialization
+    lost: give them CPU memory and peft's initialization again (no file holds them)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in layers.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        adapters = [name for name, tensor in module.named_parameters() if "lora_" in name and tensor.is_meta]
+        if not adapters:
+            continue
+        allocate_unread(module, adapters)
+        for adapter in module.lora_A:
+            if config.init_lora_weights is False:  # peft leaves nn.Linear's own initialization
+                for linear in (module.lora_A[adapter], module.lora_B[adapter]):
+                    linear.reset_parameters()  # type: ignore[operator]
+            else:
+                module.reset_lora_parameters(adapter, config.init_lora_weights)
+
+
+def _source_generation_config(source: str, library: Any) -> dict[str, Any] | None:
+    """The generation config ``source`` ships (``generation_config.json``), as ``from_pretrained`` reads it."""
+    if not library.can_generate():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(source).to_dict()
+    except OSError:  # none: from_pretrained keeps the one derived from the model's config
+        return None
 
 
 def _mapping(batch: Any) -> Mapping[str, torch.Tensor]:

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from zoo.hf.conversion import build_library_model, export_state_dict, key_map, layers_from_library_model
+from zoo.hf.checkpoint import build_on_meta
+from zoo.hf.conversion import build_library_model, key_map, layers_from_library_model
+from zoo.hf.export import DEFAULT_SHARD_SIZE, export_directory
 from zoo.tasks.seq2seq import Seq2SeqTask
 
 __all__ = ["PretrainedTranslator"]
@@ -45,6 +47,11 @@ class PretrainedTranslator(Seq2SeqTask):
             None when a zoo checkpoint provides the weights).
         label_smoothing, lr, warmup_steps, optimizer: the objective and the optimizer (Adam with an
             inverse-square-root warmup by default, :mod:`zoo.transformer.optimization`).
+        dtype: what the pretrained weights load as: ``"float32"`` (Lightning's ``precision`` then decides what
+            trains), ``"bfloat16"``, or ``"auto"`` (the checkpoint's). Each tensor is converted as it is read.
+
+    With ``pretrained``, building the model reads no weight: under ``GPipeStrategy`` each process reads its own stage's
+    tensors at setup, anywhere else the first use reads them all (:mod:`zoo.deferred`).
     """
 
     zoo_name: ClassVar[str] = "hf_translation"
@@ -58,9 +65,10 @@ class PretrainedTranslator(Seq2SeqTask):
         optimizer: str = "adam",
         lr: float = 1e-4,
         warmup_steps: int = 100,
+        dtype: str = "float32",
     ) -> None:
         super().__init__(optimizer=optimizer, label_smoothing=label_smoothing)
-        library = build_library_model(str(name_or_path), config, pretrained=bool(pretrained))
+        library, weights = build_library_model(str(name_or_path), config, pretrained=bool(pretrained), dtype=dtype)
         library_config: PretrainedConfig = library.config
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = library_config.to_dict()
@@ -71,8 +79,8 @@ class PretrainedTranslator(Seq2SeqTask):
         self.decoder_start_id = int(library_config.decoder_start_token_id)
         self.eos_id = int(library_config.eos_token_id)
         self._tokenizer: PreTrainedTokenizerBase | None = None
-        # from_pretrained returns the library model in eval mode, and Lightning keeps each module's mode: without
-        # this, fine-tuning would run with every dropout off.
+        if weights is not None:
+            self.defer_weights(weights.reader(self))
         self.train()
 
     @property
@@ -92,23 +100,35 @@ class PretrainedTranslator(Seq2SeqTask):
 
     def encode(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the encoder once: ``source`` [B, S] -> (memory [B, S, D], source_mask [B, S] bool)."""
+        self.load_weights()
         memory, source_mask, _ = self.layers[: self.num_encoder_entries]((source, source[:, :0]))
         return memory, source_mask
 
     def decode(self, memory: torch.Tensor, source_mask: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for ``target_in`` [B, T] attending to an :meth:`encode` result."""
+        self.load_weights()
         return self.layers[self.num_encoder_entries :]((memory, source_mask, target_in))
 
     def head_prefixes(self) -> tuple[str, ...]:
         # The output projection is the shared embedding: fine-tuning keeps every pretrained weight.
         return ()
 
-    def export_pretrained(self, directory: str | Path) -> Path:
-        """Write the model and its tokenizer as a ``transformers`` directory (``save_pretrained``), which
-        ``AutoModelForSeq2SeqLM.from_pretrained(directory)`` loads with this model's weights."""
-        library = build_library_model(self.hparams["name_or_path"], self.hparams["config"], pretrained=False)
-        export_state_dict(self.state_dict(), self.library_keys, library)
-        out = Path(directory)
-        library.save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
-        return out
+    def export_pretrained(self, directory: str | Path, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+        """Write the model and its tokenizer as a ``transformers`` directory (what ``save_pretrained`` writes), which
+        ``AutoModelForSeq2SeqLM.from_pretrained(directory)`` loads with this model's weights.
+
+        The model is never gathered in one process (:mod:`zoo.hf.export`): pending weights are read a group of layers
+        at a time (at most ``max_shard_size`` bytes, a shard each); a model whose ``layers`` hold one pipeline stage
+        (after ``fit`` under ``GPipeStrategy``) exports as a collective, so call it on every process.
+        """
+        config = AutoConfig.for_model(**self.hparams["config"])
+        library = build_on_meta(AutoModelForSeq2SeqLM, config, torch.float32)
+
+        def write_rest(staging: Path) -> None:
+            if library.can_generate():
+                library.generation_config.save_pretrained(staging)
+            self.tokenizer.save_pretrained(staging)
+
+        return export_directory(
+            self, directory, library, self.library_keys, write_rest=write_rest, max_shard_size=max_shard_size
+        )
