@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.engine.transport import ThreadTransport
+from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
 from lightning_gpipe.partition.config import BuildConfig
 from lightning_gpipe.partition.reader import claim_reader
