@@ -4,8 +4,8 @@ The module keeps its shape: its ``nn.Sequential`` attribute is replaced by a :cl
 only this process's layers (of its one stage, or of each of its stages), registered under their original indices.
 Parameter names, ``state_dict`` keys and therefore checkpoints stay those of the unpartitioned model, and
 ``configure_optimizers`` sees only this process's parameters. The other stages' layers are kept aside on the ``meta``
-device, which holds their structure but no memory, so that the whole model can be reassembled when training ends; a
-tensor they share with this process's layers (tied weights) stays.
+device, which holds their structure but no memory, so that the sequence can be put back when the user asks for the whole
+model (:meth:`Partition.put_back`); a tensor they share with this process's layers (tied weights) stays.
 """
 
 from __future__ import annotations
@@ -291,41 +291,42 @@ class Partition:
             state[key] = buffer.detach().cpu()
         return state
 
-    def reassemble(self, parts: Sequence[Mapping[str, torch.Tensor]], tied: Mapping[str, torch.Tensor]) -> None:
-        """Put the whole model back on the CPU from every stage's :meth:`stage_state` (in stage order).
+    def put_back(self, allocate: bool) -> dict[str, torch.Tensor]:
+        """Put the user's sequence back in the module in place of the stand-in, this process's layers in it as trained.
 
-        ``tied`` holds the values of the tied tensors (:meth:`TiedCopies.values`): reassembly gives each name of a
-        tied tensor its own tensor, and non-persistent tied buffers would lose their value. Deferred BatchNorm layers
-        become plain BatchNorm again, with the running statistics they gathered.
+        The other stages' layers stay on the ``meta`` device, or with ``allocate`` get CPU memory, uninitialized: their
+        tensors are then returned by name relative to the sequence (non-persistent buffers included, as
+        :meth:`stage_state` names them) for the caller to fill in from the stages that trained them. Call
+        :meth:`finish` once they are filled.
         """
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part)
-        self.restore(merged, torch.device("cpu"))
+        held = set(self.layers)
+        empty: dict[str, torch.Tensor] = {}
+        for index, layer in enumerate(self.original):
+            if index in held or not allocate:
+                continue
+            layer.to_empty(device=torch.device("cpu"))
+            empty.update((f"{index}.{key}", tensor) for key, tensor in layer.state_dict(keep_vars=True).items())
+            empty.update((f"{index}.{key}", buffer) for key, buffer in _non_persistent_buffers(layer))
+        _assign(self.module, self.path, self.original)
+        return empty
+
+    def finish(self, tied: Mapping[str, torch.Tensor]) -> None:
+        """End :meth:`put_back`: each tied tensor one tensor again, holding ``tied``'s value (:meth:`TiedCopies.values`;
+        putting layers back gives each name of a tied tensor its own), and deferred BatchNorm layers plain BatchNorm
+        again, with the running statistics they gathered."""
         retie(self.original, self.ties, tied)
         DeferredBatchNorm.revert(self.original)
 
-    def restore(self, sequence_state: Mapping[str, torch.Tensor], device: torch.device) -> None:
-        """Put the whole sequence back, its layers loaded from ``sequence_state`` (the stages' :meth:`stage_state`
-        merged, keys relative to the sequence)."""
-        others = [
-            layer
-            for index, layer in enumerate(self.original)
-            if self.owner_of(f"{self.path}.{index}") not in self.stages
-        ]
-        for layer in others:
-            layer.to_empty(device=device)
-        persistent = self.original.state_dict().keys()
-        self.original.load_state_dict({key: sequence_state[key] for key in sequence_state if key in persistent})
-        # The other stages' layers came back from meta with empty memory in their non-persistent buffers: copy the
-        # values their stage had. (Extra entries, such as deferred BatchNorm's, belong to layers since reverted.)
-        others_ids = {id(layer) for layer in others}
-        for index, layer in enumerate(self.original):
-            if id(layer) not in others_ids:
-                continue
-            for key, buffer in _non_persistent_buffers(layer):
-                buffer.copy_(sequence_state[f"{index}.{key}"])
-        _assign(self.module, self.path, self.original)
+    def reassemble(self, parts: Sequence[Mapping[str, torch.Tensor]], tied: Mapping[str, torch.Tensor]) -> None:
+        """Put the whole model back on the CPU from every stage's :meth:`stage_state`, all in this process (in-process
+        pipelines, tests): :meth:`put_back` with every layer allocated, filled from ``parts``, then :meth:`finish`."""
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        with torch.no_grad():
+            for key, tensor in self.put_back(allocate=True).items():
+                tensor.copy_(merged[key])
+        self.finish(tied)
 
 
 def _non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
