@@ -302,6 +302,8 @@ class StageCheckpoints:
                 checkpoint = self._read_full(path, optimizers)
             else:
                 raise FileNotFoundError(_missing(path))
+        if optimizers and "optimizer_states" in checkpoint:
+            self._check_optimizers(filepath, optimizers, checkpoint["optimizer_states"])
         restore_random_states(
             checkpoint.get(RANDOM_STATES_KEY), self.layout.world_size, self.layout.pipe_size, self.layout.rank,
             self.device,
@@ -319,6 +321,21 @@ class StageCheckpoints:
             check_loadable(checkpoint["state_dict"], self.names.keys, self.names.shapes, self._module.strict_loading)
         except RuntimeError as error:
             raise ValueError(f"{path}: {error}") from error
+
+    def _check_optimizers(self, path: Any, optimizers: Sequence[Any], saved: Sequence[Any]) -> None:
+        """Refuse optimizer states this stage's optimizers cannot take, before anything is loaded."""
+        if len(saved) != len(optimizers):
+            raise ValueError(
+                f"{path} holds the state of {len(saved)} optimizer(s) and configure_optimizers returned "
+                f"{len(optimizers)}: resume with the optimizers that wrote it, or load only the weights "
+                "(`model.load_state_dict`) and start new optimizers"
+            )
+        order, aliases = self.names.parameter_order, self.names.aliases
+        for optimizer, state in zip(optimizers, saved, strict=True):
+            try:
+                local_optimizer_state(state, optimizer, self._module, order, aliases)
+            except ValueError as error:
+                raise ValueError(f"{path}: {error}") from error
 
     def _local_names(self) -> set[str]:
         return set(parameter_names(self._module, self.names.aliases).values())
@@ -364,13 +381,7 @@ class StageCheckpoints:
         self._module.load_state_dict({key: saved[key] for key in local_keys if key in saved}, strict=strict)
 
     def load_optimizer_states(self, optimizers: list[Any], saved: list[Any]) -> None:
-        """Load this stage's parameters' part of each whole-model optimizer state in ``saved``."""
-        if len(saved) != len(optimizers):
-            raise ValueError(
-                f"the checkpoint holds the state of {len(saved)} optimizer(s) and configure_optimizers returned "
-                f"{len(optimizers)}: resume with the optimizers that wrote it, or load only the weights "
-                "(`model.load_state_dict`) and start new optimizers"
-            )
+        """Load this stage's parameters' part of each optimizer state in ``saved`` (checked by :meth:`load`)."""
         order, aliases = self.names.parameter_order, self.names.aliases
         for optimizer, state in zip(optimizers, saved, strict=True):
             optimizer.load_state_dict(local_optimizer_state(state, optimizer, self._module, order, aliases))
