@@ -350,9 +350,9 @@ class StageCheckpoints:
         with file:
             checkpoint = file.value
             self._check_model(path, checkpoint)
-            local = self._module.state_dict().keys()
+            own = self._module.state_dict()  # read straight into: the stage holds no second copy of its weights
             state = checkpoint["state_dict"]
-            checkpoint["state_dict"] = {key: file.read(t) if key in local else t for key, t in state.items()}
+            checkpoint["state_dict"] = {key: file.read(t, own[key]) if key in own else t for key, t in state.items()}
             if optimizers and "optimizer_states" in checkpoint:
                 names = self._local_names()
                 checkpoint["optimizer_states"] = [
@@ -367,7 +367,7 @@ class StageCheckpoints:
         checkpoint = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
         saved = directory.optimizers() | optimizer_indices(checkpoint)
         names = [self._local_names()] * len(optimizers)
-        part = directory.read(self._module.state_dict().keys(), names, self.control_group)
+        part = directory.read(self._module.state_dict(), names, self.control_group)
         checkpoint["state_dict"] = part.get("model", {})
         if optimizers and saved:
             # An optimizer without tensor state was written whole into meta.pt (see sharded_checkpoint).

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,16 +124,18 @@ class ShardedDirectory:
         return optimizer_indices(path[0] for path in self.paths)
 
     def read(
-        self, keys: Collection[str], names: Sequence[Collection[str]], group: dist.ProcessGroup | None
+        self, model: Mapping[str, torch.Tensor], names: Sequence[Collection[str]], group: dist.ProcessGroup | None
     ) -> dict[str, Any]:
-        """This rank's part: the model's ``keys``, and the state of optimizer ``i``'s parameters ``names[i]`` with its
-        parameter groups; a collective over ``group`` (every rank of the job). Returns ``{"model": ..., "optimizer_0":
-        ...}``, tensors on the CPU."""
-        target: dict[str, Any] = {}
+        """This rank's part, a collective over ``group`` (every rank of the job): the model's entries read straight
+        into the tensors of ``model`` (this stage's state dict), and the state of optimizer ``i``'s parameters
+        ``names[i]`` with its parameter groups, on the CPU. Returns ``{"model": ..., "optimizer_0": ...}``."""
+        target: dict[str, Any] = {"model": {}}
         for path, fqn in self.paths.items():
             entry = self.metadata.state_dict_metadata[fqn]
             head = str(path[0])
-            if head == "model" and path[1] not in keys:
+            if head == "model":
+                if path[1] in model:
+                    target["model"][path[1]] = model[path[1]]
                 continue
             if head.startswith("optimizer_"):
                 index = int(head.removeprefix("optimizer_"))

@@ -51,7 +51,7 @@ from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
 from lightning_gpipe.launcher import StagesToLauncher
 from lightning_gpipe.log_mirror import LogRecorder, mirror_logs, sharing_from_last_stage, sync_metrics_over
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
-from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
+from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage, refuse_a_cut_module
 from lightning_gpipe.partition.config import Balance, ResolvedPipeline
 from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.partition.state_dict import ModelNames
@@ -536,7 +536,9 @@ class GPipeStrategy(ParallelStrategy):
         to global rank 0, one stage at a time, where the module becomes whole on the CPU (the whole model's weights);
         elsewhere it keeps this rank's layers, the others on ``meta``. The next Trainer call cuts it again.
         """
-        if self._assembled is None:
+        if self._assembled is None:  # nothing cut here: never, or gathered already
+            if self.lightning_module is not None:
+                refuse_a_cut_module(self.lightning_module)  # cut by another Trainer's strategy, which gathers it
             return self.lightning_module if self.is_global_zero else None
         module, partition = self.lightning_module, self._assembled.partition
         self._planned = {**self._planned, "balance": [len(bound) for bound in partition.bounds]}

@@ -74,11 +74,16 @@ class TensorFile:
         """Where the bytes of ``tensor`` (one of :attr:`value`'s, contiguous) start in the file."""
         return tensor.data_ptr() - self._base
 
-    def read(self, tensor: Tensor) -> Tensor:
-        """A copy of ``tensor`` (one of :attr:`value`'s) in fresh memory, read from the file without mapping a page."""
+    def read(self, tensor: Tensor, into: Tensor | None = None) -> Tensor:
+        """A copy of ``tensor`` (one of :attr:`value`'s), read from the file without mapping a page: into ``into``
+        where it is a contiguous CPU tensor of the same shape and dtype (then returned), else into fresh memory."""
         if not tensor.is_contiguous() or tensor.numel() == 0:
             return tensor.clone()
-        copy = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        fits = into is not None and into.device.type == "cpu" and into.is_contiguous()
+        if into is not None and fits and (into.shape, into.dtype) == (tensor.shape, tensor.dtype):
+            copy = into.detach()
+        else:
+            copy = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         read = os.preadv(self._fd, [_buffer(copy)], self.offset(tensor))
         if read != copy.nbytes:
             raise OSError(f"{self.path} ends {copy.nbytes - read} bytes early: the file is truncated")

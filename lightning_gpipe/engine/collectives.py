@@ -27,6 +27,7 @@ from lightning_gpipe.engine.tree import map_tensors
 __all__ = [
     "BUCKET_BYTES",
     "OBJECT_BYTES",
+    "TRANSFER_BYTES",
     "TensorSpec",
     "broadcast_object",
     "broadcast_tensors",
@@ -40,6 +41,9 @@ __all__ = [
 
 BUCKET_BYTES = 25 * 2**20
 """The most bytes one bucketed collective carries (DDP's default bucket size)."""
+TRANSFER_BYTES = 4 * 2**20
+"""The most bytes one message of :func:`send_tensors` carries: what either side holds beside its own tensors, small
+beside a model worth a pipeline, large enough that a message's fixed cost (about 0.2 ms over gloo) does not count."""
 OBJECT_BYTES = 16 * 2**10
 """The buffer :func:`broadcast_object` sends first: an 8-byte length, then the pickled object if it fits."""
 _LENGTH = 8
@@ -143,7 +147,7 @@ class TensorSpec(NamedTuple):
 _ALIGNMENT = 16  # every tensor starts at a multiple of this in a bucket, so its bytes can be viewed as its dtype
 
 
-def byte_buckets(sizes: Sequence[int], bucket_bytes: int = BUCKET_BYTES) -> list[list[tuple[int, int, int]]]:
+def byte_buckets(sizes: Sequence[int], bucket_bytes: int = TRANSFER_BYTES) -> list[list[tuple[int, int, int]]]:
     """Tensors of ``sizes`` bytes packed in order into buckets of at most ``bucket_bytes`` (a larger tensor alone).
 
     Each bucket lists ``(index, start, length)`` per tensor, starts aligned; empty tensors are left out. Sender and
@@ -167,7 +171,7 @@ def byte_buckets(sizes: Sequence[int], bucket_bytes: int = BUCKET_BYTES) -> list
 
 
 def send_tensors(
-    tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None, bucket_bytes: int = BUCKET_BYTES
+    tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None, bucket_bytes: int = TRANSFER_BYTES
 ) -> None:
     """Send ``tensors`` to global rank ``dst`` as raw bytes, one CPU bucket at a time (:func:`receive_tensors` there).
 
@@ -182,7 +186,7 @@ def send_tensors(
 
 
 def receive_tensors(
-    specs: Sequence[TensorSpec], src: int, group: dist.ProcessGroup | None, bucket_bytes: int = BUCKET_BYTES
+    specs: Sequence[TensorSpec], src: int, group: dist.ProcessGroup | None, bucket_bytes: int = TRANSFER_BYTES
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """The tensors of ``specs`` that global rank ``src`` sends with :func:`send_tensors`, as ``(index, tensor)``.
 

@@ -50,7 +50,14 @@ from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.partition.tied import TiedCopies, retie, ties_between_processes
 from lightning_gpipe.profile.cost import layer_costs
 
-__all__ = ["AssembledStage", "assemble_stage", "measured_costs", "parameter_counts", "resolve_balance"]
+__all__ = [
+    "AssembledStage",
+    "assemble_stage",
+    "measured_costs",
+    "parameter_counts",
+    "refuse_a_cut_module",
+    "resolve_balance",
+]
 
 
 @dataclass
@@ -163,7 +170,7 @@ def assemble_stage(
         timeline: records the pipeline's actions when given.
     """
     layout = settings.layout
-    _refuse_a_cut_module(module)
+    refuse_a_cut_module(module)
     path, sequence = find_sequence(module, settings.module_name)
     if len(sequence) < layout.num_stages:
         per = len(layout.stages)
@@ -285,7 +292,8 @@ def _broadcast_replica_weights(
         broadcast_tensors(tensors, source, group)
 
 
-def _refuse_a_cut_module(module: nn.Module) -> None:
+def refuse_a_cut_module(module: nn.Module) -> None:
+    """Refuse ``module`` when a sequence of it holds one stage only: cut by a strategy that still holds that stage."""
     cut = next((name for name, sub in module.named_modules() if isinstance(sub, PipelinedSequential)), None)
     if cut is not None:
         raise ValueError(
@@ -301,12 +309,13 @@ def _refuse_stranded_layers(own: Sequence[tuple[int, nn.Module]], trained: Seque
     ``gather_module`` a rank keeps only its own stage's layers, and a stage cut another way would get fresh ones."""
     stranded = [index for index, layer in own if any(t.is_meta for t in [*layer.parameters(), *layer.buffers()])]
     if stranded and trained:
+        listed = ", ".join(map(str, stranded))
+        which = f"layers {listed} of the sequence are" if len(stranded) > 1 else f"layer {listed} of the sequence is"
         raise ValueError(
-            f"layers {', '.join(map(str, stranded))} of the sequence are on the meta device on this rank while layers "
-            f"{', '.join(map(str, trained[:8]))} hold weights: this rank kept only its own stage's layers when the "
-            "module was gathered on global rank 0, and this stage is cut differently. Cut it as before (the same "
-            "pipe_size and an explicit balance=[...]), or load the trained weights from a checkpoint "
-            "(trainer.save_checkpoint, then fit(ckpt_path=...))."
+            f"{which} on the meta device on this rank while layers {', '.join(map(str, trained[:8]))} hold weights: "
+            "this rank kept only its own stage's layers when the module was gathered on global rank 0, and this "
+            "stage is cut differently. Cut it as before (the same pipe_size and an explicit balance=[...]), or load "
+            "the trained weights from a checkpoint (trainer.save_checkpoint, then fit(ckpt_path=...))."
         )
 
 
