@@ -58,12 +58,12 @@ class WholeCheckpoint:
     def __init__(self, checkpoint: Mapping[str, Any], parts: Sequence[Any], own: int, names: ModelNames) -> None:
         self.placeholders: dict[int, list[Tensor]] = {}  # per other process, in the order it sends its tensors
         if len(parts) == 1:  # one process holds every stage: its checkpoint is the whole one, as it is
-            self.value = _contiguous_in(dict(checkpoint))
+            self.value = _replace_tensors(dict(checkpoint), _contiguous)
             return
         stages = []
         for process, part in enumerate(parts):
             if process == own:
-                stages.append(map_tensors(_contiguous, stage_part(checkpoint)))
+                stages.append(_replace_tensors(stage_part(checkpoint), _contiguous))
                 continue
             leaves, structure = flatten(part, is_leaf=_is_spec)
             values = [placeholder(leaf) if _is_spec(leaf) else leaf for leaf in leaves]
@@ -71,7 +71,7 @@ class WholeCheckpoint:
             stages.append(unflatten(values, structure))
         optimizers = len(stages[0]["optimizer_states"])
         part = ("state_dict", "optimizer_states")
-        rest = {key: _contiguous_in(value) for key, value in checkpoint.items() if key not in part}
+        rest = {key: _replace_tensors(value, _contiguous) for key, value in checkpoint.items() if key not in part}
         self.value = {
             **rest,
             "state_dict": merge_state_dicts([stage["state_dict"] for stage in stages], names.keys),
@@ -108,20 +108,21 @@ class WholeCheckpoint:
             specs = [TensorSpec.of(value) for value in values]
             for index, tensor in receive(process, specs):
                 received[id(values[index])] = tensor.clone()
-        return map_tensors(lambda tensor: received.get(id(tensor), tensor), self.value)
+        return _replace_tensors(self.value, lambda tensor: received.get(id(tensor), tensor))
 
 
-def _contiguous_in(value: Any) -> Any:
-    """``value`` with :func:`_contiguous` tensors, containers of any type kept (a ``defaultdict`` keeps its factory)."""
+def _replace_tensors(value: Any, function: Callable[[Tensor], Tensor]) -> Any:
+    """``value`` with ``function`` of each tensor, the containers' types kept: a checkpoint holds any a user's hook or
+    hyper-parameters put there (a ``defaultdict`` keeps its factory, which a rebuild from items would lose)."""
     if isinstance(value, Tensor):
-        return _contiguous(value)
+        return function(value)
     if isinstance(value, dict):
         copied = copy.copy(value)
         for key, item in copied.items():
-            copied[key] = _contiguous_in(item)
+            copied[key] = _replace_tensors(item, function)
         return copied
     if type(value) in (list, tuple):
-        return type(value)(_contiguous_in(item) for item in value)
+        return type(value)(_replace_tensors(item, function) for item in value)
     return value
 
 

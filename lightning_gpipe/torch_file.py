@@ -60,13 +60,14 @@ class TensorFile:
     bytes in the file; :meth:`read` copies one tensor into fresh memory, :meth:`write` writes one in place.
 
     Args:
-        path: the file (loaded with ``weights_only=True``).
-        writable: open it for :meth:`write`.
+        path: the file, loaded with ``weights_only=True``.
+        writable: open it for :meth:`write`: a layout this process just wrote (:func:`write_layout`), which is read
+            back as it was written, whatever objects it holds (a checkpoint may hold any, as ``torch.save`` takes them).
     """
 
     def __init__(self, path: str | os.PathLike[str], writable: bool = False) -> None:
         self.path = Path(path)
-        self.value = torch.load(self.path, mmap=True, weights_only=True, map_location="cpu")
+        self.value = torch.load(self.path, mmap=True, weights_only=not writable, map_location="cpu")
         self._base = _mapping_start(self.path, tensor_leaves(self.value))
         self._fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)
 
