@@ -25,20 +25,17 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_gpipe.engine.collectives import TensorSpec
+from lightning_gpipe.engine.torch_compat import memoryless_tensor
 from lightning_gpipe.engine.tree import flatten
 
 __all__ = ["TensorFile", "placeholder", "tensor_leaves", "write_layout"]
 
-_placeholders = FakeTensorMode()
-
 
 def placeholder(spec: TensorSpec) -> Tensor:
     """A tensor of ``spec`` without memory: :func:`write_layout` reserves its space, a CPU tensor's."""
-    with _placeholders:
-        return torch.empty(spec.shape, dtype=spec.dtype)
+    return memoryless_tensor(spec.shape, spec.dtype)
 
 
 def write_layout(value: Any, path: str | os.PathLike[str]) -> None:

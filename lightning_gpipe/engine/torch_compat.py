@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -24,6 +25,7 @@ __all__ = [
     "compile_in_place",
     "flatten_dense_tensors",
     "keep_compiled_saved_tensors",
+    "memoryless_tensor",
     "restore_compiled_call",
     "storage_key",
     "unflatten_dense_tensors",
@@ -33,6 +35,16 @@ flatten_dense_tensors = _flatten_dense_tensors
 """One flat tensor holding the given tensors of one dtype and device, as DDP's buckets are made."""
 unflatten_dense_tensors = _unflatten_dense_tensors
 """Views of a flat tensor shaped like the given tensors."""
+
+_memoryless = FakeTensorMode()
+
+
+def memoryless_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``shape`` and ``dtype`` without memory (a fake tensor), which ``torch.save`` saves as a CPU
+    tensor under ``torch.serialization.skip_data(materialize_fake_tensors=True)``."""
+    with _memoryless:
+        return torch.empty(shape, dtype=dtype)
+
 
 # Not in __all__: it is torch's own class, whose missing docstring the reference would show; the module's says it.
 BatchNormBase = _BatchNorm

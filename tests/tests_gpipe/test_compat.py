@@ -141,6 +141,8 @@ def test_torch_private_helpers_behave_as_assumed() -> None:
     meta = torch.empty(4, device="meta")
     assert torch_compat.storage_key(meta) == torch_compat.storage_key(meta[1:]), hint
     assert torch_compat.storage_key(meta) != torch_compat.storage_key(torch.empty(4, device="meta")), hint
+    fake = torch_compat.memoryless_tensor((2, 3), torch.bfloat16)
+    assert (fake.shape, fake.dtype, fake.device.type) == ((2, 3), torch.bfloat16, "cpu"), hint
 
 
 def test_a_fused_optimizers_infs_reach_the_scalers_agreement() -> None:
