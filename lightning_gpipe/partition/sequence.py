@@ -187,7 +187,7 @@ class PipelinedSequential(nn.Module):
             raise RuntimeError(
                 f"this pipelined sequence holds {_stages(self.stages)} of {self.num_stages} only (layers "
                 f"{', '.join(dict(self.named_children()))} of {self.num_layers}); it runs inside the Trainer's "
-                "steps. After trainer.fit() returns, the module holds the whole sequence again."
+                "steps. After fit, trainer.strategy.gather_module() puts the whole sequence back on global rank 0."
             )
         return self.runner(value)
 
@@ -359,7 +359,8 @@ def _check_aliases(module: nn.Module, path: str, sequence: nn.Sequential) -> Non
             f"{', '.join(aliases[:3])}{' and more' if len(aliases) > 3 else ''}. Each stage keeps only its own layers "
             f"during training, so another attribute cannot hold them all. Keep {owner!r} out of the module's "
             f"submodules, e.g. `object.__setattr__(self, {owner!r}, model)` instead of `self.{owner} = model`: it "
-            "then shares the trained layers again once fit returns (for save_pretrained and the like)."
+            "then shares the trained layers again once trainer.strategy.gather_module() puts the whole module back on "
+            "global rank 0 (for save_pretrained and the like)."
         )
 
 
