@@ -10,9 +10,8 @@ Lightning's ``FSDPStrategy(state_dict_type=...)`` names them:
 - ``"sharded"``: a ``torch.distributed.checkpoint`` directory that every rank writes its part of
   (:mod:`lightning_gpipe.sharded_checkpoint`).
 
-Either is loaded whatever the strategy's setting. Every save is atomic: it is written beside its target under a
-temporary name and renamed into place, a directory too (an existing one is first moved aside, then deleted), so a crash
-during a save leaves the previous checkpoint loadable. A checkpoint that does not fit (another model's, a sharded
+Either is loaded whatever the strategy's setting. Every save is atomic (:mod:`lightning_gpipe.checkpoint_paths`): a
+crash during a save leaves the previous checkpoint loadable. A checkpoint that does not fit (another model's, a sharded
 directory where a file is expected or the reverse, a lost or truncated shard) is refused before anything is written or
 loaded, on every rank alike. Each rank's random generators travel in the checkpoint too
 (:mod:`lightning_gpipe.random_states`).
@@ -21,8 +20,6 @@ loaded, on every rank alike. Each rank's random generators travel in the checkpo
 from __future__ import annotations
 
 import datetime
-import os
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,18 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import LightningModule
 
+from lightning_gpipe.checkpoint_paths import (
+    format_conflict,
+    is_remote,
+    missing,
+    not_a_checkpoint_directory,
+    read_whole,
+    remove,
+    replace_directory,
+    replacing_file,
+    save_atomically,
+    sibling,
+)
 from lightning_gpipe.compat import optimizers_to_device
 from lightning_gpipe.config import StrategyConfig
 from lightning_gpipe.engine.collectives import portable, receive_tensors, send_tensors
@@ -58,7 +67,7 @@ from lightning_gpipe.sharded_checkpoint import (
 )
 from lightning_gpipe.torch_file import TensorFile, tensor_leaves
 
-__all__ = ["StageCheckpoints", "save_atomically"]
+__all__ = ["StageCheckpoints"]
 
 _SAVE_ARRIVAL_TIMEOUT = datetime.timedelta(seconds=30)  # how long saving waits for every rank to arrive
 
@@ -169,15 +178,16 @@ class StageCheckpoints:
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, io: CheckpointIO, storage_options: Any = None) -> None:
         """Write ``checkpoint`` (this rank's, holding its stage's part) at ``filepath``: a collective of every rank."""
-        remote = not isinstance(filepath, (str, os.PathLike)) or "://" in str(filepath)
-        path = None if remote else Path(filepath)
-        refusal = self._from_rank_zero(None if path is None or self.layout.rank != 0 else self._save_refusal(path))
+        path = None if is_remote(filepath) else Path(filepath)
+        sharded = self.state_dict_type == "sharded"
+        conflict = format_conflict(path, sharded) if path is not None and self.layout.rank == 0 else None
+        refusal = self._from_rank_zero(conflict)  # rank 0 decides, for ranks on file systems of their own
         if refusal is not None:
             raise ValueError(refusal)
         states = self._gather_random_states()
         if states is not None:
             checkpoint[RANDOM_STATES_KEY] = states
-        if self.state_dict_type == "sharded":
+        if sharded:
             if path is None:
                 raise ValueError(
                     f"state_dict_type='sharded' writes a directory on a file system every rank reaches; {filepath!r} "
@@ -186,28 +196,6 @@ class StageCheckpoints:
             self._save_sharded(checkpoint, path)
         else:
             self._save_full(checkpoint, filepath, io, storage_options)
-
-    def _save_refusal(self, path: Path) -> str | None:
-        """Why ``path`` cannot take a checkpoint of this format without overwriting something else, or ``None``."""
-        sharded = self.state_dict_type == "sharded"
-        if sharded and path.is_file():
-            return (
-                f"{path} is a file (a full checkpoint?), and state_dict_type='sharded' writes a directory there: "
-                "choose another path or remove the file, or save with state_dict_type='full'. Nothing was written."
-            )
-        if not sharded and path.is_dir():
-            what = "a sharded checkpoint" if is_sharded(path) else "a directory"
-            return (
-                f"{path} is {what}, and state_dict_type='full' writes one file there: choose another path (a file "
-                "name, e.g. ending in .ckpt) or remove the directory, or save with state_dict_type='sharded'. "
-                "Nothing was written."
-            )
-        if sharded and path.is_dir() and not is_sharded(path) and any(path.iterdir()):
-            return (
-                f"{path} is a directory that is not a sharded checkpoint, and state_dict_type='sharded' would replace "
-                "it: choose another path (a name of its own, e.g. ending in .ckpt). Nothing was written."
-            )
-        return None
 
     def _gather_random_states(self) -> dict[str, Any] | None:
         """Every rank's generators on global rank 0 (``None`` elsewhere)."""
@@ -245,8 +233,8 @@ class StageCheckpoints:
             with collective_errors(self.layout.stage, f"receiving the tensors of global rank {ranks[process]}"):
                 yield from receive_tensors(specs, ranks[process], self.object_group)
 
-        if type(io) is TorchCheckpointIO and not _is_remote(filepath):
-            with _Replacing(Path(filepath)) as temporary:
+        if type(io) is TorchCheckpointIO and not is_remote(filepath):
+            with replacing_file(Path(filepath)) as temporary:
                 whole.write(temporary, receive)
         else:  # a plugin writes what it is given: the whole checkpoint in memory, received stage by stage
             save_atomically(io, whole.materialize(receive), filepath, storage_options)
@@ -264,13 +252,13 @@ class StageCheckpoints:
                 state[optimizer_key(index)] = entry
             else:  # no tensor on any stage: DCP would write nothing, not even the parameter groups
                 checkpoint[optimizer_key(index)] = entry
-        temporary = _sibling(path, "partial")
+        temporary = sibling(path, "partial")
         if self.layout.rank == 0:
-            _remove(temporary)
+            remove(temporary)
         self._barrier("clearing the temporary directory of the checkpoint")
         write_sharded(state, checkpoint if self.layout.rank == 0 else None, temporary, self.control_group)
         if self.layout.rank == 0:
-            _swap_into_place(temporary, path)
+            replace_directory(temporary, path)
 
     def _barrier(self, what: str) -> None:
         if self.distributed:
@@ -288,7 +276,7 @@ class StageCheckpoints:
         the checkpoint is read whole, by ``io``. Restores this rank's random generators when the checkpoint was written
         by the same world and pipe size.
         """
-        if self.module is None or _is_remote(filepath):
+        if self.module is None or is_remote(filepath):
             checkpoint = io.load_checkpoint(filepath, weights_only=True)
             if self.module is not None:
                 self._check_model(filepath, checkpoint)
@@ -297,11 +285,11 @@ class StageCheckpoints:
             if is_sharded(path):
                 checkpoint = self._read_sharded(path, optimizers)
             elif path.is_dir():
-                raise ValueError(_not_a_checkpoint_directory(path))
+                raise ValueError(not_a_checkpoint_directory(path))
             elif path.is_file():
                 checkpoint = self._read_full(path, optimizers)
             else:
-                raise FileNotFoundError(_missing(path))
+                raise FileNotFoundError(missing(path))
         if optimizers and "optimizer_states" in checkpoint:
             self._check_optimizers(filepath, optimizers, checkpoint["optimizer_states"])
         restore_random_states(
@@ -344,7 +332,7 @@ class StageCheckpoints:
         try:
             file = TensorFile(path)
         except Exception:  # not a zip file torch maps (an old format, a cut file, not a checkpoint): read it whole
-            checkpoint = _load_whole(path)
+            checkpoint = read_whole(path)
             self._check_model(path, checkpoint)
             return checkpoint
         with file:
@@ -397,91 +385,3 @@ def _read_state(saved: Mapping[str, Any], names: set[str], read: Any) -> dict[st
         for name, entry in saved["state"].items()
     }
     return {**saved, "state": state}
-
-
-def _load_whole(path: Path) -> Any:
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as error:
-        raise ValueError(
-            f"{path} is not a checkpoint file that torch.load reads with weights_only=True ({error}). A file cut short "
-            "(a copy or a save interrupted) cannot be read: use another checkpoint. A file of a sharded checkpoint "
-            f"(a .distcp file, .metadata) is read through its directory, {path.parent}."
-        ) from error
-
-
-def _is_remote(filepath: Any) -> bool:
-    return not isinstance(filepath, (str, os.PathLike)) or "://" in str(filepath)
-
-
-def _sibling(path: Path, what: str) -> Path:
-    """A hidden name beside ``path`` that no checkpoint loader or ``ModelCheckpoint`` picks up."""
-    return path.with_name(f".{path.name}.{what}")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _swap_into_place(new: Path, path: Path) -> None:
-    """Rename ``new`` to ``path``; an existing ``path`` is moved aside first and deleted after (a directory cannot be
-    replaced by one rename), so between the two renames the previous checkpoint is at ``.NAME.previous``."""
-    previous = _sibling(path, "previous")
-    _remove(previous)
-    if path.exists() or path.is_symlink():
-        os.replace(path, previous)
-    os.replace(new, path)
-    _remove(previous)
-
-
-class _Replacing:
-    """A temporary file beside ``path`` to write into; on success it replaces ``path``, on failure it is removed."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.temporary = _sibling(path, f"{os.getpid()}.tmp")
-
-    def __enter__(self) -> Path:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return self.temporary
-
-    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
-        if error is None:
-            os.replace(self.temporary, self.path)
-        else:
-            self.temporary.unlink(missing_ok=True)
-
-
-def save_atomically(io: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-    """Write ``checkpoint`` with ``io`` beside a local ``filepath``, then rename it there (remote paths: directly).
-
-    A crash mid-write leaves the previous checkpoint intact.
-    """
-    if _is_remote(filepath):
-        io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        return
-    with _Replacing(Path(filepath)) as temporary:
-        io.save_checkpoint(checkpoint, temporary, storage_options=storage_options)
-
-
-def _not_a_checkpoint_directory(path: Path) -> str:
-    files = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix == ".ckpt")[:3]
-    inside = f" (it holds {', '.join(files)}: pass one of those files)" if files else ""
-    return (
-        f"{path} is a directory but not a sharded checkpoint: it has no torch.distributed.checkpoint index "
-        f"(.metadata){inside}. Pass a checkpoint file, or a directory that trainer.save_checkpoint wrote with "
-        "GPipeStrategy(state_dict_type='sharded')."
-    )
-
-
-def _missing(path: Path) -> str:
-    previous = _sibling(path, "previous")
-    if previous.exists():
-        return (
-            f"{path} does not exist, but {previous} does: a save was interrupted between moving the previous "
-            f"checkpoint aside and renaming the new one into place. Rename {previous.name} back to {path.name}."
-        )
-    return f"{path} does not exist: pass the path of a checkpoint file or of a sharded checkpoint directory"
