@@ -279,7 +279,7 @@ class StageCheckpoints:
         if self.module is None or is_remote(filepath):
             checkpoint = io.load_checkpoint(filepath, weights_only=True)
             if self.module is not None:
-                self._check_model(filepath, checkpoint)
+                self._check(filepath, checkpoint, optimizers)
         else:
             path = Path(filepath)
             if is_sharded(path):
@@ -290,15 +290,15 @@ class StageCheckpoints:
                 checkpoint = self._read_full(path, optimizers)
             else:
                 raise FileNotFoundError(missing(path))
-        if optimizers and "optimizer_states" in checkpoint:
-            self._check_optimizers(filepath, optimizers, checkpoint["optimizer_states"])
         restore_random_states(
             checkpoint.get(RANDOM_STATES_KEY), self.layout.world_size, self.layout.pipe_size, self.layout.rank,
             self.device,
         )  # fmt: skip
         return checkpoint
 
-    def _check_model(self, path: Any, checkpoint: Any) -> None:
+    def _check(self, path: Any, checkpoint: Any, optimizers: Sequence[Any]) -> None:
+        """Refuse a checkpoint this stage cannot take, before anything is read into it: the model's names and shapes,
+        and the optimizer states' groups (``checkpoint`` may hold meta tensors and optimizer states without state)."""
         if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
             held = ", ".join(map(str, list(checkpoint)[:6])) if isinstance(checkpoint, Mapping) else type(checkpoint)
             raise ValueError(
@@ -309,9 +309,9 @@ class StageCheckpoints:
             check_loadable(checkpoint["state_dict"], self.names.keys, self.names.shapes, self._module.strict_loading)
         except RuntimeError as error:
             raise ValueError(f"{path}: {error}") from error
-
-    def _check_optimizers(self, path: Any, optimizers: Sequence[Any], saved: Sequence[Any]) -> None:
-        """Refuse optimizer states this stage's optimizers cannot take, before anything is loaded."""
+        saved = checkpoint.get("optimizer_states")
+        if not optimizers or saved is None:
+            return
         if len(saved) != len(optimizers):
             raise ValueError(
                 f"{path} holds the state of {len(saved)} optimizer(s) and configure_optimizers returned "
@@ -333,11 +333,11 @@ class StageCheckpoints:
             file = TensorFile(path)
         except Exception:  # not a zip file torch maps (an old format, a cut file, not a checkpoint): read it whole
             checkpoint = read_whole(path)
-            self._check_model(path, checkpoint)
+            self._check(path, checkpoint, optimizers)
             return checkpoint
         with file:
             checkpoint = file.value
-            self._check_model(path, checkpoint)
+            self._check(path, checkpoint, optimizers)
             own = self._module.state_dict()  # read straight into: the stage holds no second copy of its weights
             state = checkpoint["state_dict"]
             checkpoint["state_dict"] = {key: file.read(t, own[key]) if key in own else t for key, t in state.items()}
@@ -351,16 +351,19 @@ class StageCheckpoints:
 
     def _read_sharded(self, path: Path, optimizers: Sequence[Any]) -> dict[str, Any]:
         directory = ShardedDirectory(path)
-        self._check_model(path, {"state_dict": directory.model_shapes()})
         checkpoint = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
-        saved = directory.optimizers() | optimizer_indices(checkpoint)
+        # An optimizer without tensor state was written whole into meta.pt (see sharded_checkpoint).
+        saved = sorted(directory.optimizers() | optimizer_indices(checkpoint))
+        groups = directory.param_groups(saved, self.control_group) if optimizers else {}
+        entries = {i: checkpoint.pop(optimizer_key(i), None) or {"param_groups": groups.get(i)} for i in saved}
+        shapes = {"state_dict": directory.model_shapes()}
+        self._check(path, {**shapes, "optimizer_states": list(entries.values()) if saved else None}, optimizers)
         names = [self._local_names()] * len(optimizers)
         part = directory.read(self._module.state_dict(), names, self.control_group)
         checkpoint["state_dict"] = part.get("model", {})
         if optimizers and saved:
-            # An optimizer without tensor state was written whole into meta.pt (see sharded_checkpoint).
-            entries = [checkpoint.pop(optimizer_key(i), None) or part.get(optimizer_key(i), {}) for i in sorted(saved)]
-            checkpoint["optimizer_states"] = [{"state": {}, **entry} for entry in entries]
+            read = [part.get(optimizer_key(i), entries[i]) for i in saved]
+            checkpoint["optimizer_states"] = [{"state": {}, **entry} for entry in read]
         return checkpoint
 
     def load_module_state(self, saved: Mapping[str, Any], strict: bool) -> None:

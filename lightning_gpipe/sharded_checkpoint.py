@@ -123,6 +123,17 @@ class ShardedDirectory:
         """The indices of the optimizers whose state the directory's shards hold."""
         return optimizer_indices(path[0] for path in self.paths)
 
+    def param_groups(self, indices: Collection[int], group: dist.ProcessGroup | None) -> dict[int, list[Any]]:
+        """The parameter groups of the optimizers ``indices`` whose state the shards hold (a few names and numbers,
+        read before anything else to check them); a collective over ``group``."""
+        target: dict[str, Any] = {}
+        for path, fqn in self.paths.items():
+            if _optimizer_of(path) in indices and path[1] == "param_groups":
+                _place(target, path, _empty(self.metadata.state_dict_metadata[fqn]))
+        reader = FileSystemReader(self.directory)
+        dcp.load(target, storage_reader=reader, planner=_WeightsOnlyPlanner(), process_group=group)
+        return {int(key[len("optimizer_") :]): value["param_groups"] for key, value in target.items()}
+
     def read(
         self, model: Mapping[str, torch.Tensor], names: Sequence[Collection[str]], group: dist.ProcessGroup | None
     ) -> dict[str, Any]:
@@ -132,19 +143,23 @@ class ShardedDirectory:
         target: dict[str, Any] = {"model": {}}
         for path, fqn in self.paths.items():
             entry = self.metadata.state_dict_metadata[fqn]
-            head = str(path[0])
-            if head == "model":
-                if path[1] in model:
+            index = _optimizer_of(path)
+            if index is None:  # the model's, or something else beside it
+                if path[0] == "model" and path[1] in model:
                     target["model"][path[1]] = model[path[1]]
                 continue
-            if head.startswith("optimizer_"):
-                index = int(head.removeprefix("optimizer_"))
-                if index >= len(names) or (path[1] == "state" and len(path) > 2 and path[2] not in names[index]):
-                    continue
+            if index >= len(names) or (path[1] == "state" and len(path) > 2 and path[2] not in names[index]):
+                continue
             _place(target, path, _empty(entry))
         reader = FileSystemReader(self.directory)
         dcp.load(target, storage_reader=reader, planner=_WeightsOnlyPlanner(), process_group=group)
         return target
+
+
+def _optimizer_of(path: tuple[Any, ...]) -> int | None:
+    """The index of the optimizer whose state an entry at ``path`` holds, ``None`` for the model's."""
+    found = optimizer_indices(path[:1])
+    return found.pop() if found else None
 
 
 def _meta_tensor(entry: Any) -> torch.Tensor:

@@ -182,7 +182,7 @@ def send_tensors(
         flat = torch.empty(_end(bucket), dtype=torch.uint8)
         for index, start, length in bucket:
             flat[start : start + length].copy_(_as_bytes(tensors[index]))
-        dist.send(flat, dst, group=group)
+        _wait(dist.isend(flat, dst, group=group))
 
 
 def receive_tensors(
@@ -195,9 +195,15 @@ def receive_tensors(
     """
     for bucket in byte_buckets([spec.nbytes for spec in specs], bucket_bytes):
         flat = torch.empty(_end(bucket), dtype=torch.uint8)
-        dist.recv(flat, src, group=group)
+        _wait(dist.irecv(flat, src, group=group))
         for index, start, length in bucket:
             yield index, flat[start : start + length].view(specs[index].dtype).view(specs[index].shape)
+
+
+def _wait(work: Any) -> None:
+    # isend and irecv, waited for: torch's blocking send and recv post them too, and wrapping them twice (as the
+    # tests' emulation of NCCL's stream order wraps every operation) would queue the inner one behind the outer.
+    work.wait()
 
 
 def _end(bucket: list[tuple[int, int, int]]) -> int:
