@@ -355,7 +355,9 @@ class StageCheckpoints:
         # An optimizer without tensor state was written whole into meta.pt (see sharded_checkpoint).
         saved = sorted(directory.optimizers() | optimizer_indices(checkpoint))
         groups = directory.param_groups(saved, self.control_group) if optimizers else {}
-        entries = {i: checkpoint.pop(optimizer_key(i), None) or {"param_groups": groups.get(i)} for i in saved}
+        entries = {
+            i: checkpoint.pop(optimizer_key(i), None) or {"state": {}, "param_groups": groups.get(i)} for i in saved
+        }
         shapes = {"state_dict": directory.model_shapes()}
         self._check(path, {**shapes, "optimizer_states": list(entries.values()) if saved else None}, optimizers)
         names = [self._local_names()] * len(optimizers)
