@@ -16,11 +16,13 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers.checkpoint_job import AdamModule, fit
+from helpers.checkpoint_job import AdamModule, fit, trainer_for
 from helpers.jobs import run_job
+from helpers.lightning_job import dataset
 from helpers.runif import RunIf
 from helpers.whole import whole_module
 from test_strategy_equivalence import assert_same_parameters
+from torch.utils.data import DataLoader
 
 from lightning_gpipe import checkpoint_io
 from lightning_gpipe.sharded_checkpoint import write_sharded
@@ -266,3 +268,21 @@ def test_state_dict_type_is_checked_when_the_strategy_is_built() -> None:
         GPipeStrategy(state_dict_type="sharding")  # type: ignore[arg-type]
     assert GPipeStrategy().config.state_dict_type == "full"
     assert L.Trainer(strategy=GPipeStrategy(state_dict_type="sharded"), accelerator="cpu", devices=1).strategy
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_refused_checkpoint_leaves_the_stages_weights_untouched(tmp_path: Path, kind: str) -> None:
+    # Weights are read straight into the stage's parameters: every check, the optimizers' groups included, comes first.
+    one = {"pipe_size": 1, "devices": 1, "state_dict_type": kind}
+    path = tmp_path / "one.ckpt"
+    fit({**one, "steps": 1, "save": str(path)}, tmp_path)
+    L.seed_everything(1, verbose=False)
+    module = AdamModule(groups=2)  # other initial weights, and two parameter groups
+    before = {key: value.clone() for key, value in module.state_dict().items()}
+    trainer = trainer_for({**one, "steps": 2}, tmp_path, [])
+    with pytest.raises(
+        ValueError, match=r"one.ckpt: the checkpoint's optimizer has 1 parameter groups, this one has 2"
+    ):
+        trainer.fit(module, DataLoader(dataset(), batch_size=16), ckpt_path=str(path))
+    assert_same_parameters(module.state_dict(), before)
