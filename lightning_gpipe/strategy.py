@@ -51,7 +51,13 @@ from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
 from lightning_gpipe.launcher import StagesToLauncher
 from lightning_gpipe.log_mirror import LogRecorder, mirror_logs, sharing_from_last_stage, sync_metrics_over
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
-from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage, refuse_a_cut_module
+from lightning_gpipe.partition.assembly import (
+    AssembledStage,
+    assemble_stage,
+    refuse_a_cut_module,
+    register_release,
+    take_over_cut,
+)
 from lightning_gpipe.partition.config import Balance, ResolvedPipeline
 from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.partition.state_dict import ModelNames
@@ -333,6 +339,9 @@ class GPipeStrategy(ParallelStrategy):
         """Build this process's stage of ``module`` (once: a second fit or validate keeps it) and the user's steps."""
         if self._assembled is not None:
             return self._assembled
+        balance = take_over_cut(module, self.settings)  # cut alike by another Trainer's strategy: each rank keeps its
+        if balance is not None:  # layers, nothing moves
+            self._planned, self._settings = {**self._planned, "balance": balance}, None
         links = None if self._links_on_world else self._links
         ranks, timeout = self.layout.stage_ranks(), self.settings.timeout
         transport = ProcessGroupTransport.for_stages(ranks, self.layout.stages, self.root_device, timeout, links=links)
@@ -343,6 +352,7 @@ class GPipeStrategy(ParallelStrategy):
         if self._replica_group is not None:
             sync_metrics_over(module, self._replica_group)
         self._stages, self._names = assembled.pipeline.stages, assembled.names
+        register_release(assembled.partition.stand_in, self._put_back)
         # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
         # which a partitioned module cannot do; it is set aside until gather_module (the summary then omits sizes).
         self._example_input, module.example_input_array = module.example_input_array, None
@@ -539,14 +549,20 @@ class GPipeStrategy(ParallelStrategy):
         if self._assembled is None:  # nothing cut here: never, or gathered already
             if self.lightning_module is not None:
                 refuse_a_cut_module(self.lightning_module)  # cut by another Trainer's strategy, which gathers it
-            return self.lightning_module if self.is_global_zero else None
-        module, partition = self.lightning_module, self._assembled.partition
+        else:
+            self._put_back(destination=0)
+        return self.lightning_module if self.is_global_zero else None
+
+    def _put_back(self, destination: int | None = None) -> None:
+        """Give the module its sequence back, whole on global rank ``destination`` (``None``: nowhere, each rank keeping
+        its layers), and release the stages; the next cut keeps their balance."""
+        assert self._assembled is not None
+        partition = self._assembled.partition
         self._planned = {**self._planned, "balance": [len(bound) for bound in partition.bounds]}
-        self._assembled.gather(0, self.layout.pipeline_ranks(self.layout.replica), self._object_group)
-        module.example_input_array = self._example_input  # type: ignore[union-attr]
+        self._assembled.gather(destination, self.layout.pipeline_ranks(self.layout.replica), self._object_group)
+        partition.module.example_input_array = self._example_input
         self._assembled = self._steps = self._driver = None
         self._stages = ()
-        return module if self.is_global_zero else None
 
     @classmethod
     @override

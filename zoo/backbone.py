@@ -40,6 +40,12 @@ class LoadReport:
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """The checkpoint at ``path``, read with ``weights_only=True`` onto the CPU; it must come from a zoo model."""
     path = Path(path)
+    if (path / ".metadata").is_file() and (path / "meta.pt").is_file():  # by file names: the zoo imports no library
+        raise ValueError(
+            f"{str(path)!r} is a sharded checkpoint directory (GPipeStrategy(state_dict_type='sharded')), and "
+            "load_pretrained reads one file: make it one with `python -m "
+            f"lightning.pytorch.utilities.consolidate_checkpoint {path} --output_file model.ckpt` and pass that file"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"no checkpoint at {str(path)!r}: pass the path of a file written by Trainer.save_checkpoint"

@@ -20,7 +20,8 @@ stage at a time, put it back on one rank.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,7 +57,9 @@ __all__ = [
     "measured_costs",
     "parameter_counts",
     "refuse_a_cut_module",
+    "register_release",
     "resolve_balance",
+    "take_over_cut",
 ]
 
 
@@ -97,12 +100,13 @@ class AssembledStage:
         """(all, trainable) parameter counts of this process's layers, a tensor its stages share once."""
         return parameter_counts(self.partition.stand_in.parameters())
 
-    def gather(self, destination: int, ranks: Sequence[int], group: dist.ProcessGroup | None) -> None:
+    def gather(self, destination: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None) -> None:
         """Put the user's sequence back in the module: on global rank ``destination`` whole, with every stage's trained
         layers, elsewhere with this process's layers and the others' on the ``meta`` device.
 
         A collective over the pipeline whose processes are the global ``ranks`` (in any order) when ``destination`` is
-        one of them (another pipeline keeps its layers to itself); ``group`` is its group for objects (gloo).
+        one of them (another pipeline, or ``destination=None``, puts back its own layers alone); ``group`` is its group
+        for objects (gloo).
         The destination allocates the other stages' layers and receives their tensors one process at a time, in
         buckets (:func:`~lightning_gpipe.engine.collectives.receive_tensors`): it holds the whole model and one bucket,
         and no rank holds a pickled copy. Tied tensors become one again, deferred BatchNorm layers plain BatchNorm, and
@@ -110,7 +114,7 @@ class AssembledStage:
         """
         self.compiled.restore()
         tied = self.ties.values()
-        if destination not in ranks or self.processes == 1:
+        if destination is None or destination not in ranks or self.processes == 1:
             self.partition.put_back(allocate=False)
             self.partition.finish(tied)
             return
@@ -170,7 +174,7 @@ def assemble_stage(
         timeline: records the pipeline's actions when given.
     """
     layout = settings.layout
-    refuse_a_cut_module(module)
+    refuse_a_cut_module(module, " and has not put it back")
     path, sequence = find_sequence(module, settings.module_name)
     if len(sequence) < layout.num_stages:
         per = len(layout.stages)
@@ -292,16 +296,48 @@ def _broadcast_replica_weights(
         broadcast_tensors(tensors, source, group)
 
 
-def refuse_a_cut_module(module: nn.Module) -> None:
+def refuse_a_cut_module(module: nn.Module, why: str = "") -> None:
     """Refuse ``module`` when a sequence of it holds one stage only: cut by a strategy that still holds that stage."""
     cut = next((name for name, sub in module.named_modules() if isinstance(sub, PipelinedSequential)), None)
     if cut is not None:
         raise ValueError(
-            f"{type(module).__name__}.{cut} holds one pipeline stage only: it was cut by the GPipeStrategy of an "
-            "earlier Trainer, which keeps each stage on its rank after fit. Run validate, test, predict or a further "
-            "fit with that Trainer, or call `trainer.strategy.gather_module()` on every rank first to put the "
-            "sequence back."
+            f"{type(module).__name__}.{cut} holds one pipeline stage only: it was cut by the GPipeStrategy of "
+            f"another Trainer, which keeps each stage on its rank after fit{why}. Call `trainer.strategy."
+            "gather_module()` of that Trainer on every rank first to put the sequence back, or resume from a "
+            "checkpoint it saved."
         )
+
+
+_RELEASES: weakref.WeakKeyDictionary[nn.Module, Callable[[], None]] = weakref.WeakKeyDictionary()
+
+
+def register_release(stand_in: PipelinedSequential, release: Callable[[], None]) -> None:
+    """Let another strategy take over the cut ``stand_in`` stands for: ``release`` puts the sequence back (this rank
+    keeping its layers, the others on ``meta``) and forgets the stages (see :func:`take_over_cut`)."""
+    _RELEASES[stand_in] = release
+
+
+def take_over_cut(module: nn.Module, settings: ResolvedPipeline) -> list[int] | None:
+    """The balance of a cut of ``module`` that another strategy made and that these ``settings`` cut alike (the same
+    stages on this rank, the same balance if one is given), once that strategy has put the sequence back; ``None``
+    when the module is not cut. Nothing moves: each rank keeps the layers it holds.
+
+    Raises:
+        ValueError: the module is cut otherwise, or by something that cannot put it back.
+    """
+    stand_in = next((sub for sub in module.modules() if isinstance(sub, PipelinedSequential)), None)
+    if stand_in is None:
+        return None
+    release, balance = _RELEASES.get(stand_in), stand_in.balance
+    cut, wanted = (stand_in.num_stages, stand_in.stages), (settings.num_stages, settings.layout.stages)
+    if release is None or cut != wanted:
+        refuse_a_cut_module(
+            module, f" ({cut[0]} stages, this rank holding {cut[1]}; this Trainer's: {wanted[0]}, {wanted[1]})"
+        )
+    if isinstance(settings.balance, list) and settings.balance != balance:
+        refuse_a_cut_module(module, f" (balance={balance}; this Trainer's: {settings.balance})")
+    release()  # type: ignore[misc]
+    return balance
 
 
 def _refuse_stranded_layers(own: Sequence[tuple[int, nn.Module]], trained: Sequence[int]) -> None:

@@ -170,6 +170,7 @@ class PipelinedSequential(nn.Module):
         self.stages = (stages,) if isinstance(stages, int) else tuple(stages)
         self.num_stages = num_stages
         self.runner: Callable[[Any], Any] | None = None
+        self.balance: list[int] = []  # layers per stage of the whole cut
 
     @property
     def stage(self) -> int:
@@ -398,6 +399,7 @@ def partition_module(
     # The other stages' layers keep their structure for reassembly, on meta: no memory.
     set_aside([layer for index, (_, layer) in enumerate(layers) if index not in held], list(own.values()))
     stand_in = PipelinedSequential(own, len(layers), stages, len(bounds))
+    stand_in.balance = list(balance)
     _assign(module, path, stand_in)
     return Partition(module, path, sequence, stand_in, bounds, ties)
 

@@ -99,19 +99,25 @@ def test_the_fork_launcher_gives_the_launching_process_the_whole_trained_module(
 
 
 @pytest.mark.usefixtures("loopback_process_group")
-def test_another_trainer_refuses_a_module_cut_by_an_earlier_one_until_it_is_gathered(tmp_path: Path) -> None:
+def test_another_trainer_cutting_alike_takes_the_stages_over_and_one_cutting_otherwise_is_refused(
+    tmp_path: Path,
+) -> None:
     run = {"pipe_size": 1, "devices": 1, "chunks": 2, "steps": 2, "limit_val_batches": 1}
     module, loader = SequentialModule(), DataLoader(dataset(), batch_size=16)
     first = trainer_for(run, tmp_path)
     first.fit(module, loader)
-    second = trainer_for(run, tmp_path)
-    refused = r"SequentialModule.layers holds one pipeline stage only: it was cut by the GPipeStrategy of an earlier"
-    with pytest.raises(ValueError, match=refused):
-        second.validate(module, loader, verbose=False)
-    assert isinstance(second.strategy, GPipeStrategy)
-    with pytest.raises(ValueError, match=refused):  # only the strategy that cut it can gather it
-        second.strategy.gather_module()
+    trained = {key: value.clone() for key, value in module.state_dict().items()}
+    second = trainer_for({**run, "chunks": 4}, tmp_path)  # the same stages, other settings: it takes them over
+    assert second.validate(module, loader, verbose=False)[0]["val_loss"] > 0
+    assert_same_parameters(module.state_dict(), trained)  # nothing moved
     assert isinstance(first.strategy, GPipeStrategy)
-    assert first.strategy.gather_module() is module
+    refused = r"SequentialModule.layers holds one pipeline stage only: it was cut by the GPipeStrategy of another"
+    with pytest.raises(ValueError, match=refused + r".*gather_module\(\)` of that Trainer"):
+        first.strategy.gather_module()  # the first no longer holds them
+    interleaved = {**run, "options": {"schedule": "interleaved", "virtual_stages": 2}}
+    with pytest.raises(ValueError, match=refused + r".* \(1 stages, this rank holding \(0,\); this Trainer's: 2, "):
+        trainer_for(interleaved, tmp_path).validate(module, loader, verbose=False)
+    assert isinstance(second.strategy, GPipeStrategy)
+    assert second.strategy.gather_module() is module
     assert isinstance(module.layers, torch.nn.Sequential)
-    assert trainer_for(run, tmp_path).validate(module, loader, verbose=False)[0]["val_loss"] > 0
+    assert_same_parameters(module.state_dict(), trained)
