@@ -128,7 +128,8 @@ class StageCheckpoints:
         return parts
 
     def _all_gather(self, part: Any) -> list[Any]:
-        """Every stage's ``part`` (small objects) on every rank of the pipeline, in pipeline order."""
+        """Every stage's ``part`` (small objects) on every rank of the pipeline, in the group's order (the same on
+        every rank)."""
         if self.layout.pipe_size == 1:
             return [part]
         parts: list[Any] = [None] * self.layout.pipe_size
