@@ -112,7 +112,9 @@ if __name__ == "__main__":
     model = GPT()
     trainer = L.Trainer(strategy="gpipe", accelerator="cpu", devices=2, max_epochs=3, logger=False)
     trainer.fit(model, DataLoader(dataset(), batch_size=32, shuffle=True, drop_last=True))
-    if trainer.is_global_zero:
+    # Each rank kept its stage; on every rank, put the whole model back on global rank 0 (None elsewhere).
+    whole = trainer.strategy.gather_module()  # type: ignore[attr-defined]
+    if whole is not None:
         print(f"final loss {trainer.callback_metrics['train_loss']:.3f}")
         embedding, head = model.layers[0], model.layers[-1]
         assert isinstance(embedding, Embedding)

@@ -1,7 +1,8 @@
 """Every use of Lightning's and torchmetrics' internals, in one place, each checked by ``test_compat.py``.
 
-The strategy needs a few things neither library offers publicly: Lightning's launchers, process-group set-up and
-strategy registry (private names), the loader a running ``fit`` reads, a ``self.log`` it can record instead of log,
+The strategy needs a few things neither library offers publicly: Lightning's launchers (and what a fork or spawn
+worker hands back), process-group set-up and strategy registry (private names), the loader a running ``fit`` reads, a
+``self.log`` it can record instead of log,
 Lightning's clipping replaced by a clip over every stage, and a torchmetrics ``Metric``'s step value and update
 count, read and restored. An upgrade that changes one of them fails in ``test_compat.py`` first, naming
 :data:`SUPPORTED`.
@@ -25,6 +26,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import Metric
@@ -46,6 +48,7 @@ __all__ = [
     "set_device_mesh",
     "set_metric_step_value",
     "sync_ddp_if_available",
+    "worker_output",
 ]
 
 SUPPORTED = "lightning>=2.5,<2.7 and torchmetrics>=1.4,<2.0 (checked on lightning 2.6 and torchmetrics 1.9)"
@@ -125,3 +128,10 @@ def load_metric_state(metric: Metric, state: dict[str, Any], update_count: int, 
     metric._update_count = update_count
     metric._forward_cache = step_value  # type: ignore[assignment]
     metric._computed = None
+
+
+def worker_output(
+    best_model_path: Any, weights_path: Any, trainer_state: Any, trainer_results: Any, extra: dict[str, Any]
+) -> Any:
+    """What a worker of Lightning's multiprocessing launcher hands back to the launching process."""
+    return _WorkerOutput(best_model_path, weights_path, trainer_state, trainer_results, extra)

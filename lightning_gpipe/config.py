@@ -11,14 +11,27 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_gpipe.compat import default_process_group_backend
 from lightning_gpipe.engine.config import validate_flag
-from lightning_gpipe.partition.config import BuildConfig
+from lightning_gpipe.partition.config import BuildConfig, ResolvedPipeline
 
-__all__ = ["NO_SHARDED_CHECKPOINTS", "START_METHODS", "StartMethod", "StrategyConfig", "refuse_sharded_checkpoints"]
+__all__ = [
+    "NO_SHARDED_CHECKPOINTS",
+    "START_METHODS",
+    "STATE_DICT_TYPES",
+    "StartMethod",
+    "StateDictType",
+    "StrategyConfig",
+    "eager_selective_advice",
+    "refuse_sharded_checkpoints",
+]
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 """How the strategy starts one process per device (see :data:`START_METHODS`)."""
 START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
 """How the strategy starts its processes: re-run the script per rank, or start workers from this process."""
+StateDictType = Literal["full", "sharded"]
+"""How ``trainer.save_checkpoint`` writes: one file of the whole model, or a directory with a shard per rank."""
+STATE_DICT_TYPES: tuple[str, ...] = ("full", "sharded")
+"""The checkpoint formats, as Lightning's ``FSDPStrategy(state_dict_type=...)`` names them."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,7 @@ class StrategyConfig(BuildConfig):
     process_group_backend: str | None = None
     start_method: StartMethod = "popen"
     verify_batches: bool = True
+    state_dict_type: StateDictType = "full"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +57,12 @@ class StrategyConfig(BuildConfig):
                 "notebooks)"
             )
         validate_flag("verify_batches", self.verify_batches)
+        if self.state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(
+                f"state_dict_type={self.state_dict_type!r} is not a checkpoint format; use 'full' (one file of the "
+                "whole model, loadable anywhere with torch.load) or 'sharded' (a torch.distributed.checkpoint "
+                "directory with one shard per rank, for models too large for one process's memory)"
+            )
 
     def backend_for(self, device: torch.device) -> str:
         """The ``torch.distributed`` backend on ``device``: the one given, else NCCL on CUDA and gloo on CPU.
@@ -84,3 +104,19 @@ def refuse_sharded_checkpoints(trainer: Trainer) -> None:
         raise ValueError(f"{NO_SHARDED_CHECKPOINTS} (the Trainer has a ModelCheckpoint callback)")
     if trainer.ckpt_path is not None:
         raise ValueError(f"{NO_SHARDED_CHECKPOINTS} (ckpt_path={trainer.ckpt_path!r})")
+
+
+def eager_selective_advice(settings: ResolvedPipeline, device: torch.device) -> str | None:
+    """What to say to a run that re-materializes selectively, uncompiled, on a GPU; ``None`` for any other run.
+
+    Eager, torch's selective policy runs in Python for every operation of a forward and its replay, and a GPU can wait
+    for that host work (measured in docs/benchmarks/gpu.md).
+    """
+    if settings.pipeline.checkpoint != "selective" or settings.compile is not None or device.type != "cuda":
+        return None
+    return (
+        "checkpoint='selective' without compile=True runs torch's selective-checkpoint policy in Python for every "
+        "operation, and on a GPU the device can end up waiting for that host work (measured slower than "
+        "checkpoint='except_last' on an H100: docs/benchmarks/gpu.md). Pass compile=True to compile the policy into "
+        "each layer, or use checkpoint='except_last'."
+    )

@@ -30,9 +30,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_gpipe.checkpoint_io import StageCheckpoints, save_atomically
+from lightning_gpipe.checkpoint_io import StageCheckpoints
 from lightning_gpipe.compat import (
-    MultiProcessingLauncher,
     StrategyRegistry,
     SubprocessScriptLauncher,
     distributed_is_initialized,
@@ -42,7 +41,14 @@ from lightning_gpipe.compat import (
     set_device_mesh,
     sync_ddp_if_available,
 )
-from lightning_gpipe.config import NO_SHARDED_CHECKPOINTS, StartMethod, StrategyConfig, refuse_sharded_checkpoints
+from lightning_gpipe.config import (
+    NO_SHARDED_CHECKPOINTS,
+    StartMethod,
+    StateDictType,
+    StrategyConfig,
+    eager_selective_advice,
+    refuse_sharded_checkpoints,
+)
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.layout import ProcessLayout, new_stage_groups
 from lightning_gpipe.engine.relay import CallRelay
@@ -50,9 +56,16 @@ from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
+from lightning_gpipe.launcher import StagesToLauncher
 from lightning_gpipe.log_mirror import sharing_from_last_stage, sync_metrics_over
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
-from lightning_gpipe.partition.assembly import AssembledStage, assemble_stage
+from lightning_gpipe.partition.assembly import (
+    AssembledStage,
+    assemble_stage,
+    refuse_a_cut_module,
+    register_release,
+    take_over_cut,
+)
 from lightning_gpipe.partition.config import Balance, DataParallel, ResolvedPipeline
 from lightning_gpipe.partition.fsdp import mixed_precision
 from lightning_gpipe.partition.reader import WeightsReader, claim_reader
@@ -95,6 +108,8 @@ class GPipeStrategy(ParallelStrategy):
         compile: ``torch.compile`` each layer of each stage in place: ``True`` or a dict of its keyword arguments.
         data_parallel: how the replicas of a stage share it: ``"ddp"`` (default: each holds it whole) or ``"fsdp"``
             (each holds a shard of every parameter, its gradient and its optimizer state; docs/guide/fsdp.md).
+        state_dict_type: ``"full"`` (default: one file, written by global rank 0 as the stages send their tensors) or
+            ``"sharded"`` (a ``torch.distributed.checkpoint`` directory, each rank writing its own stage).
     """
 
     strategy_name = "gpipe"
@@ -123,6 +138,7 @@ class GPipeStrategy(ParallelStrategy):
         plan: str | AutoPlan | None = None,
         compile: bool | dict[str, Any] = False,
         data_parallel: DataParallel = "ddp",
+        state_dict_type: StateDictType = "full",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -147,6 +163,7 @@ class GPipeStrategy(ParallelStrategy):
             verify_batches=verify_batches,
             compile=compile,
             data_parallel=data_parallel,
+            state_dict_type=state_dict_type,
         )
         # Settled in setup, by _follow_plan; refused here beside the settings it would choose.
         self._auto_plan = auto_plan(
@@ -169,7 +186,6 @@ class GPipeStrategy(ParallelStrategy):
         self._steps: UserSteps | None = None  # the Lightning-side step: the user's hooks over micro-batches
         self._gradients: StageGradients | None = None
         self._names = ModelNames(keys=[], shapes={}, parameter_order=[], aliases={})
-        self._failed = False
         self._example_input: Any = None
         self._batches = BatchChecks()  # each step's batch checked (plan="auto"'s batch size among others)
         self.timeline = Timeline(enabled=False)
@@ -250,7 +266,7 @@ class GPipeStrategy(ParallelStrategy):
         if self.config.start_method == "popen":
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = MultiProcessingLauncher(self, start_method=self.config.start_method)
+            self._launcher = StagesToLauncher(self, start_method=self.config.start_method)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's global rank and the world size; resolve the settings for them."""
@@ -320,7 +336,7 @@ class GPipeStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             setup_stage_optimizers(self.setup_optimizers, trainer, module, assembled.partition)
-            advice = _eager_selective_advice(self.settings, self.root_device)
+            advice = eager_selective_advice(self.settings, self.root_device)
             if advice is not None:
                 rank_zero_warn(advice)
         self.setup_precision_plugin()
@@ -348,6 +364,9 @@ class GPipeStrategy(ParallelStrategy):
         """Build this process's stage of ``module`` (once: a second fit or validate keeps it) and the user's steps."""
         if self._assembled is not None:
             return self._assembled
+        balance = take_over_cut(module, self.settings)  # cut alike by another Trainer's strategy: each rank keeps its
+        if balance is not None:  # layers, nothing moves
+            self._planned, self._settings = {**self._planned, "balance": balance}, None
         ranks, timeout = self.layout.stage_ranks(), self.settings.timeout
         transport = ProcessGroupTransport.for_stages(
             ranks, self.layout.stages, self.root_device, timeout, links=self._links
@@ -362,8 +381,9 @@ class GPipeStrategy(ParallelStrategy):
         if self._replica_group is not None:
             sync_metrics_over(module, self._replica_group)
         self._stages, self._names = assembled.pipeline.stages, assembled.names
+        register_release(assembled.partition.stand_in, self._put_back)
         # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
-        # which a partitioned module cannot do; it is set aside until teardown (the summary then omits sizes).
+        # which a partitioned module cannot do; it is set aside until gather_module (the summary then omits sizes).
         self._example_input, module.example_input_array = module.example_input_array, None
         self._steps = UserSteps(
             module, assembled.pipeline, assembled.partition, CallRelay(self._stages[-1]), self._batches,
@@ -457,7 +477,10 @@ class GPipeStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
 
     def _checkpoints(self) -> StageCheckpoints:
-        return StageCheckpoints(self.layout, self._names, self._object_group, self._control_group, self.config.timeout)
+        device = self.root_device if self.parallel_devices else torch.device("cpu")  # before the Trainer sets devices
+        module = self.lightning_module if self._assembled is not None else None
+        groups = self._object_group, self._control_group
+        return StageCheckpoints(self.layout, self._names, *groups, self.config, device, module)
 
     def gather_timeline(self) -> Timeline | None:
         """The spans every stage of the first pipeline recorded, merged on global rank 0 (``None`` elsewhere).
@@ -469,65 +492,70 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
         if self.settings.data_parallel == "fsdp":
             raise NotImplementedError(NO_SHARDED_CHECKPOINTS)
-        return self._checkpoints().module_state(self.lightning_module)
+        return self._checkpoints().module_state()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return self._checkpoints().optimizer_state(optimizer, self.lightning_module)
+        return self._checkpoints().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self.is_global_zero:
-            save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
+        self._checkpoints().save(checkpoint, filepath, self.checkpoint_io, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        # Loading a checkpoint never runs code from it.
-        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
+        # Loading a checkpoint never runs code from it; each rank reads its own stage's part (once it has one).
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return self._checkpoints().load(checkpoint_path, self.optimizers if fitting else [], self.checkpoint_io)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        assert self._assembled is not None
         if self.settings.data_parallel == "fsdp":
             raise NotImplementedError(NO_SHARDED_CHECKPOINTS)
-        self._checkpoints().load_module_state(self.lightning_module, checkpoint["state_dict"], strict)
+        self._checkpoints().load_module_state(checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.lightning_module is not None
-        saved = checkpoint["optimizer_states"]
-        self._checkpoints().load_optimizer_states(self.optimizers, saved, self.lightning_module, self.root_device)
+        self._checkpoints().load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
 
-    # ------------------------------------------------------------------ teardown
+    # ------------------------------------------------------------------ teardown: each stage stays where it is
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # The other stages may be dead or blocked: teardown must not wait for them in a collective. Receives this stage
-        # left posted would hold up the process group's destruction at exit (NCCL): abort the links that carry them.
-        self._failed = True
+        # The other stages may be dead or blocked: nothing may wait for them in a collective. Receives this stage left
+        # posted would hold up the process group's destruction at exit (NCCL): abort the links that carry them.
         for stage in self._stages:
             if isinstance(stage.transport, ProcessGroupTransport):
                 stage.transport.abort_links()
 
-    @override
-    def teardown(self) -> None:
-        """Put the whole model back together on every rank, so the user's module is complete after ``fit``.
+    def gather_module(self) -> LightningModule | None:
+        """The whole trained module on global rank 0 (``None`` elsewhere); a collective: call it on every rank.
 
-        After a failure the module is left partitioned: reassembly needs every stage, and some may be gone.
+        Each rank keeps its stage after ``fit`` (docs/guide/strategy.md, "After fit"). This sends every stage's layers
+        to global rank 0, one stage at a time, where the module becomes whole on the CPU (the whole model's weights);
+        elsewhere it keeps this rank's layers, the others on ``meta``. The next Trainer call cuts it again.
         """
-        if self._assembled is not None and distributed_is_initialized() and not self._failed:
-            module = self.lightning_module
-            assert module is not None
-            self._assembled.reassemble(self._object_group)
-            module.example_input_array = self._example_input
-            self._assembled = self._steps = None
-            self._stages = ()
-        super().teardown()
+        if self._assembled is None:  # nothing cut here: never, or gathered already
+            if self.lightning_module is not None:
+                refuse_a_cut_module(self.lightning_module)  # cut by another Trainer's strategy, which gathers it
+        elif self.settings.data_parallel == "fsdp":
+            raise NotImplementedError("gather_module() under data_parallel='fsdp' is not supported yet")
+        else:
+            self._put_back(destination=0)
+        return self.lightning_module if self.is_global_zero else None
+
+    def _put_back(self, destination: int | None = None) -> None:
+        """Give the module its sequence back, whole on global rank ``destination`` (``None``: nowhere, each rank keeping
+        its layers), and release the stages; the next cut keeps their balance."""
+        assert self._assembled is not None
+        partition = self._assembled.partition
+        self._planned = {**self._planned, "balance": [len(bound) for bound in partition.bounds]}
+        self._assembled.gather(destination, self.layout.pipeline_ranks(self.layout.replica), self._object_group)
+        partition.module.example_input_array = self._example_input
+        self._assembled = self._steps = None
+        self._stages = ()
 
     @classmethod
     @override
@@ -542,19 +570,3 @@ class GPipeStrategy(ParallelStrategy):
             start_method="fork",
             override=True,
         )
-
-
-def _eager_selective_advice(settings: ResolvedPipeline, device: torch.device) -> str | None:
-    """What to say to a run that re-materializes selectively, uncompiled, on a GPU; ``None`` for any other run.
-
-    Eager, torch's selective policy runs in Python for every operation of a forward and its replay, and a GPU can wait
-    for that host work (measured in docs/benchmarks/gpu.md).
-    """
-    if settings.pipeline.checkpoint != "selective" or settings.compile is not None or device.type != "cuda":
-        return None
-    return (
-        "checkpoint='selective' without compile=True runs torch's selective-checkpoint policy in Python for every "
-        "operation, and on a GPU the device can end up waiting for that host work (measured slower than "
-        "checkpoint='except_last' on an H100: docs/benchmarks/gpu.md). Pass compile=True to compile the policy into "
-        "each layer, or use checkpoint='except_last'."
-    )

@@ -3,7 +3,8 @@
 Shape legend: B batch, S source length, T decoded length, V vocabulary.
 
 Everything here runs on a whole model after ``fit`` (decoding calls the model once per output token; under
-``GPipeStrategy`` the model is reassembled on every rank when ``fit`` returns). From the command line, a checkpoint
+``GPipeStrategy`` each rank keeps its stage after ``fit``, and ``trainer.strategy.gather_module()`` puts the whole
+model back on global rank 0). From the command line, a checkpoint
 written by ``Trainer.save_checkpoint`` is enough: it holds the model's registry name and arguments, the data module's
 arguments and its tokenizer, so ::
 

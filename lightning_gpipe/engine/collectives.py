@@ -4,7 +4,8 @@ Two rules keep these collectives right on GPUs. Objects travel on the CPU: a CUD
 ``broadcast_object_list`` or ``gather_object`` is restored on the *sender's* device index, so a receiver would allocate
 on another rank's GPU; :func:`portable` detaches and moves every tensor to the CPU before sending, and :func:`to_device`
 puts what arrives on the receiver's own device. Tensors travel in flattened buckets, one collective per bucket
-(:func:`buckets`), not one per tensor.
+(:func:`buckets`), not one per tensor; a stage's whole state goes to one rank as raw bytes, one bucket at a time
+(:func:`send_tensors`, :func:`receive_tensors`), so neither side holds more than its own tensors and one bucket.
 
 An object sent every step (the step's loss and logs) goes by :func:`broadcast_object`: one collective of a fixed
 ``OBJECT_BYTES`` buffer when it fits, where ``broadcast_object_list`` always runs two (the size, then the bytes).
@@ -12,8 +13,10 @@ An object sent every step (the step's loss and logs) goes by :func:`broadcast_ob
 
 from __future__ import annotations
 
+import math
 import pickle
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,10 +24,26 @@ import torch.distributed as dist
 from lightning_gpipe.engine.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_gpipe.engine.tree import map_tensors
 
-__all__ = ["BUCKET_BYTES", "OBJECT_BYTES", "broadcast_object", "broadcast_tensors", "buckets", "portable", "to_device"]
+__all__ = [
+    "BUCKET_BYTES",
+    "OBJECT_BYTES",
+    "TRANSFER_BYTES",
+    "TensorSpec",
+    "broadcast_object",
+    "broadcast_tensors",
+    "buckets",
+    "byte_buckets",
+    "portable",
+    "receive_tensors",
+    "send_tensors",
+    "to_device",
+]
 
 BUCKET_BYTES = 25 * 2**20
 """The most bytes one bucketed collective carries (DDP's default bucket size)."""
+TRANSFER_BYTES = 4 * 2**20
+"""The most bytes one message of :func:`send_tensors` carries: what either side holds beside its own tensors, small
+beside a model worth a pipeline, large enough that a message's fixed cost (about 0.2 ms over gloo) does not count."""
 OBJECT_BYTES = 16 * 2**10
 """The buffer :func:`broadcast_object` sends first: an 8-byte length, then the pickled object if it fits."""
 _LENGTH = 8
@@ -106,3 +125,91 @@ def broadcast_object(value: Any, src: int, group: dist.ProcessGroup | None) -> A
         dist.broadcast(rest, src=src, group=group)
         data += rest.numpy().tobytes()
     return pickle.loads(data)
+
+
+class TensorSpec(NamedTuple):
+    """What a receiver needs to know of a tensor before its bytes arrive: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        """The spec of ``tensor``."""
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's size in bytes."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+_ALIGNMENT = 16  # every tensor starts at a multiple of this in a bucket, so its bytes can be viewed as its dtype
+
+
+def byte_buckets(sizes: Sequence[int], bucket_bytes: int = TRANSFER_BYTES) -> list[list[tuple[int, int, int]]]:
+    """Tensors of ``sizes`` bytes packed in order into buckets of at most ``bucket_bytes`` (a larger tensor alone).
+
+    Each bucket lists ``(index, start, length)`` per tensor, starts aligned; empty tensors are left out. Sender and
+    receiver compute the same packing from the same sizes.
+    """
+    done: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    used = 0
+    for index, size in enumerate(sizes):
+        if size == 0:
+            continue
+        start = -(-used // _ALIGNMENT) * _ALIGNMENT
+        if current and start + size > bucket_bytes:
+            done.append(current)
+            current, start = [], 0
+        current.append((index, start, size))
+        used = start + size
+    if current:
+        done.append(current)
+    return done
+
+
+def send_tensors(
+    tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None, bucket_bytes: int = TRANSFER_BYTES
+) -> None:
+    """Send ``tensors`` to global rank ``dst`` as raw bytes, one CPU bucket at a time (:func:`receive_tensors` there).
+
+    The sender holds one bucket beside its tensors, whatever their number; ``group`` is a gloo group (CPU buckets).
+    """
+    sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
+    for bucket in byte_buckets(sizes, bucket_bytes):
+        flat = torch.empty(_end(bucket), dtype=torch.uint8)
+        for index, start, length in bucket:
+            flat[start : start + length].copy_(_as_bytes(tensors[index]))
+        _wait(dist.isend(flat, dst, group=group))
+
+
+def receive_tensors(
+    specs: Sequence[TensorSpec], src: int, group: dist.ProcessGroup | None, bucket_bytes: int = TRANSFER_BYTES
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The tensors of ``specs`` that global rank ``src`` sends with :func:`send_tensors`, as ``(index, tensor)``.
+
+    Each tensor is a CPU view into the bucket just received, valid until the next one arrives: copy what you keep. The
+    receiver holds one bucket at a time.
+    """
+    for bucket in byte_buckets([spec.nbytes for spec in specs], bucket_bytes):
+        flat = torch.empty(_end(bucket), dtype=torch.uint8)
+        _wait(dist.irecv(flat, src, group=group))
+        for index, start, length in bucket:
+            yield index, flat[start : start + length].view(specs[index].dtype).view(specs[index].shape)
+
+
+def _wait(work: Any) -> None:
+    # isend and irecv, waited for: torch's blocking send and recv post them too, and wrapping them twice (as the
+    # tests' emulation of NCCL's stream order wraps every operation) would queue the inner one behind the outer.
+    work.wait()
+
+
+def _end(bucket: list[tuple[int, int, int]]) -> int:
+    _, start, length = bucket[-1]
+    return start + length
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)

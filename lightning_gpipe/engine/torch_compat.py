@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -27,6 +28,7 @@ __all__ = [
     "drop_unsharded_gradients",
     "flatten_dense_tensors",
     "keep_compiled_saved_tensors",
+    "memoryless_tensor",
     "reduce_unsharded_gradients",
     "restore_compiled_call",
     "storage_key",
@@ -37,6 +39,16 @@ flatten_dense_tensors = _flatten_dense_tensors
 """One flat tensor holding the given tensors of one dtype and device, as DDP's buckets are made."""
 unflatten_dense_tensors = _unflatten_dense_tensors
 """Views of a flat tensor shaped like the given tensors."""
+
+_memoryless = FakeTensorMode()
+
+
+def memoryless_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``shape`` and ``dtype`` without memory (a fake tensor), which ``torch.save`` saves as a CPU
+    tensor under ``torch.serialization.skip_data(materialize_fake_tensors=True)``."""
+    with _memoryless:
+        return torch.empty(shape, dtype=dtype)
+
 
 # Not in __all__: it is torch's own class, whose missing docstring the reference would show; the module's says it.
 BatchNormBase = _BatchNorm

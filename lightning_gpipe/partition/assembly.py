@@ -14,14 +14,15 @@ still under their original names, one cell per stage (each a slice of the sequen
 tensor that two of its stages share is one tensor, with one gradient. It needs no Trainer: a test builds every
 stage of a pipeline in one process over a :class:`~lightning_gpipe.engine.transport.ThreadTransport`.
 
-:meth:`AssembledStage.reassemble` is the inverse at the end of training: every stage's part, gathered over the
-pipeline, restores the whole module on every rank.
+:meth:`AssembledStage.gather` is the inverse, when the user asks for the whole module: every stage's layers, sent one
+stage at a time, put it back on one rank.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -33,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
-from lightning_gpipe.engine.collectives import broadcast_tensors, to_device
+from lightning_gpipe.engine.collectives import TensorSpec, broadcast_tensors, receive_tensors, send_tensors, to_device
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.pipeline import Pipeline
@@ -46,12 +47,27 @@ from lightning_gpipe.partition.compile import CompiledLayers, compile_layers
 from lightning_gpipe.partition.config import ResolvedPipeline
 from lightning_gpipe.partition.fsdp import shard_stage
 from lightning_gpipe.partition.reader import WeightsReader, read_held
-from lightning_gpipe.partition.sequence import Partition, find_sequence, materialize, partition_module
+from lightning_gpipe.partition.sequence import (
+    Partition,
+    PipelinedSequential,
+    find_sequence,
+    materialize,
+    partition_module,
+)
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.partition.tied import TiedCopies, retie, ties_between_processes
 from lightning_gpipe.profile.cost import layer_costs
 
-__all__ = ["AssembledStage", "assemble_stage", "measured_costs", "parameter_counts", "resolve_balance"]
+__all__ = [
+    "AssembledStage",
+    "assemble_stage",
+    "measured_costs",
+    "parameter_counts",
+    "refuse_a_cut_module",
+    "register_release",
+    "resolve_balance",
+    "take_over_cut",
+]
 
 
 @dataclass
@@ -64,8 +80,8 @@ class AssembledStage:
         ties: this stage's copies of tensors that layers of other stages share, kept equal by collectives.
         names: the whole module's state-dict keys, shapes and parameter names, recorded before the cut.
         whole_parameters: (all, trainable) parameter counts of the whole module, each tied tensor once.
-        compiled: this stage's layers compiled in place (none unless ``settings.compile``), undone by reassembly.
-        processes: the processes of the pipeline (K), among which reassembly gathers the parts.
+        compiled: this stage's layers compiled in place (none unless ``settings.compile``), undone by :meth:`gather`.
+        processes: the processes of the pipeline (K), among which :meth:`gather` collects the layers.
     """
 
     partition: Partition
@@ -91,21 +107,50 @@ class AssembledStage:
         """(all, trainable) parameter counts of this process's layers, a tensor its stages share once."""
         return parameter_counts(self.partition.stand_in.parameters())
 
-    def reassemble(self, group: dist.ProcessGroup | None = None) -> None:
-        """Put the whole module back, on the CPU, from every stage's layers: a collective over the pipeline.
+    def gather(self, destination: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None) -> None:
+        """Put the user's sequence back in the module: on global rank ``destination`` whole, with every stage's trained
+        layers, elsewhere with this process's layers and the others' on the ``meta`` device.
 
-        Every stage of the pipeline calls it; ``group`` is the pipeline's group (for objects: gloo keeps the parts in
-        host memory), unused with a single stage. Tied tensors get back their shared value and deferred BatchNorm
-        layers become plain BatchNorm again (:meth:`~lightning_gpipe.partition.sequence.Partition.reassemble`), and
-        compiled layers run as they did before assembly: the module is the user's again, on every rank alike.
+        A collective over the pipeline whose processes are the global ``ranks`` (in any order) when ``destination`` is
+        one of them (another pipeline, or ``destination=None``, puts back its own layers alone); ``group`` is its group
+        for objects (gloo).
+        The destination allocates the other stages' layers and receives their tensors one process at a time, in
+        buckets (:func:`~lightning_gpipe.engine.collectives.receive_tensors`): it holds the whole model and one bucket,
+        and no rank holds a pickled copy. Tied tensors become one again, deferred BatchNorm layers plain BatchNorm, and
+        compiled layers run as they did before assembly (:meth:`~lightning_gpipe.partition.sequence.Partition.finish`).
         """
         self.compiled.restore()
-        local = self.partition.stage_state()
-        parts: list[Any] = [local]
-        if self.processes > 1:
-            parts = [None] * self.processes
-            dist.all_gather_object(parts, local, group=group)
-        self.partition.reassemble(parts, self.ties.values())
+        tied = self.ties.values()
+        if destination is None or destination not in ranks or self.processes == 1:
+            self.partition.put_back(allocate=False)
+            self.partition.finish(tied)
+            return
+        rank, ranks = dist.get_rank(), sorted(ranks)  # a gather's results come in the group's order
+        part = self.partition.stage_state()
+        specs = {key: TensorSpec.of(tensor) for key, tensor in part.items()}
+        gathered: list[Any] | None = [None] * len(ranks) if rank == destination else None
+        with collective_errors(self.partition.stage, f"sending this stage's layers to global rank {destination}"):
+            dist.gather_object(specs, gathered, dst=destination, group=group)
+            if rank != destination:
+                send_tensors(list(part.values()), destination, group)
+                self.partition.put_back(allocate=False)
+                self.partition.finish(tied)
+                return
+            assert gathered is not None
+            empty = self.partition.put_back(allocate=True)
+            filled = set()
+            for source, received in zip(ranks, gathered, strict=True):
+                if source == destination:
+                    continue
+                keys = list(received)
+                with torch.no_grad():
+                    for index, tensor in receive_tensors(list(received.values()), source, group):
+                        if keys[index] in empty:
+                            empty[keys[index]].copy_(tensor)
+                            filled.add(keys[index])
+        missing = sorted(empty.keys() - filled)
+        assert not missing, f"no stage sent {missing[:5]}"
+        self.partition.finish(tied)
 
 
 def assemble_stage(
@@ -145,6 +190,7 @@ def assemble_stage(
             read from it, the module's others never are.
     """
     layout = settings.layout
+    refuse_a_cut_module(module, " and has not put it back")
     path, sequence = find_sequence(module, settings.module_name)
     if len(sequence) < layout.num_stages:
         per = len(layout.stages)
@@ -160,7 +206,10 @@ def assemble_stage(
     names = ModelNames.of(module)
     whole = parameter_counts(module.parameters())  # before the split: each tied tensor once
     balance = resolve_balance(settings, sequence, sample, device, deferred=reader is not None)
+    trained = [i for i, layer in enumerate(sequence) if _holds_weights(layer)]  # before the cut sets others aside
     partition = partition_module(module, path, sequence, balance, layout.stages)
+    if reader is None:  # a reader fills every layer it holds; layers built on meta alone are initialized
+        _refuse_stranded_layers([(i, sequence[i]) for i in partition.layers], trained)
     seed = torch.initial_seed() % 2**62
     provided = set(reader.keys()) if reader is not None else set()
 
@@ -288,6 +337,70 @@ def _broadcast_replica_weights(
     tensors = [tensor.data for tensor in [*module.parameters(), *module.buffers()] if not is_sharded(tensor)]
     with collective_errors(layout.stage, f"receiving the weights of replica 0 of this stage (global rank {source})"):
         broadcast_tensors(tensors, source, group)
+
+
+def refuse_a_cut_module(module: nn.Module, why: str = "") -> None:
+    """Refuse ``module`` when a sequence of it holds one stage only: cut by a strategy that still holds that stage."""
+    cut = next((name for name, sub in module.named_modules() if isinstance(sub, PipelinedSequential)), None)
+    if cut is not None:
+        raise ValueError(
+            f"{type(module).__name__}.{cut} holds one pipeline stage only: it was cut by the GPipeStrategy of "
+            f"another Trainer, which keeps each stage on its rank after fit{why}. Call `trainer.strategy."
+            "gather_module()` of that Trainer on every rank first to put the sequence back, or resume from a "
+            "checkpoint it saved."
+        )
+
+
+_RELEASES: weakref.WeakKeyDictionary[nn.Module, Callable[[], None]] = weakref.WeakKeyDictionary()
+
+
+def register_release(stand_in: PipelinedSequential, release: Callable[[], None]) -> None:
+    """Let another strategy take over the cut ``stand_in`` stands for: ``release`` puts the sequence back (this rank
+    keeping its layers, the others on ``meta``) and forgets the stages (see :func:`take_over_cut`)."""
+    _RELEASES[stand_in] = release
+
+
+def take_over_cut(module: nn.Module, settings: ResolvedPipeline) -> list[int] | None:
+    """The balance of a cut of ``module`` that another strategy made and that these ``settings`` cut alike (the same
+    stages on this rank, the same balance if one is given), once that strategy has put the sequence back; ``None``
+    when the module is not cut. Nothing moves: each rank keeps the layers it holds.
+
+    Raises:
+        ValueError: the module is cut otherwise, or by something that cannot put it back.
+    """
+    stand_in = next((sub for sub in module.modules() if isinstance(sub, PipelinedSequential)), None)
+    if stand_in is None:
+        return None
+    release, balance = _RELEASES.get(stand_in), stand_in.balance
+    cut, wanted = (stand_in.num_stages, stand_in.stages), (settings.num_stages, settings.layout.stages)
+    if release is None or cut != wanted:
+        refuse_a_cut_module(
+            module, f" ({cut[0]} stages, this rank holding {cut[1]}; this Trainer's: {wanted[0]}, {wanted[1]})"
+        )
+    if isinstance(settings.balance, list) and settings.balance != balance:
+        refuse_a_cut_module(module, f" (balance={balance}; this Trainer's: {settings.balance})")
+    release()  # type: ignore[misc]
+    return balance
+
+
+def _refuse_stranded_layers(own: Sequence[tuple[int, nn.Module]], trained: Sequence[int]) -> None:
+    """Refuse to initialize this stage's layers that are on ``meta`` while other layers hold weights: after
+    ``gather_module`` a rank keeps only its own stage's layers, and a stage cut another way would get fresh ones."""
+    stranded = [index for index, layer in own if any(p.is_meta for p in layer.parameters())]
+    if stranded and trained:
+        listed = ", ".join(map(str, stranded))
+        which = f"layers {listed} of the sequence are" if len(stranded) > 1 else f"layer {listed} of the sequence is"
+        raise ValueError(
+            f"{which} on the meta device on this rank while layers {', '.join(map(str, trained[:8]))} hold weights: "
+            "this rank kept only its own stage's layers when the module was gathered on global rank 0, and this "
+            "stage is cut differently. Cut it as before (the same pipe_size and an explicit balance=[...]), or load "
+            "the trained weights from a checkpoint (trainer.save_checkpoint, then fit(ckpt_path=...))."
+        )
+
+
+def _holds_weights(layer: nn.Module) -> bool:
+    # Parameters only: a layer built on meta may compute small buffers (a rotary table) for real.
+    return any(not p.is_meta for p in layer.parameters())
 
 
 def _is_meta(module: nn.Module) -> bool:

@@ -4,8 +4,8 @@ The module keeps its shape: its ``nn.Sequential`` attribute is replaced by a :cl
 only this process's layers (of its one stage, or of each of its stages), registered under their original indices.
 Parameter names, ``state_dict`` keys and therefore checkpoints stay those of the unpartitioned model, and
 ``configure_optimizers`` sees only this process's parameters. The other stages' layers are kept aside on the ``meta``
-device, which holds their structure but no memory, so that the whole model can be reassembled when training ends; a
-tensor they share with this process's layers (tied weights) stays.
+device, which holds their structure but no memory, so that the sequence can be put back when the user asks for the whole
+model (:meth:`Partition.put_back`); a tensor they share with this process's layers (tied weights) stays.
 """
 
 from __future__ import annotations
@@ -172,6 +172,7 @@ class PipelinedSequential(nn.Module):
         self.stages = (stages,) if isinstance(stages, int) else tuple(stages)
         self.num_stages = num_stages
         self.runner: Callable[[Any], Any] | None = None
+        self.balance: list[int] = []  # layers per stage of the whole cut
 
     @property
     def stage(self) -> int:
@@ -189,7 +190,7 @@ class PipelinedSequential(nn.Module):
             raise RuntimeError(
                 f"this pipelined sequence holds {_stages(self.stages)} of {self.num_stages} only (layers "
                 f"{', '.join(dict(self.named_children()))} of {self.num_layers}); it runs inside the Trainer's "
-                "steps. After trainer.fit() returns, the module holds the whole sequence again."
+                "steps. After fit, trainer.strategy.gather_module() puts the whole sequence back on global rank 0."
             )
         return self.runner(value)
 
@@ -293,46 +294,42 @@ class Partition:
             state[key] = buffer.detach().cpu()
         return state
 
-    def reassemble(self, parts: Sequence[Mapping[str, torch.Tensor]], tied: Mapping[str, torch.Tensor]) -> None:
-        """Put the whole model back on the CPU from every stage's :meth:`stage_state` (in stage order).
+    def put_back(self, allocate: bool) -> dict[str, torch.Tensor]:
+        """Put the user's sequence back in the module in place of the stand-in, this process's layers in it as trained.
 
-        ``tied`` holds the values of the tied tensors (:meth:`TiedCopies.values`): reassembly gives each name of a
-        tied tensor its own tensor, and non-persistent tied buffers would lose their value. Deferred BatchNorm layers
-        become plain BatchNorm again, with the running statistics they gathered.
+        The other stages' layers stay on the ``meta`` device, or with ``allocate`` get CPU memory, uninitialized: their
+        tensors are then returned by name relative to the sequence (non-persistent buffers included, as
+        :meth:`stage_state` names them) for the caller to fill in from the stages that trained them. Call
+        :meth:`finish` once they are filled.
         """
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part)
-        self.restore(merged, torch.device("cpu"))
+        held = set(self.layers)
+        empty: dict[str, torch.Tensor] = {}
+        for index, layer in enumerate(self.original):
+            if index in held or not allocate:
+                continue
+            layer.to_empty(device=torch.device("cpu"))
+            empty.update((f"{index}.{key}", tensor) for key, tensor in layer.state_dict(keep_vars=True).items())
+            empty.update((f"{index}.{key}", buffer) for key, buffer in _non_persistent_buffers(layer))
+        _assign(self.module, self.path, self.original)
+        return empty
+
+    def finish(self, tied: Mapping[str, torch.Tensor]) -> None:
+        """End :meth:`put_back`: each tied tensor one tensor again, holding ``tied``'s value (:meth:`TiedCopies.values`;
+        putting layers back gives each name of a tied tensor its own), and deferred BatchNorm layers plain BatchNorm
+        again, with the running statistics they gathered."""
         retie(self.original, self.ties, tied)
         DeferredBatchNorm.revert(self.original)
 
-    def restore(self, sequence_state: Mapping[str, torch.Tensor], device: torch.device) -> None:
-        """Put the whole sequence back, its layers loaded from ``sequence_state`` (the stages' :meth:`stage_state`
-        merged, keys relative to the sequence)."""
-        # The other stages' layers, and this stage's where the sequence holds a meta copy (its layers were sharded).
-        others = [
-            layer
-            for index, layer in enumerate(self.original)
-            if self.owner_of(f"{self.path}.{index}") not in self.stages or _holds_meta(layer)
-        ]
-        for layer in others:
-            layer.to_empty(device=device)
-        persistent = self.original.state_dict().keys()
-        self.original.load_state_dict({key: sequence_state[key] for key in sequence_state if key in persistent})
-        # The other stages' layers came back from meta with empty memory in their non-persistent buffers: copy the
-        # values their stage had. (Extra entries, such as deferred BatchNorm's, belong to layers since reverted.)
-        others_ids = {id(layer) for layer in others}
-        for index, layer in enumerate(self.original):
-            if id(layer) not in others_ids:
-                continue
-            for key, buffer in _non_persistent_buffers(layer):
-                buffer.copy_(sequence_state[f"{index}.{key}"])
-        _assign(self.module, self.path, self.original)
-
-
-def _holds_meta(module: nn.Module) -> bool:
-    return any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()])
+    def reassemble(self, parts: Sequence[Mapping[str, torch.Tensor]], tied: Mapping[str, torch.Tensor]) -> None:
+        """Put the whole model back on the CPU from every stage's :meth:`stage_state`, all in this process (in-process
+        pipelines, tests): :meth:`put_back` with every layer allocated, filled from ``parts``, then :meth:`finish`."""
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        with torch.no_grad():
+            for key, tensor in self.put_back(allocate=True).items():
+                tensor.copy_(merged[key])
+        self.finish(tied)
 
 
 def _non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -365,7 +362,8 @@ def _check_aliases(module: nn.Module, path: str, sequence: nn.Sequential) -> Non
             f"{', '.join(aliases[:3])}{' and more' if len(aliases) > 3 else ''}. Each stage keeps only its own layers "
             f"during training, so another attribute cannot hold them all. Keep {owner!r} out of the module's "
             f"submodules, e.g. `object.__setattr__(self, {owner!r}, model)` instead of `self.{owner} = model`: it "
-            "then shares the trained layers again once fit returns (for save_pretrained and the like)."
+            "then shares the trained layers again once trainer.strategy.gather_module() puts the whole module back on "
+            "global rank 0 (for save_pretrained and the like)."
         )
 
 
@@ -403,6 +401,7 @@ def partition_module(
     # The other stages' layers keep their structure for reassembly, on meta: no memory.
     set_aside([layer for index, (_, layer) in enumerate(layers) if index not in held], list(own.values()))
     stand_in = PipelinedSequential(own, len(layers), stages, len(bounds))
+    stand_in.balance = list(balance)
     _assign(module, path, stand_in)
     return Partition(module, path, sequence, stand_in, bounds, ties)
 

@@ -27,6 +27,8 @@ __all__ = [
     "merge_state_dicts",
     "optimizer_state_by_name",
     "parameter_aliases",
+    "parameter_names",
+    "state_by_name",
 ]
 
 
@@ -80,7 +82,10 @@ def parameter_aliases(module: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _parameter_names(module: nn.Module, aliases: Mapping[str, str]) -> dict[int, str]:
+def parameter_names(module: nn.Module, aliases: Mapping[str, str] | None = None) -> dict[int, str]:
+    """The name each parameter of ``module`` has in a name-keyed optimizer state, by the parameter's ``id``: a tied
+    parameter's first name (``aliases``, :func:`parameter_aliases` of the whole model)."""
+    aliases = aliases or {}
     return {id(parameter): aliases.get(name, name) for name, parameter in module.named_parameters()}
 
 
@@ -88,7 +93,7 @@ def optimizer_state_by_name(
     optimizer: torch.optim.Optimizer, module: nn.Module, aliases: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` with parameter names in place of positions; ``aliases`` rename tied parameters."""
-    names = _parameter_names(module, aliases or {})
+    names = parameter_names(module, aliases)
     state = optimizer.state_dict()
     positions = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     return {
@@ -120,8 +125,9 @@ def merge_optimizer_states(parts: Sequence[Mapping[str, Any]], order: Sequence[s
     return {"state": state, "param_groups": groups}
 
 
-def _by_name(saved: Mapping[str, Any], order: Sequence[str]) -> Mapping[str, Any]:
-    """Accept a positional (plain PyTorch) optimizer state whose single group lists the model's parameters in order."""
+def state_by_name(saved: Mapping[str, Any], order: Sequence[str]) -> Mapping[str, Any]:
+    """``saved`` keyed by parameter name: as it is when it is, else a positional (plain PyTorch) optimizer state whose
+    single group lists the model's parameters in ``order``, re-keyed."""
     groups = saved["param_groups"]
     if all(isinstance(name, str) for group in groups for name in group["params"]):
         return saved
@@ -151,8 +157,8 @@ def local_optimizer_state(
     ``order`` lists the whole model's parameter names (used to read positional, plain-PyTorch states); ``aliases``
     rename tied parameters to the name their state is saved under (:func:`parameter_aliases` of the whole model).
     """
-    saved = _by_name(saved, order)
-    names = _parameter_names(module, aliases or {})
+    saved = state_by_name(saved, order)
+    names = parameter_names(module, aliases)
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(
             f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this one has "

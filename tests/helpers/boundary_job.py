@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_gpipe
+from helpers.whole import whole_module
 
 
 class Rotary(nn.Module):
@@ -75,7 +76,7 @@ def main(out: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(samples(), batch_size=16, collate_fn=collate))
-    if trainer.global_rank == 0:
+    if whole_module(module) is not None:
         x = torch.stack([x for x, _ in samples()])
         after = {
             "buffers": dict(module.layers.named_buffers()),

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gpipe
+from helpers.whole import whole_module
 from helpers.zoo_job import Repeated
 from helpers.zoo_tiny import tiny_batch, tiny_model
 
@@ -90,12 +91,14 @@ def main(out: str) -> None:
     pipelined = trainer(devices=2, strategy=lightning_gpipe.GPipeStrategy(chunks=2), max_epochs=2)
     model = fit_translator(pipelined)
     seen: dict[str, Any] = {"fit_val_bleu": float(pipelined.callback_metrics["val_bleu"])}
-    if pipelined.global_rank == 0:
-        torch.save(model.state_dict(), root / "translator.pt")
     _, val = translation_loaders()
+    # predict after fit runs on the stages fit kept
     seen["greedy"] = torch.cat(pipelined.predict(model, val))  # type: ignore[arg-type]
     model.hparams["beam_size"] = 3
     seen["beam"] = torch.cat(pipelined.predict(model, val))  # type: ignore[arg-type]
+    whole = whole_module(model)
+    if whole is not None:
+        torch.save(whole.state_dict(), root / "translator.pt")
     # In the order of the dataset on every rank (one replica), as in the plain run.
     tagger = trainer(devices=2, strategy=lightning_gpipe.GPipeStrategy(chunks=3), use_distributed_sampler=False)
     seen["outputs"] = fit_tagger(tagger)

@@ -83,6 +83,7 @@ def main(out: str) -> None:
     seen["test"] = [{k: plain(v) for k, v in r.items()} for r in trainer.test(module, val)]
     predictions = trainer.predict(module, val)
     seen["predict"] = torch.cat(predictions).tolist()  # type: ignore[arg-type]
+    trainer.strategy.gather_module()  # type: ignore[attr-defined]  # each rank kept its stage: a new Trainer cuts anew
     bf16 = L.Trainer(
         accelerator="cpu",
         devices=2,

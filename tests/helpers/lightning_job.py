@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_gpipe
 from helpers.models import IN, OUT, build
 from helpers.stream_order import impose_stream_order
+from helpers.whole import whole_module
 from lightning_gpipe.engine.transport import ProcessGroupTransport
 from lightning_gpipe.plan import AutoPlan
 
@@ -182,8 +183,9 @@ def main(config_path: str) -> None:
         if settings is not None and settings.schedule == "interleaved":  # the one schedule that takes it
             chosen[-1]["virtual_stages"] = settings.pipeline.virtual_stages
         (root / f"local-parameters-{index}-rank{module.global_rank}.txt").write_text(str(module.local_parameters))
-        if module.global_rank == 0:
+        whole = whole_module(module)
+        if whole is not None:
             (root / f"settings-{index}.json").write_text(json.dumps(chosen[-1]))
-            torch.save(module.state_dict(), root / f"result-{index}.pt")
+            torch.save(whole.state_dict(), root / f"result-{index}.pt")
             logged = {key: value.detach().cpu() for key, value in module.trainer.callback_metrics.items()}
             torch.save(logged, root / f"metrics-{index}.pt")

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers.lightning_job import SequentialModule, dataset, trainer_for
+from helpers.whole import whole_module
 from lightning_gpipe import GPipeStrategy
 
 
@@ -46,5 +47,6 @@ def main(config_path: str) -> None:
         trainer = trainer_for(run, root, num_nodes=run["num_nodes"])
         trainer.fit(module, DataLoader(dataset(), batch_size=run["batch"]))
         (root / f"seen-{index}-rank{trainer.global_rank}.json").write_text(json.dumps(seen_by(trainer)))
-        if trainer.global_rank == 0:
-            torch.save(module.state_dict(), root / f"result-{index}.pt")
+        whole = whole_module(module)
+        if whole is not None:
+            torch.save(whole.state_dict(), root / f"result-{index}.pt")

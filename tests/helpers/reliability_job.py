@@ -42,6 +42,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from helpers.lightning_job import SequentialModule, dataset, trainer_for
+from helpers.whole import whole_module
 
 __all__ = ["FaultyModule", "MemoryProbe", "listening_sockets", "main", "resident_bytes"]
 
@@ -241,5 +242,6 @@ def _run_all(config_path: str) -> None:
             rank = int(os.environ.get("LOCAL_RANK", "0"))
             (root / f"error-{index}-rank{rank}.txt").write_text(f"{type(error).__name__}: {error}")
             continue
-        if module.global_rank == 0:
-            torch.save(module.state_dict(), root / f"result-{index}.pt")
+        whole = whole_module(module)
+        if whole is not None:
+            torch.save(whole.state_dict(), root / f"result-{index}.pt")

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers.lightning_job import trainer_for
+from helpers.whole import whole_module
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -58,8 +59,9 @@ def main(config_path: str) -> None:
     root = Path(config_path).parent
     for name in config["examples"]:
         module = fit(name, config["run"], root)
-        if module.global_rank == 0:
-            torch.save(module.state_dict(), root / f"result-{name}.pt")
+        whole = whole_module(module)
+        if whole is not None:
+            torch.save(whole.state_dict(), root / f"result-{name}.pt")
             layers: Any = module.layers
             tied = layers[0].tokens.weight is layers[-1].projection.weight if name == "gpt" else None
             (root / f"tied-{name}.json").write_text(json.dumps({"tied": tied}))

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers.lightning_job import trainer_for
+from helpers.whole import whole_module
 
 VOCAB, WIDTH, LENGTH, SAMPLES, BATCH = 11, 8, 5, 64, 16
 
@@ -118,8 +119,9 @@ def main(config_path: str) -> None:
     root = Path(config_path).parent
     for index, run in enumerate(config["runs"]):
         module = fit(run, root)
-        if module.global_rank == 0:
-            torch.save(module.state_dict(), root / f"result-{index}.pt")
+        whole = whole_module(module)
+        if whole is not None:
+            torch.save(whole.state_dict(), root / f"result-{index}.pt")
             layers = module.layers
             assert layers is not None
             tied = layers[0].weight is layers[-1].weight if run.get("model", "lm") == "lm" else None

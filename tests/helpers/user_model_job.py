@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gpipe
+from helpers.whole import whole_module
 
 VOCAB, LENGTH = 12, 6
 
@@ -130,11 +131,13 @@ def trainer(devices: int, steps: int = 3, **options: Any) -> L.Trainer:
     )
 
 
-def fit_token_mean(devices: int, trimmed: bool = False) -> dict[str, torch.Tensor]:
+def fit_token_mean(devices: int, trimmed: bool = False) -> dict[str, torch.Tensor] | None:
+    """The trained module's state dict on global rank 0, ``None`` elsewhere."""
     L.seed_everything(0, verbose=False)
     module = TrimmedTokenMean() if trimmed else TokenMean()
     trainer(devices).fit(module, DataLoader(token_data(), batch_size=16))
-    return {key: value.detach().clone() for key, value in module.state_dict().items()}
+    whole = whole_module(module)
+    return None if whole is None else {key: value.detach().clone() for key, value in whole.state_dict().items()}
 
 
 def fit_classifier(devices: int, optimizers: str = "groups", **options: Any) -> tuple[Classifier, L.Trainer]:
@@ -159,20 +162,25 @@ def main(out: str, *chosen: str) -> None:
     seen: dict[str, Any] = {}
     rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
 
-    def token_mean() -> list[float]:
+    def token_mean() -> list[float] | None:
         state = fit_token_mean(2)
-        torch.save(state, root / "token-mean.pt")
-        return [float(value.sum()) for value in state.values()]
+        if state is not None:
+            torch.save(state, root / "token-mean.pt")
+        return None if state is None else [float(value.sum()) for value in state.values()]
 
-    def trimmed_token_mean() -> list[float]:
+    def trimmed_token_mean() -> list[float] | None:
         state = fit_token_mean(2, trimmed=True)
-        torch.save(state, root / "trimmed-token-mean.pt")
-        return [float(value.sum()) for value in state.values()]
+        if state is not None:
+            torch.save(state, root / "trimmed-token-mean.pt")
+        return None if state is None else [float(value.sum()) for value in state.values()]
 
     def metric_and_groups() -> dict[str, Any]:
         module, _run = fit_classifier(2)
-        torch.save(module.state_dict(), root / "groups.pt")
-        return {"step_accuracy": module.step_accuracy}
+        step_accuracy = module.step_accuracy
+        whole = whole_module(module)
+        if whole is not None:
+            torch.save(whole.state_dict(), root / "groups.pt")
+        return {"step_accuracy": step_accuracy}
 
     def predict() -> Any:
         module, run = fit_classifier(2, "plain", steps=1)

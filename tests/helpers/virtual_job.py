@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers.lightning_job import trainer_for
+from helpers.whole import whole_module
 from lightning_gpipe import Unbatched
 
 SAMPLES, BATCH, LENGTH = 32, 16, 7  # batches of 16 sequences of 1 to 7 tokens, zero-padded to 7
@@ -114,6 +115,7 @@ def main(config_path: str) -> None:
     root = Path(config_path).parent
     for index, run in enumerate(config["runs"]):
         module, predictions = fit(run, root)
-        if module.global_rank == 0:
-            torch.save(module.state_dict(), root / f"result-{index}.pt")
+        whole = whole_module(module)
+        if whole is not None:
+            torch.save(whole.state_dict(), root / f"result-{index}.pt")
             torch.save(predictions, root / f"predictions-{index}.pt")

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_gpipe
 from benchmarks.trainer import quiet_trainer
+from helpers.whole import whole_module
 from helpers.zoo_tiny import tiny_batch, tiny_model
 
 
@@ -171,7 +172,7 @@ def main(out: str, steps: str, *runs: str) -> None:
         options = {"schedule": schedule[0]} if schedule else {}
         strategy = lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=int(chunks), deferred_batch_norm=True, **options)
         model = fit(name, int(steps), strategy, 2, root)
-        if model.global_rank == 0:
+        if whole_module(model) is not None:  # later Trainers cut the module again
             torch.save(model.state_dict(), root / f"{'-'.join([name, *schedule])}.pt")
         if name == CAUSAL_LM and not schedule:
             predictions = predict_causal_lm(model, root)

@@ -223,3 +223,28 @@ def test_processes_of_several_stages_assembled_in_threads_train_as_the_plain_mod
     for process in processes:
         process.partition.reassemble(parts, process.ties.values())
         torch.testing.assert_close(process.partition.module.layers(data[0]), model.layers(data[0]))
+
+
+def test_layers_a_rank_lacks_are_refused_rather_than_initialized_afresh() -> None:
+    # After gather_module a rank keeps its own stage's layers, the others on meta; cut another way, its new stage
+    # would have started from reset_parameters without a word.
+    stages = assemble(Net(), BuildConfig(pipe_size=2, chunks=2, balance=[4, 4]))
+    module = stages[1].partition.module
+    stages[1].partition.put_back(allocate=False)  # as on stage 1's rank after a gather: layers 4-7, the rest on meta
+    assert module.layers[0].weight.is_meta
+    assert not module.layers[4].weight.is_meta
+    settings = BuildConfig(pipe_size=2, chunks=2, balance=[2, 6]).resolve(2, 0)  # rank 0 holds stage 1: layers 2-7
+    refused = r"layer 2 of the sequence is on the meta device on this rank while layers 4, 6, 7 hold weights"
+    with pytest.raises(ValueError, match=refused + r".*Cut it as before"):
+        assemble_stage(module, settings, CPU, ThreadTransport.create(2)[1])
+
+
+def test_a_module_cut_by_an_earlier_trainer_is_refused_with_the_way_back() -> None:
+    (stage,) = assemble(Net(), BuildConfig(pipe_size=1, chunks=2))
+    refused = r"Net.layers holds one pipeline stage only: it was cut by the GPipeStrategy of another Trainer"
+    with pytest.raises(
+        ValueError, match=refused + r", which keeps .* and has not put it back\. Call `trainer.strategy"
+    ):
+        assemble_stage(
+            stage.partition.module, BuildConfig(pipe_size=1).resolve(1, 0), CPU, ThreadTransport.create(1)[0]
+        )

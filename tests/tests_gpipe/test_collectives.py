@@ -9,7 +9,17 @@ import torch
 import torch.distributed as dist
 from helpers.runif import RunIf
 
-from lightning_gpipe.engine.collectives import broadcast_object, broadcast_tensors, buckets, portable, to_device
+from lightning_gpipe.engine.collectives import (
+    TensorSpec,
+    broadcast_object,
+    broadcast_tensors,
+    buckets,
+    byte_buckets,
+    portable,
+    receive_tensors,
+    send_tensors,
+    to_device,
+)
 from tools.launch import run_processes
 
 
@@ -86,3 +96,35 @@ def test_broadcast_object_sends_the_source_ranks_value_small_or_large() -> None:
         assert small["stop"] is True
         assert large == list(range(10_000))
         assert nothing is None
+
+
+def test_byte_buckets_pack_tensors_in_order_aligned_leaving_out_empty_ones() -> None:
+    # Sizes 10, 0, 7, 40 and 3 bytes into buckets of 32: starts aligned to 16 bytes; one larger tensor alone.
+    assert byte_buckets([10, 0, 7, 40, 3], bucket_bytes=32) == [[(0, 0, 10), (2, 16, 7)], [(3, 0, 40)], [(4, 0, 3)]]
+    assert byte_buckets([]) == []
+
+
+_SENT = [
+    torch.arange(6.0).reshape(2, 3),
+    torch.tensor([True, False, True]),
+    torch.empty(0),
+    torch.tensor(2.5, dtype=torch.float64),
+    torch.arange(5, dtype=torch.bfloat16),
+    torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),  # not contiguous: sent as its values
+]
+
+
+def _send_a_stage_to_rank_0(rank: int, world_size: int) -> list[list[float]]:
+    if rank == 1:
+        send_tensors(_SENT, 0, dist.group.WORLD, bucket_bytes=32)
+        return []
+    received = {}
+    for index, tensor in receive_tensors([TensorSpec.of(t) for t in _SENT], 1, dist.group.WORLD, bucket_bytes=32):
+        received[index] = tensor.clone()  # a view into the bucket: valid until the next one arrives
+    return [received[i].double().flatten().tolist() if i in received else [] for i in range(len(_SENT))]
+
+
+@RunIf(multiprocess=True)
+def test_a_stages_tensors_arrive_whole_of_every_dtype_and_shape_one_bucket_at_a_time() -> None:
+    received, _ = run_processes(_send_a_stage_to_rank_0, 2, timeout=300, pg_timeout=120)
+    assert received == [t.double().flatten().tolist() for t in _SENT]

@@ -40,6 +40,13 @@ def test_lightnings_private_names_have_the_signatures_used() -> None:
     assert "reduce_op" in inspect.signature(compat.sync_ddp_if_available).parameters, HINT
     assert list(inspect.signature(compat.optimizers_to_device).parameters)[:2] == ["optimizers", "device"], HINT
     assert "start_method" in inspect.signature(compat.MultiProcessingLauncher).parameters, HINT
+    # The fork and spawn launcher overrides these two (lightning_gpipe/launcher.py) and builds what a worker returns.
+    collect = inspect.signature(compat.MultiProcessingLauncher._collect_rank_zero_results).parameters
+    assert list(collect) == ["self", "trainer", "results"], HINT
+    recover = inspect.signature(compat.MultiProcessingLauncher._recover_results_in_main_process).parameters
+    assert list(recover) == ["self", "worker_output", "trainer"], HINT
+    output = compat.worker_output("best", None, "state", "results", {"extra": 1})
+    assert (output.best_model_path, output.weights_path, output.trainer_results) == ("best", None, "results"), HINT
     assert compat.default_process_group_backend(torch.device("cpu")) == "gloo", HINT
     assert not compat.distributed_is_initialized(), HINT
     plain = torch.ones(2)
@@ -134,6 +141,8 @@ def test_torch_private_helpers_behave_as_assumed() -> None:
     meta = torch.empty(4, device="meta")
     assert torch_compat.storage_key(meta) == torch_compat.storage_key(meta[1:]), hint
     assert torch_compat.storage_key(meta) != torch_compat.storage_key(torch.empty(4, device="meta")), hint
+    fake = torch_compat.memoryless_tensor((2, 3), torch.bfloat16)
+    assert (fake.shape, fake.dtype, fake.device.type) == ((2, 3), torch.bfloat16, "cpu"), hint
 
 
 def test_a_fused_optimizers_infs_reach_the_scalers_agreement() -> None:

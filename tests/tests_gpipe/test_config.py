@@ -216,7 +216,7 @@ def test_the_strategy_resolves_several_stages_per_process() -> None:
 def test_eager_selective_on_a_gpu_is_advised_to_compile() -> None:
     # Found on an H100: eager selective re-materialization ran slower than except_last (the policy runs per op).
     from lightning_gpipe import GPipeStrategy
-    from lightning_gpipe.strategy import _eager_selective_advice
+    from lightning_gpipe.config import eager_selective_advice as _eager_selective_advice
 
     def advice(device: str, **arguments: Any) -> str | None:
         settings = GPipeStrategy(pipe_size=1, chunks=4, **arguments).config.resolve(world_size=1, rank=0)

@@ -75,15 +75,14 @@ def rotary_model() -> Holder:
 
 
 def test_reassembled_model_gets_the_other_stages_non_persistent_buffers() -> None:
-    # Restore loaded a state dict into the other stages' layers after to_empty; non-persistent buffers are in no
+    # Reassembly loaded a state dict into the other stages' layers after to_empty; non-persistent buffers are in no
     # state dict, so they stayed uninitialized memory (NaN rotary tables, BERT's position_ids out of range).
     plain = rotary_model()
     modules = [rotary_model(), rotary_model()]
     parts = [
         partition_module(module, "layers", module.layers, [2, 2], stage=stage) for stage, module in enumerate(modules)
     ]
-    merged = {key: value for part in parts for key, value in part.stage_state().items()}
-    parts[0].restore(merged, torch.device("cpu"))
+    parts[0].reassemble([part.stage_state() for part in parts], {})
     whole = modules[0].layers
     assert isinstance(whole, nn.Sequential)
     expected = dict(plain.layers.named_buffers())
@@ -153,10 +152,10 @@ def test_a_model_kept_outside_the_submodules_shares_the_reassembled_layers() -> 
     module = Holder(layers=mlp())
     object.__setattr__(module, "whole", Whole(module.layers))  # the fix the message gives
     part = partition_module(module, "layers", module.layers, [4, 4], stage=0)
-    merged = part.stage_state()
     other = Holder(layers=mlp())
-    merged.update(partition_module(other, "layers", other.layers, [4, 4], stage=1).stage_state())
-    part.restore(merged, torch.device("cpu"))
+    part.reassemble(
+        [part.stage_state(), partition_module(other, "layers", other.layers, [4, 4], stage=1).stage_state()], {}
+    )
     assert module.whole.blocks[6].weight is module.layers[6].weight
     assert not module.whole.blocks[6].weight.is_meta
 

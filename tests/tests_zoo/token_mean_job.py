@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from helpers.whole import whole_module
 from helpers.zoo_job import train_on_repeats
 from helpers.zoo_tiny import tiny_batch, tiny_model
 
@@ -64,6 +65,6 @@ def main(out: str, translator: str, *schedules: str) -> None:
     for schedule in schedules:
         for name in MODELS:
             strategy = lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=CHUNKS, schedule=schedule)
-            model = fit(name, Path(translator), strategy, 2, Path(out))
-            if model.global_rank == 0:
-                torch.save(model.state_dict(), Path(out) / f"{name}.{schedule}.pt")
+            whole = whole_module(fit(name, Path(translator), strategy, 2, Path(out)))
+            if whole is not None:
+                torch.save(whole.state_dict(), Path(out) / f"{name}.{schedule}.pt")
