@@ -306,10 +306,7 @@ class StageCheckpoints:
                 f"{path} holds no 'state_dict' ({held}): it is not a checkpoint of trainer.save_checkpoint. If it "
                 f"belongs to a sharded checkpoint, pass its directory, {Path(str(path)).parent}."
             )
-        try:
-            check_loadable(checkpoint["state_dict"], self.names.keys, self.names.shapes, self._module.strict_loading)
-        except RuntimeError as error:
-            raise ValueError(f"{path}: {error}") from error
+        check_loadable(checkpoint["state_dict"], self.names.keys, self.names.shapes, self._module.strict_loading, path)
         saved = checkpoint.get("optimizer_states")
         if not optimizers or saved is None:
             return

@@ -179,7 +179,11 @@ def local_optimizer_state(
 
 
 def check_loadable(
-    saved: Mapping[str, Any], keys: Sequence[str], shapes: Mapping[str, tuple[int, ...]], strict: bool = True
+    saved: Mapping[str, Any],
+    keys: Sequence[str],
+    shapes: Mapping[str, tuple[int, ...]],
+    strict: bool = True,
+    source: str = "checkpoint",
 ) -> None:
     """Refuse a whole-model state dict that does not fit the model whose state-dict ``keys`` and tensor ``shapes``
     are given, naming what is missing, unexpected or of another shape. With ``strict=False`` only shapes count.
@@ -192,8 +196,8 @@ def check_loadable(
         unexpected = [key for key in saved if key not in known]
         missing = [key for key in keys if key not in saved]
         if unexpected or missing:
-            raise RuntimeError(
-                "the checkpoint does not match this model: "
+            raise ValueError(
+                f"{source}: the checkpoint does not match this model: "
                 f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
                 f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. It was written for "
                 "another model, or by one stage alone (save with trainer.save_checkpoint, called on every rank). "
@@ -205,8 +209,8 @@ def check_loadable(
         if isinstance(saved.get(key), torch.Tensor) and tuple(saved[key].shape) != shape
     ]
     if mismatched:
-        raise RuntimeError(
-            f"the checkpoint does not match this model: {len(mismatched)} tensor(s) have another shape "
+        raise ValueError(
+            f"{source}: the checkpoint does not match this model: {len(mismatched)} tensor(s) have another shape "
             f"({'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}). It was written for a model "
             "of other sizes: build the model with the checkpoint's configuration. Nothing was loaded."
         )

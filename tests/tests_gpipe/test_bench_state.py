@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks.launch import run_module
 from helpers.runif import RunIf
 
 from benchmarks.state_memory.run import headlines, table
+from tools.launch import run_module
 
 MIB = 2**20
 

@@ -116,17 +116,6 @@ def test_a_checkpoint_that_is_not_from_the_zoo_is_refused(tmp_path: Path) -> Non
         zoo.load_pretrained(tmp_path / "missing.ckpt")
 
 
-def test_a_sharded_checkpoint_directory_is_refused_with_the_consolidation_command(tmp_path: Path) -> None:
-    # It was refused as "no checkpoint at ...": a directory is not a file.
-    directory = tmp_path / "last.ckpt"
-    directory.mkdir()
-    (directory / ".metadata").write_bytes(b"")
-    torch.save({"epoch": 0}, directory / "meta.pt")
-    consolidate = r"python -m lightning.pytorch.utilities.consolidate_checkpoint .*last.ckpt --output_file model.ckpt"
-    with pytest.raises(ValueError, match=r"last.ckpt' is a sharded checkpoint directory .*" + consolidate):
-        zoo.load_pretrained(directory)
-
-
 def test_a_missing_local_path_is_not_taken_for_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Regression: every missing source without a checkpoint suffix went to the Hugging Face hub, so a mistyped
     # directory gave the hub's repo-id error (offline, a network error) naming neither the path nor what is accepted.
