@@ -79,8 +79,10 @@ def test_saving_and_resuming_touch_only_the_ranks_own_stage(memory: list[dict[st
     # one process) and resuming read the whole file on every rank (user trial 4, checkpoint_host_memory.py).
     assert memory[0]["full_save"] < 0.5 * memory[0]["plain_save"], _report(memory)
     for rank in range(2):
-        assert memory[rank]["full_save"] < 0.25 * memory[rank]["whole"], _report(memory)
-        assert memory[rank]["sharded_save"] < 0.25 * memory[rank]["whole"], _report(memory)
+        # A stage's state (weights and Adam) is 1.5x the whole model's weights here; the allocator's noise, up to a
+        # quarter of them, sits under the bound.
+        assert memory[rank]["full_save"] < 0.5 * memory[rank]["whole"], _report(memory)
+        assert memory[rank]["sharded_save"] < 0.5 * memory[rank]["whole"], _report(memory)
         # Its stage's Adam moments are a third of the file; the rest it does not read.
         assert memory[rank]["full_resume"] < 0.5 * memory[rank]["file"], _report(memory)
         assert memory[rank]["sharded_resume"] < 0.5 * memory[rank]["file"], _report(memory)

@@ -15,6 +15,8 @@ import torch
 from helpers.jobs import launch
 from helpers.runif import RunIf
 
+import zoo
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -48,9 +50,16 @@ def test_no_rank_grows_by_the_whole_model_when_a_bfloat16_checkpoint_loads_as_fl
     )  # fmt: skip
     source, parameters = _saved(tmp_path / "llama", config, "20MB")  # 31M parameters, four shards
     whole = 4 * parameters  # bytes of the whole model in float32
+    with torch.device("meta"):  # the zoo model's own names, as each rank records the keys it holds
+        shapes = zoo.PretrainedCausalLM("unused", config=config.to_dict(), pretrained=False).state_dict()
     for rank, record in enumerate(_launched(source, tmp_path / "out", 2)):
+        # The balance decides the stage's size (by FLOPs the embedding's stage holds more than half): each rank grows
+        # by its own stage in float32 and setup's own allocations, never by the whole model.
+        stage = 4 * sum(shapes[key].numel() for key in record["held"]) / whole
         growth = record["growth"] / whole
-        assert growth < 0.8, f"rank {rank} grew by {growth:.2f}x the whole float32 model through load and setup"
+        assert growth < min(stage + 0.25, 0.9), (
+            f"rank {rank} grew by {growth:.2f}x the whole model (stage {stage:.2f}x)"
+        )
         assert record["read_at_load"] == [], f"rank {rank}: zoo.load_pretrained read weights"
         assert record["load"] < 0.25 * whole, f"rank {rank}: zoo.load_pretrained took {record['load']} bytes"
 
