@@ -15,16 +15,13 @@ never calls twice costs one ``done`` message per link more than before. The call
 another through the stages (the next call's input needs the last stage's output), so while a micro-batch decodes,
 one stage computes at a time.
 
-Control wire format: a ``CONTROL_BYTES`` uint8 buffer holding the payload length (8 bytes, little endian) and the
-pickled payload when it fits, else the payload follows as a second message (as the step headers of
-:mod:`lightning_gpipe.engine.boundary`). The payload is ``("call", value)`` with the value's tensors on the CPU, or
-``("done", None)``.
+A control message is a packed object (:mod:`~lightning_gpipe.engine.framing`, a ``MESSAGE_BYTES`` head and a tail when
+longer): ``("call", value)`` with the value's tensors on the CPU, or ``("done", None)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -33,15 +30,13 @@ import torch
 
 from lightning_gpipe.engine.collectives import portable, to_device
 from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.framing import MESSAGE_BYTES, pack, unpack
 from lightning_gpipe.engine.microbatch import Microbatch
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.step import StepRun
 
-__all__ = ["CONTROL_BYTES", "CallRelay"]
+__all__ = ["CallRelay"]
 
-CONTROL_BYTES = 1024
-"""Size in bytes of a control message: payload length, then the pickled payload when it fits."""
-_LENGTH_BYTES = 8
 _CALL = Microbatch(0, None, 1, 1.0)  # a further call is an evaluation step of one micro-batch
 
 
@@ -130,33 +125,22 @@ class CallRelay:
     def _send_control(self, payload: tuple[str, Any]) -> None:
         """Send ``payload`` to the previous stage (this stage's own or relayed from the next)."""
         transport = self.stage.transport
-        data = pickle.dumps(payload)
-        message = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
-        message[:_LENGTH_BYTES] = torch.tensor(list(len(data).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
-        fits = len(data) <= CONTROL_BYTES - _LENGTH_BYTES
-        if fits:
-            message[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        peer = self.stage.index - 1
         what = "the last stage's next call of the sequence" if payload[0] == "call" else "the end of the step's calls"
-        transport.send(message.to(transport.device), peer, what)
-        if not fits:
-            transport.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(transport.device), peer, what)
+        head, tail = pack(payload, MESSAGE_BYTES)
+        for part in (head, tail) if tail is not None else (head,):
+            transport.send(part.to(transport.device), self.stage.index - 1, what)
 
     def _receive_control(self) -> tuple[str, Any]:
         """The next control message from the next stage, relayed on to the previous one."""
         transport, peer = self.stage.transport, self.stage.index + 1
         what = "the last stage's next call of the sequence (or its end of the step)"
-        header = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=transport.device)
-        transport.recv(header, peer, what)
-        raw = header.cpu()
-        length = int.from_bytes(bytes(raw[:_LENGTH_BYTES].tolist()), "little")
-        if length <= CONTROL_BYTES - _LENGTH_BYTES:
-            data = bytes(raw[_LENGTH_BYTES : _LENGTH_BYTES + length].tolist())
-        else:
-            payload = torch.empty(length, dtype=torch.uint8, device=transport.device)
-            transport.recv(payload, peer, what)
-            data = bytes(payload.cpu().tolist())
-        kind, value = pickle.loads(data)
+
+        def receive(size: int) -> torch.Tensor:
+            buffer = torch.empty(size, dtype=torch.uint8, device=transport.device)
+            transport.recv(buffer, peer, what)
+            return buffer
+
+        kind, value = unpack(receive(MESSAGE_BYTES), receive)
         if not self.stage.is_first:
             self._send_control((kind, value))
         return kind, value
