@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.engine.config import PipelineConfig, config_from
+from lightning_gpipe.engine.decoding import Decoding, decode
 from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.fingerprint import Fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch, gather, split_batch
@@ -124,9 +125,8 @@ class Pipeline:
     def begin(self, batch: Any, *, training: bool = True, fingerprint: Fingerprint | None = None) -> StepRun:
         """Scatter ``batch`` and begin a step on this process's stages; drive it through the returned
         :class:`StepRun`."""
-        return StepRun(
-            self.stages, self.schedule, split_batch(batch, self.chunks), training=training, fingerprint=fingerprint
-        )
+        split = split_batch(batch, self.chunks)
+        return StepRun(self.stages, self.schedule, split, training=training, fingerprint=fingerprint, batch=batch)
 
     def train_step(self, batch: Any, loss_fn: LossFn, input_fn: InputFn = first_element) -> torch.Tensor | None:
         """Forward and backward of one mini-batch; returns its (detached) loss where the process holds the last stage,
@@ -161,6 +161,17 @@ class Pipeline:
         )
         driver.finish()
         return gather(outputs, [mb.size for mb in run.microbatches]) if call.is_last else None
+
+    def decode(self, decoding: Decoding) -> Any:
+        """Run the decoding call ``decoding`` on every stage, its sequences in up to ``chunks`` micro-batches in flight,
+        each stage keeping its caches (:mod:`~lightning_gpipe.engine.decoding`); its result where the process holds
+        the last stage, else ``None``. Every process calls it with the same call."""
+        if len(self.stages) > 1:
+            raise ValueError(
+                f"decoding runs with one stage per process, but schedule={self.schedule!r} places "
+                f"{len(self.stages)} on each; decode under schedule='gpipe' or '1f1b'"
+            )
+        return decode(self.stages[0], decoding, self.chunks)
 
     def _feed(self, input_fn: InputFn) -> Callable[[Microbatch], Any]:
         return lambda mb: self._input(input_fn, mb.value)

@@ -15,8 +15,11 @@ never calls twice costs one ``done`` message per link more than before. The call
 another through the stages (the next call's input needs the last stage's output), so while a micro-batch decodes,
 one stage computes at a time.
 
+A further call may also be a decoding call (:meth:`CallRelay.decode`): the last stage relays the call itself, and every
+stage then runs it in rounds, keeping its caches (:mod:`~lightning_gpipe.engine.decoding`).
+
 A control message is a packed object (:mod:`~lightning_gpipe.engine.framing`, a ``MESSAGE_BYTES`` head and a tail when
-longer): ``("call", value)`` with the value's tensors on the CPU, or ``("done", None)``.
+longer): ``("call", value)`` or ``("decode", decoding)`` with their tensors on the CPU, or ``("done", None)``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from lightning_gpipe.engine.collectives import portable, to_device
+from lightning_gpipe.engine.decoding import Decoding, decode
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.framing import MESSAGE_BYTES, pack, unpack
 from lightning_gpipe.engine.microbatch import Microbatch
@@ -46,10 +50,17 @@ class CallRelay:
     Args:
         stage: the stage whose first calls the step runs; its cell, transport, timeline and anomaly checks are shared.
         compute_guard: entered around the cell's computation (the in-process runner's random-stream scope).
+        chunks: how many micro-batches a decoding call's sequences are split into (the pipeline's ``chunks``).
     """
 
-    def __init__(self, stage: Stage, compute_guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        compute_guard: Callable[[], AbstractContextManager[Any]] | None = None,
+        chunks: int | None = None,
+    ) -> None:
         self.stage = stage
+        self.chunks = chunks or stage.config.chunks or 1
         # A stage of its own for the further calls, each run as a step (StepRun): its links keep a step's state
         # (header, posted receives) apart from the first calls' links, whose receives may still be posted.
         self._calls = Stage(
@@ -68,24 +79,35 @@ class CallRelay:
 
         On the last stage only, in the step of micro-batch ``index``, after that micro-batch's first call.
         """
+        if self._relayed(index, ("call", portable(value))):
+            return self._run(None)
+        return self._run(value)
+
+    def decode(self, index: int, decoding: Decoding) -> Any:
+        """Run the decoding call ``decoding`` on every stage (:func:`~lightning_gpipe.engine.decoding.decode`); its
+        result. On the last stage only, in the step of micro-batch ``index``, after that micro-batch's first call."""
+        self._relayed(index, ("decode", portable(decoding)))
+        return decode(self.stage, decoding, self.chunks)
+
+    def _relayed(self, index: int, payload: tuple[str, Any]) -> bool:
+        """Check a further call of micro-batch ``index`` and send ``payload`` up the stages; whether there are any."""
         stage = self.stage
         if not stage.is_last:
             raise PipelineError(stage.index, "only the last stage drives further calls of the sequence")
         if torch.is_grad_enabled():
             raise RuntimeError(
-                "the step called the pipelined sequence a second time with gradients enabled; under GPipeStrategy a "
-                "step may call the sequence several times (decoding) only in validation, test and predict steps, "
-                "without gradients. A training step passes its input through the sequence exactly once."
+                "the step called the pipelined sequence a second time with gradients enabled; a step may call the "
+                "sequence several times (decoding) only in evaluation (validation, test, predict), without gradients"
             )
         self.count += 1
         if stage.num_stages == 1:
-            return self._run(value)
+            return False
         if self.count == 1:
             # The previous stage sent the first calls of the whole step before this one; where receives are posted
             # only when needed (device streams), this call's would take one of theirs: post theirs first.
             stage.post_activations(after=index)
-        self._send_control(("call", portable(value)))
-        return self._run(None)
+        self._send_control(payload)
+        return True
 
     def finish(self) -> None:
         """Tell the other stages that this step asks for no further calls (last stage, once per step)."""
@@ -108,7 +130,10 @@ class CallRelay:
                 self.stage.transport.wait_sends()
                 return served
             served += 1
-            self._run(to_device(value, stage.transport.device) if stage.is_first else None)
+            if kind == "decode":
+                decode(stage, to_device(value, stage.transport.device), self.chunks)
+            else:
+                self._run(to_device(value, stage.transport.device) if stage.is_first else None)
 
     # --- both
 
@@ -125,7 +150,7 @@ class CallRelay:
     def _send_control(self, payload: tuple[str, Any]) -> None:
         """Send ``payload`` to the previous stage (this stage's own or relayed from the next)."""
         transport = self.stage.transport
-        what = "the last stage's next call of the sequence" if payload[0] == "call" else "the end of the step's calls"
+        what = "the end of the step's calls" if payload[0] == "done" else "the last stage's next call of the sequence"
         head, tail = pack(payload, MESSAGE_BYTES)
         for part in (head, tail) if tail is not None else (head,):
             transport.send(part.to(transport.device), self.stage.index - 1, what)
