@@ -11,7 +11,8 @@ from lightning_gpipe.engine.framing import LENGTH_BYTES, pack, room, unpack
 @pytest.mark.parametrize("value", [None, ("call", {"x": [1, 2, 3]}), ("done", None), {"missing": []}])
 def test_a_value_that_fits_travels_in_its_head_alone(value: object) -> None:
     head, tail = pack(value, 128)
-    assert head.dtype == torch.uint8 and head.shape == (128,)
+    assert head.dtype == torch.uint8
+    assert head.shape == (128,)
     assert tail is None
     assert unpack(head) == value
 
@@ -27,7 +28,8 @@ def test_a_longer_value_overflows_into_a_tail_of_the_size_the_head_gives() -> No
         return tail
 
     kind, tensor = unpack(head, receive)
-    assert kind == "call" and torch.equal(tensor, torch.arange(500))
+    assert kind == "call"
+    assert torch.equal(tensor, torch.arange(500))
     assert asked == [tail.numel()]
     assert int.from_bytes(head[:LENGTH_BYTES].numpy().tobytes(), "little") == room(64) + tail.numel()
 

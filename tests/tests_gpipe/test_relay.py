@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.engine.microbatch import gather, scatter
 from lightning_gpipe.engine.framing import MESSAGE_BYTES
+from lightning_gpipe.engine.microbatch import gather, scatter
 from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.transport import ThreadTransport

@@ -153,23 +153,45 @@ def test_sampled_generation_with_a_seed_equals_library_generate(
     assert again.tolist() != ours.tolist(), "another seed draws other tokens"
 
 
-def test_generation_through_the_pipelined_sequence_equals_the_whole_model(llama: Path) -> None:
-    from lightning_gpipe.partition.sequence import PipelinedSequential
+@pytest.mark.parametrize(("balance", "chunks"), [([2, 3], 2), ([1, 2, 2], 3)])
+def test_generation_on_the_stages_with_caches_equals_library_generate(
+    saved: Path, balance: list[int], chunks: int
+) -> None:
+    # Each stage keeps the cache of its own layers and rebuilds its masks (sliding windows of 4 in Mistral and Qwen2,
+    # left padding): the prompt is read once, then one token per row and round crosses the stages.
+    from helpers.decoding import pipelined
+
+    model = zoo.load_pretrained(saved)
+    ids, mask = prompts()
+    theirs = library(saved).generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=2
+    )
+    model.layers = pipelined(model.layers, balance, chunks)
+    assert model.generate(ids, mask, max_new_tokens=8).tolist() == theirs.tolist()
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_seeded_sampling_on_the_stages_draws_the_whole_models_tokens(llama: Path, chunks: int) -> None:
+    # Rows end at different rounds (an end token the first row samples early), so a finished micro-batch's rows are
+    # drawn and dropped while the others decode, in the whole batch's order of draws.
+    from helpers.decoding import pipelined
 
     model = zoo.load_pretrained(llama)
     ids, mask = prompts(model.hparams["config"]["vocab_size"])
-    whole = model.generate(ids, mask, max_new_tokens=6)
-    sampled = model.generate(ids, mask, max_new_tokens=6, do_sample=True, top_k=8, seed=1)
-    sequence = model.layers
-    # Inside a GPipeStrategy step the layers are the stand-in, and each token is one call of the whole sequence on
-    # the whole prefix (no cache: a call leaves nothing on the stages).
-    stand_in = PipelinedSequential(dict(sequence.named_children()), len(sequence), 0, 1)
-    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-    stand_in.runner = lambda value: calls.append(value) or sequence(value)
-    model.layers = stand_in  # type: ignore[assignment]
-    assert model.generate(ids, mask, max_new_tokens=6).tolist() == whole.tolist()
-    assert [call[0].shape[1] for call in calls] == list(range(9, 9 + whole.shape[1] - 9))
-    assert model.generate(ids, mask, max_new_tokens=6, do_sample=True, top_k=8, seed=1).tolist() == sampled.tolist()
+    settings: dict[str, Any] = {"max_new_tokens": 8, "do_sample": True, "top_k": 8, "temperature": 1.3, "seed": 5}
+    first = model.generate(ids, mask, **settings, eos_token_id=())
+    end = int(first[0, 10])
+    whole = model.generate(ids, mask, **settings, eos_token_id=end)
+    lengths = [row.index(end) if end in row else 8 for row in whole[:, 9:].tolist()]
+    assert lengths[0] <= 1 < max(lengths), f"rows should end at different rounds: {lengths}"
+    torch.manual_seed(5)
+    theirs = library(llama).generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=8, temperature=1.3, pad_token_id=0,
+        eos_token_id=end,
+    )  # fmt: skip
+    assert whole.tolist() == theirs.tolist()
+    model.layers = pipelined(model.layers, [2, 3], chunks)
+    assert model.generate(ids, mask, **settings, eos_token_id=end).tolist() == whole.tolist()
 
 
 def test_a_right_padded_prompt_is_refused(llama: Path) -> None:

@@ -102,6 +102,8 @@ class PretrainedCausalLM(ZooModule):
             generation_config = library.generation_config.to_dict()
         self.hparams["generation_config"] = generation_config
         self.layers = causal_layers(library)
+        positions: Any = self.layers[0].positions  # GPT-2's learned positions bound a prompt and its new tokens
+        self.max_positions: int | None = int(positions.num_embeddings) if positions is not None else None
         # Zoo state-dict key -> library state-dict key, for export; the library model itself is not kept.
         self.library_keys = {f"layers.{key}": value for key, value in key_map(self.layers, library).items()}
         eos = _first_set(generation_config.get("eos_token_id"), library_config.eos_token_id)
