@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 XDIST ?= -n 2 --dist loadfile
 DOC_TESTS := tests/test_docs.py tests/test_api_reference.py  # run by `make docs`
 
-.PHONY: env demo test test-fast lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-schedules bench-plan bench-gpu gpu-check clean
+.PHONY: env demo test test-fast lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-schedules bench-plan bench-generate bench-gpu gpu-check clean
 
 env:  ## create or sync .venv from uv.lock (installs uv when missing)
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
@@ -64,6 +64,9 @@ bench-schedules: env  ## our five schedules against torch.distributed.pipelining
 bench-plan: env  ## the planner's predicted vs measured peak memory and step time; the paper's Tables 1-2 simulated
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.plan_calibration.run
 	$(RUN) python -m benchmarks.plan_paper.run
+
+bench-generate: env  ## decoding with per-stage caches: the zoo's generate on one process and under K=2 (M=1, 2, 4) against transformers' generate (about 25 minutes; QUICK=1: a smoke test, docs left alone)
+	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.generate.run $(if $(QUICK),--quick)
 
 bench-gpu: env  ## on one CUDA GPU: auto, gpipe K=1 (M, re-materialization), hand loops, compiled layers (< 8 min; skips without CUDA); WORKLOAD=causal_lm times a 0.5B Qwen2 instead
 	$(RUN) python -m benchmarks.gpu_speed.run $(if $(WORKLOAD),--workload $(WORKLOAD))

@@ -1,0 +1,85 @@
+"""The timed calls of the generate benchmark, each run in fresh processes of one thread (``benchmarks/launch.py``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+__all__ = ["PROMPT", "ROWS", "one_process", "predict"]
+
+ROWS, PROMPT = 8, 32  # prompts, and tokens per prompt
+
+
+def _prompts(vocab: int) -> Any:
+    import torch
+
+    ids = torch.randint(3, vocab, (ROWS, PROMPT), generator=torch.Generator().manual_seed(0))
+    return ids, torch.ones_like(ids)
+
+
+def one_process(rank: int, world_size: int, source: str, library: bool, new: int, batches: int) -> list[float]:
+    """Seconds of each of ``batches`` calls of ``generate`` (the library's, or the zoo model's), after a warm-up."""
+    import torch
+    import transformers
+
+    import zoo
+
+    ids, mask = _prompts(transformers.AutoConfig.from_pretrained(source).vocab_size)
+    if library:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+
+        def call() -> Any:
+            return model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
+    else:
+        ours = zoo.load_pretrained(source).eval()
+
+        def call() -> Any:
+            return ours.generate(ids, mask, max_new_tokens=new, eos_token_id=())
+
+    times = []
+    with torch.no_grad():
+        for _ in range(batches + 1):
+            start = time.perf_counter()
+            tokens = call()
+            times.append(time.perf_counter() - start)
+    assert tokens.shape == (ROWS, PROMPT + new), tokens.shape
+    return times[1:]
+
+
+def predict(rank: int, world_size: int, source: str, chunks: int, new: int, batches: int) -> list[float]:
+    """Seconds of each predict batch after the first on this rank (``chunks`` 0: plain Lightning, one device)."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    import lightning_gpipe
+    import zoo
+    from benchmarks.trainer import quiet_trainer
+
+    os.environ["LOCAL_RANK"] = str(rank)  # Lightning's sign that the ranks were started from outside
+    model = zoo.load_pretrained(source)
+    model.hparams["generation"] = {"max_new_tokens": new, "eos_token_id": []}
+    ids, mask = _prompts(model.hparams["config"]["vocab_size"])
+    batch = {"input_ids": ids, "attention_mask": mask}
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_predict_batch_start(self, *args: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_predict_batch_end(self, *args: Any) -> None:
+            self.times.append(time.perf_counter() - self.start)
+
+    clock = Clock()
+    strategy: Any = "auto" if chunks == 0 else lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=chunks)
+    trainer = quiet_trainer(accelerator="cpu", devices=world_size, strategy=strategy, callbacks=[clock])
+    loader: DataLoader[Any] = DataLoader([batch] * (batches + 1), batch_size=None)  # type: ignore[arg-type]
+    (tokens, *_) = trainer.predict(model, loader)
+    assert isinstance(tokens, torch.Tensor)
+    assert tokens.shape == (ROWS, PROMPT + new), tokens.shape
+    return clock.times[1:]
