@@ -138,7 +138,8 @@ class _Incoming:
     """The messages a peer sends on one link during a decoding call, received in the order it sends them.
 
     :meth:`expect` is called in that order, once a message is known to come; receives are posted at once as far as
-    their sizes are known (a header's frame only once the header is in).
+    their sizes are known (a header's frame only once the header is in), or, on a transport that does not post ahead
+    (device streams), each when it is received.
     """
 
     transport: Transport
@@ -154,10 +155,11 @@ class _Incoming:
         count = self.counts.get(m, 0)
         self.counts[m] = count + 1
         self.slots.append(_Slot(m, self.layouts[m] if count >= self.headers else None))
-        self._post()
+        if self.transport.posts_ahead:
+            self._post()
 
-    def _post(self) -> None:
-        for slot in self.slots:
+    def _post(self, first_only: bool = False) -> None:
+        for slot in list(self.slots)[:1] if first_only else self.slots:
             if slot.header is None and slot.layout is None:
                 slot.header = self._post_recv(MESSAGE_BYTES, slot.m)
             if slot.layout is None:
@@ -176,12 +178,14 @@ class _Incoming:
         """Micro-batch ``m``'s next value, the first one expected."""
         slot = self.slots[0]
         assert slot.m == m, f"expected micro-batch {slot.m}'s message, not {m}'s"
+        ahead = self.transport.posts_ahead
+        self._post(first_only=not ahead)
         if slot.layout is None:
             assert slot.header is not None
             buffer, wait = slot.header
             wait()
             slot.layout = unpack(buffer, lambda size: self._tail(size, m))
-            self._post()
+            self._post(first_only=not ahead)
         assert slot.layout is not None
         assert slot.frame is not None
         buffer, frame_wait = slot.frame

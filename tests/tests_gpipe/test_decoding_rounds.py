@@ -167,9 +167,22 @@ def cells_of(model: nn.Sequential, balance: list[int]) -> list[nn.Module]:
     return cells
 
 
-def in_threads(cells: list[nn.Module], work: Callable[[Stage], Any], timeline: Timeline | None = None) -> list[Any]:
+class ReceivingWhenNeeded(ThreadTransport):
+    """A transport that does not post receives ahead, as on device streams (NCCL)."""
+
+    @property
+    def posts_ahead(self) -> bool:
+        return False
+
+
+def in_threads(
+    cells: list[nn.Module], work: Callable[[Stage], Any], timeline: Timeline | None = None, ahead: bool = True
+) -> list[Any]:
     """``work(stage)`` on every stage of the pipeline of ``cells``, one thread each; each stage's result."""
     transports = ThreadTransport.create(len(cells), timeout=datetime.timedelta(seconds=60))
+    if not ahead:
+        for transport in transports:
+            transport.__class__ = ReceivingWhenNeeded
     results: list[Any] = [None] * len(cells)
     errors: list[tuple[int, BaseException]] = []
 
@@ -200,6 +213,15 @@ def test_cached_decoding_under_the_pipeline_gives_the_whole_models_tokens(balanc
     results = in_threads(cells_of(model, balance), lambda stage: decode(stage, ToyDecoding(prompt, 9), chunks))
     assert torch.equal(results[-1], expected)
     assert all(result is None for result in results[:-1])
+
+
+def test_a_transport_that_receives_when_needed_decodes_alike() -> None:
+    model = toy_model()
+    prompt = prompts(6, seed=4)
+    expected = whole_greedy(model, prompt, new=8)
+    cells = cells_of(model, [2, 2, 2])
+    results = in_threads(cells, lambda stage: decode(stage, ToyDecoding(prompt, 8), 2), ahead=False)
+    assert torch.equal(results[-1], expected)
 
 
 def test_each_round_is_one_message_per_link_after_the_first_two() -> None:
