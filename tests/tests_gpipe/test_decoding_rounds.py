@@ -18,9 +18,13 @@ import torch
 from torch import nn
 
 from lightning_gpipe.engine.decoding import decode
+from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.engine.pipeline import Pipeline
+from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.step import StepRun
 from lightning_gpipe.engine.timeline import Timeline
 from lightning_gpipe.engine.transport import ThreadTransport
 
@@ -317,3 +321,70 @@ def test_the_engine_pipeline_decodes() -> None:
         thread.join()
     assert results[0] is None
     assert torch.equal(results[1], expected)
+
+
+def steps_in_threads(cells: list[nn.Module], batch: torch.Tensor, step: Callable[..., Any], chunks: int) -> list[Any]:
+    """An evaluation step of the pipeline of ``cells`` on ``batch`` through the step driver, as the strategy runs it;
+    per stage, the step function's outputs and the micro-batch sizes the step ended with."""
+
+    def work(stage: Stage) -> Any:
+        pipeline = Pipeline(stage.cell, stage.transport, chunks=chunks)
+        with torch.no_grad():
+            run = pipeline.begin(batch, training=False)
+            driver = StepDriver(run, relay=CallRelay(pipeline.stage))
+            outputs = driver.forward_phase(lambda mb: step(driver, mb))
+            driver.finish()
+        return outputs, [mb.size for mb in run.microbatches]
+
+    return in_threads(cells, work)
+
+
+def test_a_step_that_decodes_at_its_first_call_decodes_the_whole_batch_in_micro_batches() -> None:
+    model = toy_model()
+    prompt = prompts(6, seed=5)
+    expected = whole_greedy(model, prompt, new=6)
+    calls: list[int] = []
+
+    def step(driver: StepDriver, mb: Any) -> Any:
+        calls.append(mb.value.shape[0])
+        return driver.decode(ToyDecoding(mb.value, 6))
+
+    results = steps_in_threads(cells_of(model, [3, 3]), prompt, step, chunks=3)
+    (outputs, sizes), (last_outputs, last_sizes) = results
+    assert sizes == last_sizes == [6]  # the step's three micro-batches became one: the whole batch
+    assert outputs == [None]
+    assert torch.equal(last_outputs[0], expected)
+    # Each stage ran the step for micro-batch 0 up to its decoding call, then once on the whole batch.
+    assert sorted(calls) == [2, 2, 6, 6]
+
+
+def test_a_decoding_call_after_a_first_call_is_relayed_to_the_other_stages() -> None:
+    model = toy_model()
+    prompt = prompts(6, seed=6)
+
+    def step(driver: StepDriver, mb: Any) -> Any:
+        logits = driver.call(mb.value if driver.stage.is_first else None)
+        if not driver.stage.is_last:
+            return None  # the strategy ends a stage's step at its first call
+        return logits[:, -1].argmax(-1), driver.decode(ToyDecoding(mb.value, 5))
+
+    (outputs, _), (last_outputs, sizes) = steps_in_threads(cells_of(model, [2, 4]), prompt, step, chunks=2)
+    assert sizes == [3, 3]
+    assert outputs == [None, None]
+    with torch.no_grad():
+        first = model(prompt)[:, -1].argmax(-1)
+    assert torch.equal(torch.cat([tokens for tokens, _ in last_outputs]), first)
+    assert torch.equal(torch.cat([decoded for _, decoded in last_outputs]), whole_greedy(model, prompt, new=5))
+
+
+def test_whole_batch_decoding_is_refused_in_training_and_after_a_forward() -> None:
+    stage = Stage(toy_model()[:2], ThreadTransport.create(1)[0])
+    batch = prompts(4)
+    run = StepRun(stage, "gpipe", scatter(batch, 2), training=True, batch=batch)
+    with pytest.raises(RuntimeError, match="only an evaluation step whose first forward has not run"):
+        run.decode_whole()
+    run = StepRun(stage, "gpipe", scatter(batch, 2), training=False, batch=batch)
+    with torch.no_grad():
+        run.forward(0, batch[:2])
+    with pytest.raises(RuntimeError, match="only an evaluation step whose first forward has not run"):
+        run.decode_whole()
