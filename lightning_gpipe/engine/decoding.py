@@ -32,9 +32,11 @@ Before the first round the stages agree that the call fits: each one asks the de
 hold (:meth:`Decoding.cache_bytes`) and compares that with its device's free memory; a verdict travels down the
 stages and back up, so that a call that would not fit fails on every rank, naming the stage, before any round.
 
-A stage between two others relays a control when its own next round of that micro-batch is due (the transport has no
-test for an arrived message), so with K > 2 a middle stage waits for the previous stage's round after relaying; with
-K = 2 every receive is posted ahead and both stages stay busy.
+A stage between two others (K > 2) relays a control as soon as it is likely there, which the transport cannot test:
+once the stage has sent as many later outputs as there are stages after it (each takes about a round of its own to
+pass a micro-batch on), rather than when its own next round of that micro-batch is due, when the stage before it
+would have to wait for it. With K = 2 there is nothing to relay, every receive is posted ahead and both stages stay
+busy.
 """
 
 from __future__ import annotations
@@ -253,6 +255,11 @@ class _Rounds:
         self.down_out = None if stage.is_last else _Outgoing(transport, index + 1, _OUTPUT_HEADERS, "decoding output")
         self.up_in = None if stage.is_last else _Incoming(transport, index + 1, _CONTROL_HEADERS, "decoding control")
         self.up_out = None if stage.is_first else _Outgoing(transport, index - 1, _CONTROL_HEADERS, "decoding control")
+        # A middle stage's outputs whose controls it awaits (in the order they come), and the controls it took early:
+        # micro-batch -> whether finished. It takes one once it has sent `relay_lag` later outputs (see the module).
+        self.awaited: deque[int] = deque()
+        self.followed: dict[int, bool] = {}
+        self.relay_lag = stage.num_stages - 1 - stage.index if not (stage.is_first or stage.is_last) else None
 
     @property
     def posted(self) -> bool:
@@ -299,7 +306,7 @@ class _Rounds:
         while queue:
             m = queue.popleft()
             part = parts[m]
-            if rounds[m] and not stage.is_last and self._follow_received(m):
+            if rounds[m] and not stage.is_last and self._finished(m):
                 continue
             value = self._input(m, rounds[m])
             with stage.computing("forward", m):
@@ -320,6 +327,10 @@ class _Rounds:
                 assert self.up_in is not None
                 self.down_out.send(m, output, self._size(m))
                 self.up_in.expect(m)
+                self.awaited.append(m)
+                while self.relay_lag is not None and len(self.awaited) > self.relay_lag:
+                    early = self.awaited.popleft()
+                    self.followed[early] = self._follow_received(early)
             rounds[m] += 1
             queue.append(m)
         stage.transport.wait_sends()
@@ -333,6 +344,14 @@ class _Rounds:
         if self.down_in is not None:
             return self.down_in.receive(m)
         return self.parts[m].first() if round_ == 0 else self.parts[m].next()
+
+    def _finished(self, m: int) -> bool:
+        """Whether micro-batch ``m`` is finished, by its last control (taken now unless it was taken early)."""
+        if m in self.followed:
+            return self.followed.pop(m)
+        awaited = self.awaited.popleft()
+        assert awaited == m, f"micro-batch {m}'s control is not the next to come, {awaited}'s is"
+        return self._follow_received(awaited)
 
     def _follow_received(self, m: int) -> bool:
         """Take micro-batch ``m``'s last control from the next stage (relaying it on) and follow it; whether the

@@ -207,7 +207,10 @@ def in_threads(
     return results
 
 
-@pytest.mark.parametrize(("balance", "chunks"), [([6], 1), ([6], 3), ([2, 4], 1), ([3, 3], 2), ([1, 3, 2], 3)])
+PIPELINES = [([6], 1), ([6], 3), ([2, 4], 1), ([3, 3], 2), ([1, 3, 2], 3), ([1, 1, 2, 2], 4), ([2, 2, 2], 7)]
+
+
+@pytest.mark.parametrize(("balance", "chunks"), PIPELINES)
 def test_cached_decoding_under_the_pipeline_gives_the_whole_models_tokens(balance: list[int], chunks: int) -> None:
     model = toy_model()
     prompt = prompts(7)
