@@ -18,8 +18,11 @@ def _prompts(vocab: int) -> Any:
     return ids, torch.ones_like(ids)
 
 
-def one_process(rank: int, world_size: int, source: str, library: bool, new: int, batches: int) -> list[float]:
-    """Seconds of each of ``batches`` calls of ``generate`` (the library's, or the zoo model's), after a warm-up."""
+def one_process(
+    rank: int, world_size: int, source: str, library: bool, new: int, batches: int
+) -> list[tuple[float, float]]:
+    """Wall and CPU seconds of each of ``batches`` calls of ``generate`` (the library's, or the zoo model's), after a
+    warm-up."""
     import torch
     import transformers
 
@@ -42,15 +45,16 @@ def one_process(rank: int, world_size: int, source: str, library: bool, new: int
     times = []
     with torch.no_grad():
         for _ in range(batches + 1):
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             tokens = call()
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - wall, time.process_time() - cpu))
     assert tokens.shape == (ROWS, PROMPT + new), tokens.shape
     return times[1:]
 
 
-def predict(rank: int, world_size: int, source: str, chunks: int, new: int, batches: int) -> list[float]:
-    """Seconds of each predict batch after the first on this rank (``chunks`` 0: plain Lightning, one device)."""
+def predict(rank: int, world_size: int, source: str, chunks: int, new: int, batches: int) -> list[tuple[float, float]]:
+    """Wall and CPU seconds of each predict batch after the first on this rank (``chunks`` 0: plain Lightning, one
+    device)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -67,13 +71,13 @@ def predict(rank: int, world_size: int, source: str, chunks: int, new: int, batc
 
     class Clock(L.Callback):
         def __init__(self) -> None:
-            self.times: list[float] = []
+            self.times: list[tuple[float, float]] = []
 
         def on_predict_batch_start(self, *args: Any) -> None:
-            self.start = time.perf_counter()
+            self.start = (time.perf_counter(), time.process_time())
 
         def on_predict_batch_end(self, *args: Any) -> None:
-            self.times.append(time.perf_counter() - self.start)
+            self.times.append((time.perf_counter() - self.start[0], time.process_time() - self.start[1]))
 
     clock = Clock()
     strategy: Any = "auto" if chunks == 0 else lightning_gpipe.GPipeStrategy(pipe_size=2, chunks=chunks)

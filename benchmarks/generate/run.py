@@ -25,6 +25,7 @@ longest length over that at the shortest: 512 and 32; at most 1.3).
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
@@ -79,16 +80,19 @@ def save_model(directory: pathlib.Path, size: Size) -> pathlib.Path:
     return directory
 
 
-def measure(launcher: Launcher, source: str, config: str, new: int, batches: int) -> float:
-    """The median seconds of one call of ``config`` decoding ``new`` tokens, in fresh processes."""
+def measure(launcher: Launcher, source: str, config: str, new: int, batches: int) -> tuple[float, float]:
+    """The median wall seconds of one call of ``config`` decoding ``new`` tokens on the last stage (rank 0), in fresh
+    processes, and the median CPU seconds of all its processes together."""
     if config in ("transformers", "zoo"):
-        (times,) = launcher.run(one_process, (source, config == "transformers", new, batches), 1, timeout=3600)
+        ranks = launcher.run(one_process, (source, config == "transformers", new, batches), 1, timeout=3600)
     elif config == "one device":
-        (times,) = launcher.run(predict, (source, 0, new, batches), 1, timeout=3600)
+        ranks = launcher.run(predict, (source, 0, new, batches), 1, timeout=3600)
     else:
         chunks = int(config.rsplit("=", 1)[1])
-        times = launcher.run(predict, (source, chunks, new, batches), 2, timeout=3600, label=config)[0]
-    return statistics.median(times)
+        ranks = launcher.run(predict, (source, chunks, new, batches), 2, timeout=3600, label=config)
+    wall = statistics.median(wall for wall, _ in ranks[0])
+    cpu = statistics.median(sum(batch) for batch in zip(*([cpu for _, cpu in times] for times in ranks), strict=True))
+    return wall, cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     rounds = args.rounds or size.rounds
     pipelined = [f"K=2, M={m}" for m in size.chunks]
     goal = GOAL_TOKENS if not args.quick else size.lengths[-1]
-    cells: dict[tuple[str, int], list[float]] = {}
+    cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
     plan = [(c, n) for c in ("transformers", "zoo") for n in size.lengths]
     plan += [("one device", goal)] + [(c, goal) for c in pipelined]
     plan += [("K=2, M=2", n) for n in size.lengths if ("K=2, M=2", n) not in plan]
@@ -109,33 +113,41 @@ def main(argv: list[str] | None = None) -> None:
         source = str(save_model(pathlib.Path(tmp) / "llama", size))
         for round_ in range(rounds):
             for config, new in plan:
-                seconds = measure(launcher, source, config, new, batches=1 if args.quick else 2)
-                cells.setdefault((config, new), []).append(seconds)
-                print(f"round {round_ + 1}: {config}, {new} new tokens: {seconds:.3f} s", file=sys.stderr, flush=True)
-    median = {key: statistics.median(values) for key, values in cells.items()}
-    block = _report(size, median, pipelined, goal)
+                wall, cpu = measure(launcher, source, config, new, batches=1 if args.quick else 2)
+                cells.setdefault((config, new), []).append((wall, cpu))
+                print(f"round {round_ + 1}: {config}, {new} tokens: {wall:.3f} s, {cpu:.3f} s CPU", file=sys.stderr)
+    median = {key: statistics.median(wall for wall, _ in values) for key, values in cells.items()}
+    cpu = {key: statistics.median(cpu for _, cpu in values) for key, values in cells.items()}
+    block = _report(size, median, cpu, pipelined, goal)
     print(block)
     if not args.no_docs and not args.quick:
         write_block(DOCS, BEGIN, END, block)
     _headlines(size, median, goal)
 
 
-def _report(size: Size, median: dict[tuple[str, int], float], pipelined: list[str], goal: int) -> str:
+def _report(
+    size: Size, median: dict[tuple[str, int], float], cpu: dict[tuple[str, int], float], pipelined: list[str], goal: int
+) -> str:
     lines = [
         f"Machine: {machine_line()}. Model: a random Llama of {size.layers} layers, hidden {size.hidden}, "
         f"vocabulary {size.vocab}; {ROWS} prompts of {PROMPT} tokens, greedy, every row to its last token; one "
         "thread per process.",
         "",
-        f"**`trainer.predict` of {goal} new tokens**, tokens per second (rows x new tokens / seconds, the median "
-        "batch):",
+        f"Load average when it ended: {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 minutes).",
         "",
-        "| configuration | seconds | tokens/s | time / one device |",
-        "|---|---:|---:|---:|",
+        f"**`trainer.predict` of {goal} new tokens**, tokens per second (rows x new tokens / seconds, the median "
+        "batch), and the CPU seconds of all its processes, which other jobs on the machine do not inflate:",
+        "",
+        "| configuration | seconds | tokens/s | time / one device | CPU seconds | CPU / one device |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    one = median[("one device", goal)]
+    one, one_cpu = median[("one device", goal)], cpu[("one device", goal)]
     for config in ["one device", *pipelined]:
-        seconds = median[(config, goal)]
-        lines.append(f"| predict, {config} | {seconds:.3f} | {ROWS * goal / seconds:.1f} | {seconds / one:.2f} |")
+        seconds, used = median[(config, goal)], cpu[(config, goal)]
+        lines.append(
+            f"| predict, {config} | {seconds:.3f} | {ROWS * goal / seconds:.1f} | {seconds / one:.2f} | {used:.3f} "
+            f"| {used / one_cpu:.2f} |"
+        )
     lines += [
         "",
         "**Cost per new token** (milliseconds; the call's time / new tokens), one process and K = 2, M = 2:",
