@@ -95,6 +95,21 @@ def measure(launcher: Launcher, source: str, config: str, new: int, batches: int
     return wall, cpu
 
 
+@dataclass
+class Results:
+    """Each configuration's (wall, CPU) seconds per round, by (configuration, new tokens)."""
+
+    cells: dict[tuple[str, int], list[tuple[float, float]]]
+
+    def seconds(self, config: str, new: int, cpu: bool = False) -> float:
+        """The median over rounds."""
+        return statistics.median(pair[cpu] for pair in self.cells[(config, new)])
+
+    def ratio(self, a: tuple[str, int], b: tuple[str, int], cpu: bool = False) -> float:
+        """The median over rounds of ``a``'s seconds over ``b``'s in the same round (neighbours in time)."""
+        return statistics.median(x[cpu] / y[cpu] for x, y in zip(self.cells[a], self.cells[b], strict=True))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model and short lengths: a smoke test")
@@ -105,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     rounds = args.rounds or size.rounds
     pipelined = [f"K=2, M={m}" for m in size.chunks]
     goal = GOAL_TOKENS if not args.quick else size.lengths[-1]
-    cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    results = Results({})
     plan = [(c, n) for c in ("transformers", "zoo") for n in size.lengths]
     plan += [("one device", goal)] + [(c, goal) for c in pipelined]
     plan += [("K=2, M=2", n) for n in size.lengths if ("K=2, M=2", n) not in plan]
@@ -114,25 +129,20 @@ def main(argv: list[str] | None = None) -> None:
         for round_ in range(rounds):
             for config, new in plan:
                 wall, cpu = measure(launcher, source, config, new, batches=1 if args.quick else 2)
-                cells.setdefault((config, new), []).append((wall, cpu))
+                results.cells.setdefault((config, new), []).append((wall, cpu))
                 print(f"round {round_ + 1}: {config}, {new} tokens: {wall:.3f} s, {cpu:.3f} s CPU", file=sys.stderr)
-    median = {key: statistics.median(wall for wall, _ in values) for key, values in cells.items()}
-    cpu = {key: statistics.median(cpu for _, cpu in values) for key, values in cells.items()}
-    block = _report(size, median, cpu, pipelined, goal)
+    block = _report(size, results, pipelined, goal)
     print(block)
     if not args.no_docs and not args.quick:
         write_block(DOCS, BEGIN, END, block)
-    _headlines(size, median, goal)
+    _headlines(size, results, goal)
 
 
-def _report(
-    size: Size, median: dict[tuple[str, int], float], cpu: dict[tuple[str, int], float], pipelined: list[str], goal: int
-) -> str:
+def _report(size: Size, results: Results, pipelined: list[str], goal: int) -> str:
     lines = [
         f"Machine: {machine_line()}. Model: a random Llama of {size.layers} layers, hidden {size.hidden}, "
         f"vocabulary {size.vocab}; {ROWS} prompts of {PROMPT} tokens, greedy, every row to its last token; one "
-        "thread per process.",
-        "",
+        f"thread per process; medians over {len(results.cells[('one device', goal)])} rounds of per-round ratios. "
         f"Load average when it ended: {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1, 5, 15 minutes).",
         "",
         f"**`trainer.predict` of {goal} new tokens**, tokens per second (rows x new tokens / seconds, the median "
@@ -141,31 +151,37 @@ def _report(
         "| configuration | seconds | tokens/s | time / one device | CPU seconds | CPU / one device |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    one, one_cpu = median[("one device", goal)], cpu[("one device", goal)]
+    one = ("one device", goal)
     for config in ["one device", *pipelined]:
-        seconds, used = median[(config, goal)], cpu[(config, goal)]
+        seconds, cpu = results.seconds(config, goal), results.seconds(config, goal, cpu=True)
+        wall_ratio, cpu_ratio = results.ratio((config, goal), one), results.ratio((config, goal), one, cpu=True)
         lines.append(
-            f"| predict, {config} | {seconds:.3f} | {ROWS * goal / seconds:.1f} | {seconds / one:.2f} | {used:.3f} "
-            f"| {used / one_cpu:.2f} |"
+            f"| predict, {config} | {seconds:.3f} | {ROWS * goal / seconds:.1f} | {wall_ratio:.2f} | {cpu:.3f} "
+            f"| {cpu_ratio:.2f} |"
         )
     lines += [
         "",
         "**Cost per new token** (milliseconds; the call's time / new tokens), one process and K = 2, M = 2:",
         "",
-        "| new tokens | transformers | zoo | zoo / transformers | K=2, M=2 | K=2, M=2 / transformers |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| new tokens | transformers | zoo | zoo / transformers | (CPU) | K=2, M=2 | K=2, M=2 / transformers |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for new in size.lengths:
-        hf, zoo_, pipe = (median[(c, new)] / new * 1e3 for c in ("transformers", "zoo", "K=2, M=2"))
-        lines.append(f"| {new} | {hf:.2f} | {zoo_:.2f} | {zoo_ / hf:.2f} | {pipe:.2f} | {pipe / hf:.2f} |")
+        hf, zoo_, pipe = (results.seconds(c, new) / new * 1e3 for c in ("transformers", "zoo", "K=2, M=2"))
+        ours, cpu = (
+            results.ratio(("zoo", new), ("transformers", new)),
+            results.ratio(("zoo", new), ("transformers", new), cpu=True),
+        )
+        piped = results.ratio(("K=2, M=2", new), ("transformers", new))
+        lines.append(f"| {new} | {hf:.2f} | {zoo_:.2f} | {ours:.2f} | {cpu:.2f} | {pipe:.2f} | {piped:.2f} |")
     return "\n".join(lines)
 
 
-def _headlines(size: Size, median: dict[tuple[str, int], float], goal: int) -> None:
-    ratio = median[("K=2, M=2", goal)] / median[("one device", goal)]
-    worst = max(median[("zoo", n)] / median[("transformers", n)] for n in size.lengths)
+def _headlines(size: Size, results: Results, goal: int) -> None:
+    ratio = results.ratio(("K=2, M=2", goal), ("one device", goal))
+    worst = max(results.ratio(("zoo", n), ("transformers", n)) for n in size.lengths)
     first, last = size.lengths[0], size.lengths[-1]
-    growth = (median[("K=2, M=2", last)] / last) / (median[("K=2, M=2", first)] / first)
+    growth = results.ratio(("K=2, M=2", last), ("K=2, M=2", first)) * first / last
     print(f"predict_k2_m2_vs_one_device={ratio:.3f}")
     print(f"zoo_vs_transformers={worst:.3f}")
     print(f"pipeline_cost_growth={growth:.3f}")
