@@ -1,4 +1,5 @@
-"""The GPipe engine without a Trainer: one training or evaluation step of a pipeline, per process or in-process.
+"""The GPipe engine without a Trainer: a pipeline's training and evaluation steps and decoding calls, per process or
+in-process.
 
 :class:`Pipeline` is one process's view of a step: scatter the mini-batch into micro-batches, run them through the step
 driver (:class:`~lightning_gpipe.engine.driver.StepDriver`: the schedule's actions, each micro-batch's loss weighted by
@@ -6,7 +7,8 @@ its share of the batch), and gather. A process holds one stage, or several under
 Every process of a pipeline is handed the same mini-batch; stage 0 feeds ``input_fn(micro-batch)`` to its cell and the
 last stage computes ``loss_fn(output, micro-batch)``. After ``train_step`` the parameters' ``.grad`` hold exactly what
 ``loss.backward()`` of the unpartitioned model on the whole mini-batch would have accumulated (up to float round-off
-from summing micro-batches).
+from summing micro-batches). :meth:`Pipeline.decode` runs a decoding call on every stage in rounds, each stage keeping
+its caches (:mod:`~lightning_gpipe.engine.decoding`).
 
 :func:`run_in_threads` runs all the processes of a pipeline in one process, one thread each, for tests and notebooks;
 each keeps its own device and its own random streams, as it would in a process of its own.
