@@ -19,37 +19,33 @@ def _prompts(vocab: int) -> Any:
 
 
 def one_process(
-    rank: int, world_size: int, source: str, library: bool, new: int, batches: int
-) -> list[tuple[float, float]]:
-    """Wall and CPU seconds of each of ``batches`` calls of ``generate`` (the library's, or the zoo model's), after a
-    warm-up."""
+    rank: int, world_size: int, source: str, new: int, batches: int
+) -> dict[str, list[tuple[float, float]]]:
+    """Wall and CPU seconds of each of ``batches`` calls of the library's ``generate`` and of the zoo model's, after a
+    warm-up of each, the two taking turns in this one process (neighbours in time, the same caches and load)."""
     import torch
     import transformers
 
     import zoo
 
     ids, mask = _prompts(transformers.AutoConfig.from_pretrained(source).vocab_size)
-    if library:
-        model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
-
-        def call() -> Any:
-            return model.generate(
-                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
-            )
-    else:
-        ours = zoo.load_pretrained(source).eval()
-
-        def call() -> Any:
-            return ours.generate(ids, mask, max_new_tokens=new, eos_token_id=())
-
-    times = []
+    library = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    ours = zoo.load_pretrained(source).eval()
+    calls = {
+        "transformers": lambda: library.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+        ),
+        "zoo": lambda: ours.generate(ids, mask, max_new_tokens=new, eos_token_id=()),
+    }
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
     with torch.no_grad():
-        for _ in range(batches + 1):
-            wall, cpu = time.perf_counter(), time.process_time()
-            tokens = call()
-            times.append((time.perf_counter() - wall, time.process_time() - cpu))
-    assert tokens.shape == (ROWS, PROMPT + new), tokens.shape
-    return times[1:]
+        for batch in range(batches + 1):
+            for name in sorted(calls, reverse=bool(batch % 2)):  # each goes first in every other batch
+                wall, cpu = time.perf_counter(), time.process_time()
+                tokens = calls[name]()
+                times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+                assert tokens.shape == (ROWS, PROMPT + new), tokens.shape
+    return {name: measured[1:] for name, measured in times.items()}
 
 
 def predict(rank: int, world_size: int, source: str, chunks: int, new: int, batches: int) -> list[tuple[float, float]]:
