@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 XDIST ?= -n 2 --dist loadfile
 DOC_TESTS := tests/test_docs.py tests/test_api_reference.py  # run by `make docs`
 
-.PHONY: env demo test test-fast lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-fsdp bench-schedules bench-plan bench-state bench-gpu gpu-check clean
+.PHONY: env demo test test-fast lint types docs pytest bench bench-quick bench-engine bench-overhead bench-memory bench-fsdp bench-schedules bench-plan bench-state bench-generate bench-gpu gpu-check clean
 
 env:  ## create or sync .venv from uv.lock (installs uv when missing)
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet --user uv || curl -LsSf https://astral.sh/uv/install.sh | sh
@@ -70,6 +70,9 @@ bench-plan: env  ## the planner's predicted vs measured peak memory and step tim
 
 bench-state: env  ## each rank's memory and time loading, stepping, saving and resuming a 220M Llama, "full" and "sharded", K = 1, 2, 4 (K = 1 needs about 5 GiB; QUICK=1: a 10.5M Llama)
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.state_memory.run $(if $(QUICK),--quick)
+
+bench-generate: env  ## decoding with per-stage caches: the zoo's generate on one process and under K=2 (M=1, 2, 4) against transformers' generate (about 25 minutes; QUICK=1: a smoke test, docs left alone)
+	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.generate.run $(if $(QUICK),--quick)
 
 bench-gpu: env  ## on one CUDA GPU: auto, gpipe K=1 (M, re-materialization), hand loops, compiled layers (< 8 min; skips without CUDA); WORKLOAD=causal_lm times a 0.5B Qwen2 instead
 	$(RUN) python -m benchmarks.gpu_speed.run $(if $(WORKLOAD),--workload $(WORKLOAD))

@@ -100,6 +100,17 @@ EXPERIMENTS: tuple[Experiment, ...] = (
             Headline("plan_time_error", 0.15, "worst relative error of predicted step time", True),
         ),
     ),
+    Experiment(
+        "generate",
+        quick_deadline=0,
+        full_deadline=3000,
+        quick=False,
+        headlines=(
+            Headline("predict_k2_m2_vs_one_device", 1.4, "predict of 160 tokens, K = 2, M = 2 / one device", True),
+            Headline("zoo_vs_transformers", 1.1, "the zoo's cached generate / transformers', one process", True),
+            Headline("pipeline_cost_growth", 1.3, "cost per new token at 512 / at 32, K = 2, M = 2", True),
+        ),
+    ),
     Experiment("engine_speed", quick_deadline=0, full_deadline=1200, quick=False),
     Experiment("strategy_overhead", quick_deadline=0, full_deadline=1800, quick=False, writes_docs=False),
     Experiment("strategy_memory", quick_deadline=0, full_deadline=900, quick=False, writes_docs=False),

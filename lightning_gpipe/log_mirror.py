@@ -146,6 +146,16 @@ class LogRecorder:
             for hook in hooks:
                 hook.remove()
 
+    def forget(self, position: int) -> None:
+        """Drop what micro-batch ``position`` logged (a run of its step that did not finish, and runs again)."""
+        for name in list(self.values):
+            entry = self.values[name]
+            kept = [k for k, at in enumerate(entry.positions) if at != position]
+            entry.positions = [entry.positions[k] for k in kept]
+            entry.values = [entry.values[k] for k in kept]
+            if not kept:
+                del self.values[name]
+
     def combine(self, weights: torch.Tensor) -> None:
         """Combine every key's micro-batch values, micro-batch ``i`` weighing ``weights[i]`` (on the device)."""
         self._combined = {name: entry.combine(weights) for name, entry in self.values.items()}

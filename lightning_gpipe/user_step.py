@@ -4,6 +4,8 @@ layers, and the step's loss, outputs and logs handed back to Lightning on every 
 Every stage runs the user's ``training_step`` (or validation, test, predict step) for each micro-batch up to its call of
 the sequence, which the step driver turns into this stage's forward. On a stage that is not the last the user's step
 ends there; on the last stage it goes on with the output, as in a plain step (a decoder may call the sequence again).
+A decoding call (``sequence.decode(decoding)``) runs on every stage; one at the step's first call makes the driver run
+the step once on the whole batch instead, whose logs then replace those of the first micro-batch's unfinished run.
 
 A process holding several stages (``schedule="interleaved"`` or ``"zbv"``) runs the user's step once per micro-batch,
 at its call stage (the last stage where it holds it, else its first held stage); the driver runs its other stages.
@@ -25,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpipe.compat import recording_log
 from lightning_gpipe.engine.config import PipelineConfig
-from lightning_gpipe.engine.driver import StepDriver
+from lightning_gpipe.engine.driver import StepDriver, WholeBatchDecoding
 from lightning_gpipe.engine.fingerprint import batch_fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch, batch_size, gather, step_extras
 from lightning_gpipe.engine.pipeline import Pipeline
@@ -192,6 +194,9 @@ class UserSteps:
                     return getattr(module, hook)(mb.value, *rest, **kwargs)
                 except _StageDone:
                     return None
+                except WholeBatchDecoding:
+                    recorder.forget(mb.index)
+                    raise
 
         with _routed(self.partition.stand_in, driver):
             outputs = driver.forward_phase(step)
@@ -279,7 +284,8 @@ def check_rounds(config: PipelineConfig, samples: int, processes: int) -> None:
 
 @contextlib.contextmanager
 def _routed(stand_in: PipelinedSequential, driver: StepDriver) -> Iterator[None]:
-    """Within, calling the pipelined sequence is ``driver``'s call; on a stage that is not the last it ends the step."""
+    """Within, calling the pipelined sequence (or its ``decode``) is ``driver``'s call; on a stage that is not the last
+    it ends the step."""
     last = driver.stage.is_last
 
     def run(value: Any) -> Any:
@@ -288,11 +294,17 @@ def _routed(stand_in: PipelinedSequential, driver: StepDriver) -> Iterator[None]
             raise _StageDone
         return output
 
-    stand_in.runner = run
+    def decode(decoding: Any) -> Any:
+        result = driver.decode(decoding)
+        if not last:
+            raise _StageDone
+        return result
+
+    stand_in.runner, stand_in.decoder = run, decode
     try:
         yield
     finally:
-        stand_in.runner = None
+        stand_in.runner = stand_in.decoder = None
 
 
 class BatchChecks:

@@ -7,10 +7,8 @@ header goes once per step, not per micro-batch:
 
 - the first activation message of a step carries a header with the layout of that micro-batch's value and the sizes
   of all the step's micro-batches;
-- a micro-batch's tensors travel as one message, its *frame*: a uint8 buffer holding each tensor at an aligned
-  offset, which the receiver views in the tensors' dtypes and shapes. Every message costs a send, a receive and two
-  thread wake-ups whatever its size, so one per micro-batch, however many leaves the value has, for one copy of its
-  tensors into the frame;
+- a micro-batch's tensors travel as one message, its *frame* (:mod:`~lightning_gpipe.engine.frame`): a uint8 buffer
+  holding each tensor at an aligned offset, which the receiver views in the tensors' dtypes and shapes;
 - every later micro-batch of the step is predicted from it: the same layout, with dim 0 of the tensors that carry the
   batch dimension resized to that micro-batch's size (a tensor wrapped in :class:`~lightning_gpipe.Unbatched` never
   is). Its frame opens with a small control area: nothing missing, or the leaves it lacks (``None``, as an attention
@@ -34,111 +32,24 @@ posted ahead (measured in docs/benchmarks/engine.md). A described step can post 
 its layout message, behind the current micro-batch's frame. Gradient receives can be posted ahead too
 (:meth:`GradientLink.post`), in the order the peer sends them, once the outputs they are the gradients of exist.
 
-Header wire format: a fixed ``HEADER_BYTES`` uint8 buffer holding the payload length (8 bytes, little endian) and the
-pickled payload when it fits, else the payload follows as a second message. Pickle is only ever exchanged between the
-ranks of one job, which already trust each other with their code.
+Headers and control areas are pickled objects in :mod:`~lightning_gpipe.engine.framing`'s format: a header in a
+``MESSAGE_BYTES`` head (with a tail when its layout is longer), a control area in ``FRAME_CONTROL_BYTES``.
 """
 
 from __future__ import annotations
 
-import math
-import pickle
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lightning_gpipe.engine.errors import PipelineError
 from lightning_gpipe.engine.fingerprint import Fingerprint, same_fingerprint
+from lightning_gpipe.engine.frame import FRAME_CONTROL_BYTES, Frame, Layout, TensorLayout, describe, resize
+from lightning_gpipe.engine.framing import MESSAGE_BYTES, pack, unpack
 from lightning_gpipe.engine.transport import Transport
-from lightning_gpipe.engine.tree import Spec, flatten, leaf_paths, unflatten
-from lightning_gpipe.engine.unbatched import unbatched_leaves
 
-__all__ = ["HEADER_BYTES", "ActivationLink", "GradientLink", "TensorLayout"]
-
-HEADER_BYTES = 1024
-"""Size in bytes of the header buffer sent before a step's first activation: payload length, then the layout."""
-CONTROL_BYTES = 128
-"""Size in bytes of the control area that opens the frame of a predicted micro-batch: payload length, then payload."""
-_LENGTH_BYTES = 8
-_ALIGN = 64  # bytes: each tensor of a frame starts at a multiple, so that it can be viewed in any dtype
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """Shape, dtype and autograd flag of one tensor leaf; ``batched`` if dim 0 is the micro-batch dimension."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    batched: bool
-
-    def resized(self, size: int) -> TensorLayout:
-        """This layout for a micro-batch of ``size`` samples."""
-        if not self.batched:
-            return self
-        return TensorLayout((size, *self.shape[1:]), self.dtype, self.requires_grad, True)
-
-    @property
-    def nbytes(self) -> int:
-        """The tensor's size in bytes."""
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-_Layout = tuple[Spec, tuple[TensorLayout | None, ...]]  # structure, and one entry per leaf (None for a None leaf)
-
-
-def _describe(stage: int, value: Any, batch_size: int) -> tuple[_Layout, list[torch.Tensor | None]]:
-    leaves, spec = flatten(value)
-    layouts: list[TensorLayout | None] = []
-    marked = unbatched_leaves(spec)
-    for position, (leaf, unbatched) in enumerate(zip(leaves, marked, strict=True)):
-        if leaf is None:
-            layouts.append(None)
-        elif isinstance(leaf, torch.Tensor):
-            # A guess for unmarked tensors; a wrong one costs a described step (see the module), not a wrong value.
-            batched = not unbatched and leaf.dim() > 0 and leaf.shape[0] == batch_size
-            layouts.append(TensorLayout(tuple(leaf.shape), leaf.dtype, leaf.requires_grad, batched))
-        else:
-            raise TypeError(
-                f"stage {stage} produced {leaf_paths(spec, 'output')[position]} of type {type(leaf).__name__}; only "
-                "tensors (or None) can cross a stage boundary. Turn it into a tensor, or compute it inside the stage "
-                "that uses it."
-            )
-    return (spec, tuple(layouts)), leaves
-
-
-def _resize(layout: _Layout, size: int) -> _Layout:
-    spec, tensors = layout
-    return spec, tuple(None if entry is None else entry.resized(size) for entry in tensors)
-
-
-@dataclass(frozen=True)
-class _Frame:
-    """Where a micro-batch's tensors lie in its frame: a control area of ``control`` bytes, then each tensor leaf at
-    its byte offset (``None`` for a ``None`` leaf); ``nbytes`` in all."""
-
-    control: int
-    offsets: tuple[int | None, ...]
-    nbytes: int
-
-    @staticmethod
-    def of(entries: Sequence[TensorLayout | None], control: bool) -> _Frame:
-        offset = CONTROL_BYTES if control else 0
-        offsets: list[int | None] = []
-        for entry in entries:
-            if entry is None:
-                offsets.append(None)
-                continue
-            offsets.append(offset)
-            offset += -(-entry.nbytes // _ALIGN) * _ALIGN
-        return _Frame(CONTROL_BYTES if control else 0, tuple(offsets), offset)
-
-
-def _view(frame: torch.Tensor, entry: TensorLayout, offset: int) -> torch.Tensor:
-    """The tensor of ``entry`` in ``frame``, at ``offset``: a view, written by the sender, read by the receiver."""
-    return frame[offset : offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+__all__ = ["ActivationLink", "GradientLink"]
 
 
 class _Posted:
@@ -176,8 +87,8 @@ class ActivationLink:
         self.peer = peer
         self._sizes: list[int] = []
         self._fingerprint: Fingerprint | None = None
-        self._layout: _Layout | None = None  # the prediction's base: set by the step's header (or a later one)
-        self._expected: dict[tuple[int, bool], tuple[_Layout, _Frame]] = {}  # the prediction per size, built once
+        self._layout: Layout | None = None  # the prediction's base: set by the step's header (or a later one)
+        self._expected: dict[tuple[int, bool], tuple[Layout, Frame]] = {}  # the prediction per size, built once
         self._first = 0  # the micro-batch the last header came with: later ones have control
         self._described = False  # whether the micro-batches after the header's each carry their own layout
         # Sending side: a shape changed within a step of this link, so its steps start described (see the module).
@@ -209,10 +120,10 @@ class ActivationLink:
         """Forget the posted receives (after a failed step: the transport cannot take them back)."""
         self._posted = {}
 
-    def _set_layout(self, layout: _Layout | None, index: int, described: bool) -> None:
+    def _set_layout(self, layout: Layout | None, index: int, described: bool) -> None:
         """Take ``layout``, micro-batch ``index``'s (the header's), as the base of the step's predictions."""
         if layout is not None and self._sizes[index] != self._sizes[0]:
-            layout = _resize(layout, self._sizes[0])
+            layout = resize(layout, self._sizes[0])
         self._layout = layout
         self._expected = {}
         self._first = index
@@ -222,33 +133,33 @@ class ActivationLink:
         """Whether micro-batch ``index`` comes with control: a control area, or its own layout message (described)."""
         return index > self._first
 
-    def _prediction(self, index: int) -> tuple[_Layout, _Frame]:
+    def _prediction(self, index: int) -> tuple[Layout, Frame]:
         """Micro-batch ``index``'s layout predicted from the header, at its own size, and its frame."""
         key = (self._sizes[index], self._has_control(index))
         expected = self._expected.get(key)
         if expected is None:
             assert self._layout is not None
-            layout = _resize(self._layout, key[0])
-            expected = self._expected[key] = (layout, _Frame.of(layout[1], control=key[1]))
+            layout = resize(self._layout, key[0])
+            expected = self._expected[key] = (layout, Frame.of(layout[1], control=key[1]))
         return expected
 
     # --- sending side
 
     def send(self, index: int, value: Any) -> None:
         """Send micro-batch ``index``'s output."""
-        layout, leaves = _describe(self.stage, value, self._sizes[index])
+        layout, leaves = describe(self.stage, value, self._sizes[index])
         if self._layout is None:
             self._start(index, layout, self._fingerprint, described=self._ragged)
-            self._send_frame(index, layout[1], _Frame.of(layout[1], control=False), leaves)
+            self._send_frame(index, layout[1], Frame.of(layout[1], control=False), leaves)
             return
         if self._described:
             self._send_header({"layout": layout}, _layout_of(index))
-            self._send_frame(index, layout[1], _Frame.of(layout[1], control=False), leaves)
+            self._send_frame(index, layout[1], Frame.of(layout[1], control=False), leaves)
             return
         predicted, frame = self._prediction(index)
         if layout == predicted:
             if self._nothing_missing is None:
-                self._nothing_missing = _pack(pickle.dumps({"missing": []}), CONTROL_BYTES).to(self.transport.device)
+                self._nothing_missing = pack({"missing": []}, FRAME_CONTROL_BYTES)[0].to(self.transport.device)
             self._send_frame(index, predicted[1], frame, leaves, self._nothing_missing)
             return
         entries, expected = layout[1], predicted[1]
@@ -260,26 +171,26 @@ class ActivationLink:
             self._restart(index, layout, leaves, described=True)
             return
         missing = [position for position, (ours, theirs) in enumerate(pairs) if ours != theirs]
-        message = pickle.dumps({"missing": missing})
-        if any(ours is not None and theirs is None for ours, theirs in pairs) or len(message) > _room(CONTROL_BYTES):
+        control, overflow = pack({"missing": missing}, FRAME_CONTROL_BYTES)
+        if any(ours is not None and theirs is None for ours, theirs in pairs) or overflow is not None:
             # A leaf the receiver has no room for (a mask that was None so far), or more missing leaves than the
             # control area can name: a new header describes it.
             self._restart(index, layout, leaves, described=False)
             return
-        self._send_frame(index, expected, frame, leaves, _pack(message, CONTROL_BYTES).to(self.transport.device))
+        self._send_frame(index, expected, frame, leaves, control.to(self.transport.device))
 
-    def _restart(self, index: int, layout: _Layout, leaves: Sequence[torch.Tensor | None], described: bool) -> None:
+    def _restart(self, index: int, layout: Layout, leaves: Sequence[torch.Tensor | None], described: bool) -> None:
         """Fill the frames the receiver posted for the rest of the step with placeholders, then send a new header and
         micro-batch ``index``'s ``leaves`` as its first."""
         last = len(self._sizes) if self.transport.posts_ahead else index + 1  # else only this frame is posted
         for later in range(index, last):
-            control = _pack(pickle.dumps({"restart": True} if later == index else {"void": True}), CONTROL_BYTES)
+            control = pack({"restart": True} if later == index else {"void": True}, FRAME_CONTROL_BYTES)[0]
             entries, frame = self._prediction(later)[0][1], self._prediction(later)[1]
             self._send_frame(later, entries, frame, [None] * len(entries), control.to(self.transport.device))
         self._start(index, layout, None, described)
-        self._send_frame(index, layout[1], _Frame.of(layout[1], control=False), leaves)
+        self._send_frame(index, layout[1], Frame.of(layout[1], control=False), leaves)
 
-    def _start(self, index: int, layout: _Layout, fingerprint: Fingerprint | None, described: bool) -> None:
+    def _start(self, index: int, layout: Layout, fingerprint: Fingerprint | None, described: bool) -> None:
         self._set_layout(layout, index, described)
         header = {"layout": layout, "index": index, "sizes": self._sizes, "fingerprint": fingerprint}
         self._send_header({**header, "described": described}, _header_of(index))
@@ -288,34 +199,21 @@ class ActivationLink:
         self,
         index: int,
         entries: Sequence[TensorLayout | None],
-        frame: _Frame,
+        frame: Frame,
         leaves: Sequence[torch.Tensor | None],
         control: torch.Tensor | None = None,
     ) -> None:
-        """Send micro-batch ``index``'s frame: ``control`` (a packed control area), then each leaf at its offset.
-
-        A leaf that is ``None`` where ``entries`` has room leaves its bytes as they are: the receiver discards them.
-        The frame is allocated on the transport's device, so a leaf left elsewhere (a CPU mask from a stage on a GPU)
-        is moved by the copy; the send itself never fails on a device after the header is gone.
-        """
+        """Send micro-batch ``index``'s frame (:meth:`Frame.write`); on the transport's device, so the send itself
+        never fails on a device after the header is gone."""
         if frame.nbytes == 0:  # nothing to carry: no message either way (see _post_frame)
             return
-        buffer = torch.empty(frame.nbytes, dtype=torch.uint8, device=self.transport.device)
-        if control is not None:
-            buffer[: frame.control] = control
-        for leaf, entry, offset in zip(leaves, entries, frame.offsets, strict=True):
-            if leaf is not None:
-                assert entry is not None
-                assert offset is not None
-                _view(buffer, entry, offset).copy_(leaf)
+        buffer = frame.write(entries, leaves, self.transport.device, control)
         self.transport.send(buffer, self.peer, _activations_of(index))
 
     def _send_header(self, payload: dict[str, Any], what: str) -> None:
-        data = pickle.dumps(payload)
-        self.transport.send(_pack(data, HEADER_BYTES).to(self.transport.device), self.peer, what)
-        if len(data) > _room(HEADER_BYTES):
-            rest = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.transport.device)
-            self.transport.send(rest, self.peer, what)
+        head, tail = pack(payload, MESSAGE_BYTES)
+        for part in (head, tail) if tail is not None else (head,):
+            self.transport.send(part.to(self.transport.device), self.peer, what)
 
     # --- receiving side
 
@@ -334,7 +232,7 @@ class ActivationLink:
             buffer, wait = posted.layout
             wait()
             layout = self._read(buffer, _layout_of(index))["layout"]
-            frame = _Frame.of(layout[1], control=False)
+            frame = Frame.of(layout[1], control=False)
             posted.frame = self._post_frame(index, frame)
             if self.transport.posts_ahead and index + 1 < len(self._sizes):
                 self._posted[index + 1] = self._post(index + 1)
@@ -343,7 +241,7 @@ class ActivationLink:
         buffer = posted.wait_frame()
         missing: Sequence[int] = ()
         if frame.control:
-            message = pickle.loads(_unpack(buffer[: frame.control]))
+            message = unpack(buffer[: frame.control])
             if message.get("restart"):
                 # The sender has filled every frame posted for this step with placeholders; a header follows.
                 # (A wait is never repeated: on gloo a second wait of a receive waits for another message.)
@@ -354,14 +252,7 @@ class ActivationLink:
                     self._post_from(index)
                 return self.recv(index)
             missing = message["missing"]
-        spec, entries = layout
-        leaves: list[torch.Tensor | None] = []
-        for position, (entry, offset) in enumerate(zip(entries, frame.offsets, strict=True)):
-            if entry is None or offset is None or position in missing:
-                leaves.append(None)
-            else:
-                leaves.append(_view(buffer, entry, offset).requires_grad_(entry.requires_grad))
-        return unflatten(leaves, spec)
+        return frame.read(buffer, layout, missing)
 
     def post_rest(self, after: int) -> None:
         """Post the receives of the step's micro-batches after ``after`` that are not posted yet.
@@ -384,34 +275,32 @@ class ActivationLink:
 
     def _post(self, index: int) -> _Posted:
         if self._described and self._has_control(index):
-            buffer = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.transport.device)
+            buffer = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=self.transport.device)
             return _Posted((buffer, self.transport.post_recv(buffer, self.peer, _layout_of(index))))
         posted = _Posted(None)
         posted.frame = self._post_frame(index, self._prediction(index)[1])  # at its own size, as in recv
         return posted
 
-    def _post_frame(self, index: int, frame: _Frame) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    def _post_frame(self, index: int, frame: Frame) -> tuple[torch.Tensor, Callable[[], None] | None]:
         buffer = torch.empty(frame.nbytes, dtype=torch.uint8, device=self.transport.device)
         if frame.nbytes == 0:  # nothing to carry: the sender sends no message
             return buffer, None
         return buffer, self.transport.post_recv(buffer, self.peer, _activations_of(index))
 
     def _read(self, header: torch.Tensor, what: str) -> dict[str, Any]:
-        """The payload of a received header-format message, receiving its continuation if it did not fit."""
-        raw = header.cpu().numpy().tobytes()
-        length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
-        if length <= _room(HEADER_BYTES):
-            data = raw[_LENGTH_BYTES : _LENGTH_BYTES + length]
-        else:
-            payload = torch.empty(length, dtype=torch.uint8, device=self.transport.device)
-            self.transport.recv(payload, self.peer, what)
-            data = payload.cpu().numpy().tobytes()
-        message: dict[str, Any] = pickle.loads(data)
+        """The payload of a received header-format message, receiving its tail if it did not fit."""
+
+        def tail(size: int) -> torch.Tensor:
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.transport.device)
+            self.transport.recv(buffer, self.peer, what)
+            return buffer
+
+        message: dict[str, Any] = unpack(header, tail)
         return message
 
     def _receive_header(self, index: int) -> None:
         what = _header_of(index)
-        header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.transport.device)
+        header = torch.empty(MESSAGE_BYTES, dtype=torch.uint8, device=self.transport.device)
         self.transport.recv(header, self.peer, what)
         message = self._read(header, what)
         if message["sizes"] != self._sizes or message["index"] != index:
@@ -521,30 +410,5 @@ def _gradients_of(index: int) -> str:
     return f"gradients of micro-batch {index}"
 
 
-def _room(size: int) -> int:
-    """How many bytes of payload a packed buffer of ``size`` bytes holds."""
-    return size - _LENGTH_BYTES
-
-
-def _pack(data: bytes, size: int) -> torch.Tensor:
-    """A ``size``-byte CPU buffer: the length of ``data``, then ``data`` itself if it fits."""
-    packed = bytearray(size)
-    content = len(data).to_bytes(_LENGTH_BYTES, "little") + (data if len(data) <= _room(size) else b"")
-    packed[: len(content)] = content
-    return torch.frombuffer(packed, dtype=torch.uint8)
-
-
-def _unpack(message: torch.Tensor) -> bytes:
-    """The data that :func:`_pack` put in ``message`` (the data fitted)."""
-    raw = message.cpu().numpy().tobytes()
-    length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
-    return raw[_LENGTH_BYTES : _LENGTH_BYTES + length]
-
-
 def _show_fingerprint(fingerprint: Fingerprint) -> str:
     return "[" + ", ".join(f"{tuple(shape)} {dtype} {checksum:.6g}" for shape, dtype, checksum in fingerprint) + "]"
-
-
-def _show(layout: _Layout) -> str:
-    _spec, entries = layout
-    return "[" + ", ".join("None" if e is None else f"{tuple(e.shape)} {e.dtype}" for e in entries) + "]"

@@ -14,13 +14,13 @@ An object sent every step (the step's loss and logs) goes by :func:`broadcast_ob
 from __future__ import annotations
 
 import math
-import pickle
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from lightning_gpipe.engine.framing import pack, unpack
 from lightning_gpipe.engine.torch_compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_gpipe.engine.tree import map_tensors
 
@@ -45,8 +45,7 @@ TRANSFER_BYTES = 4 * 2**20
 """The most bytes one message of :func:`send_tensors` carries: what either side holds beside its own tensors, small
 beside a model worth a pipeline, large enough that a message's fixed cost (about 0.2 ms over gloo) does not count."""
 OBJECT_BYTES = 16 * 2**10
-"""The buffer :func:`broadcast_object` sends first: an 8-byte length, then the pickled object if it fits."""
-_LENGTH = 8
+"""The head :func:`broadcast_object` sends first (:func:`~lightning_gpipe.engine.framing.pack`): a step's logs fit."""
 
 
 def portable(value: Any) -> Any:
@@ -100,31 +99,23 @@ def broadcast_tensors(
 def broadcast_object(value: Any, src: int, group: dist.ProcessGroup | None) -> Any:
     """Global rank ``src``'s ``value`` on every rank of ``group`` (a gloo group: the bytes stay on the CPU).
 
-    One broadcast of ``OBJECT_BYTES`` when the pickled value fits, a second one with the rest otherwise. Give it
-    :func:`portable` values: pickled CUDA tensors would be restored on the sender's device.
+    One broadcast of ``OBJECT_BYTES`` when the pickled value fits, a second one with the rest otherwise
+    (:mod:`~lightning_gpipe.engine.framing`). Give it :func:`portable` values: pickled CUDA tensors would be restored
+    on the sender's device.
     """
-    buffer = torch.zeros(OBJECT_BYTES, dtype=torch.uint8)
-    data = b""
     if dist.get_rank() == src:
-        data = pickle.dumps(value)
-        buffer[:_LENGTH] = torch.frombuffer(bytearray(len(data).to_bytes(_LENGTH, "little")), dtype=torch.uint8)
-        head = data[: OBJECT_BYTES - _LENGTH]
-        if head:
-            buffer[_LENGTH : _LENGTH + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    dist.broadcast(buffer, src=src, group=group)
-    if dist.get_rank() == src:
-        tail = data[OBJECT_BYTES - _LENGTH :]
-        if tail:
-            dist.broadcast(torch.frombuffer(bytearray(tail), dtype=torch.uint8), src=src, group=group)
+        head, tail = pack(value, OBJECT_BYTES)
+        dist.broadcast(head, src=src, group=group)
+        if tail is not None:
+            dist.broadcast(tail, src=src, group=group)
         return value
-    raw = buffer.numpy().tobytes()
-    length = int.from_bytes(raw[:_LENGTH], "little")
-    data = raw[_LENGTH : _LENGTH + min(length, OBJECT_BYTES - _LENGTH)]
-    if length > OBJECT_BYTES - _LENGTH:
-        rest = torch.empty(length - (OBJECT_BYTES - _LENGTH), dtype=torch.uint8)
-        dist.broadcast(rest, src=src, group=group)
-        data += rest.numpy().tobytes()
-    return pickle.loads(data)
+
+    def receive(size: int) -> torch.Tensor:
+        buffer = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(buffer, src=src, group=group)
+        return buffer
+
+    return unpack(receive(OBJECT_BYTES), receive)
 
 
 class TensorSpec(NamedTuple):

@@ -4,7 +4,8 @@ Both drivers of a pipeline run it: :meth:`Pipeline.train_step <lightning_gpipe.e
 with ``loss_fn(output, micro-batch)`` as the step function, the Lightning strategy with the user's ``training_step``.
 :class:`StepDriver` owns the micro-batch loop in the schedule's order (through :class:`StepRun`), the one rule that
 weighs each micro-batch's loss, the gradients of backward passes run among the forwards (:class:`HeldGradients`), the
-backward passes, and the further calls of the sequence in an evaluation step (:class:`CallRelay`).
+backward passes, the further calls of the sequence in an evaluation step (:class:`CallRelay`), and its decoding calls
+(:mod:`~lightning_gpipe.engine.decoding`).
 
 A step runs in two phases, so that a caller may put something between them (Lightning zeroes gradients there):
 :meth:`StepDriver.forward_phase` runs the schedule's actions up to its last forward, :meth:`StepDriver.backward_phase`
@@ -16,6 +17,12 @@ A process that holds several stages (``"interleaved"``, ``"zbv"``) calls the ste
 the forward of its *call stage* (:attr:`StepRun.call_stage`: the last stage where it holds it, else its first); the
 driver runs its other stages' forwards itself. Where the process holds stage 0 but calls at another stage (ZB-V's
 first process, or one process holding every stage), stage 0's input comes from ``feed(micro-batch)``.
+
+An evaluation step's decoding call (:meth:`StepDriver.decode`) runs on every stage: where it is the first call of the
+step's first micro-batch, every stage sees it, and the driver runs the step function once more on the whole batch
+instead of once per micro-batch (:meth:`StepRun.decode_whole`), so that the decoding splits the batch's rows into
+micro-batches of its own and decodes them in flight, with the tokens of the whole batch's decoding; a later decoding
+call is the last stage's alone, and the relay takes it to the other stages.
 
 The loss-weighting rule: micro-batch ``i`` weighs ``w_i``, declared from its batch before the step (a module's
 ``batch_loss_weight``), else the ``loss_weight`` its step returned where the schedule allows it, else its share of the
@@ -33,16 +40,23 @@ from typing import Any
 import torch
 
 from lightning_gpipe.engine.anomaly import check_finite
+from lightning_gpipe.engine.decoding import Decoding, decode
 from lightning_gpipe.engine.microbatch import Microbatch, count_weights, loss_weights
 from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.engine.schedule import Action, Phase
 from lightning_gpipe.engine.step import HeldGradients, StepRun
 
-__all__ = ["StepDriver", "StepFn"]
+__all__ = ["StepDriver", "StepFn", "WholeBatchDecoding"]
 
 StepFn = Callable[[Microbatch], Any]
 """One micro-batch's step: calls :meth:`StepDriver.call` once with the stage's input and returns, on the last stage of
 a training step, the loss or a mapping with a ``"loss"`` (and, where the schedule allows it, a ``"loss_weight"``)."""
+
+
+class WholeBatchDecoding(BaseException):  # noqa: N818 - a signal, not an error
+    """Unwinds the step function of an evaluation step's first micro-batch whose first call decodes: the driver runs
+    the step on the whole batch instead (see the module). A ``BaseException``, so that a user's ``except Exception``
+    lets it through; a caller that records what the step did (its logs) drops that micro-batch's record."""
 
 
 class StepDriver:
@@ -105,6 +119,7 @@ class StepDriver:
         self._losses: dict[int, torch.Tensor] = {}  # the last stage's losses, weighted once their weight is known
         self._current: Microbatch | None = None
         self._calls = 0
+        self._decoding_chunks: int | None = None  # set once the step decodes its whole batch
 
     # --- the forward phase
 
@@ -135,7 +150,12 @@ class StepDriver:
                     value = self._feed(mb) if self._feed is not None and action.stage == 0 else None
                     run.forward(mb.index, value, action.stage)
                     continue
-                output = self._step(step, mb)
+                try:
+                    output = self._step(step, mb)
+                except WholeBatchDecoding:
+                    self._decoding_chunks = len(run.microbatches)
+                    outputs = [self._step(step, run.decode_whole())]
+                    break
                 if run.training and self.stage.is_last:
                     self._losses[mb.index] = self._loss_at_forward(mb, output)
                 at[mb.index] = len(outputs)
@@ -185,6 +205,40 @@ class StepDriver:
                 "through the sequence exactly once (an evaluation step may call it again, e.g. to decode)"
             )
         return self._relay.call(mb.index, value)  # decoding: only the last stage gets here
+
+    def decode(self, decoding: Decoding) -> Any:
+        """The running step function's decoding call (evaluation only); its result on the last stage.
+
+        The first call of the step's first micro-batch decodes the whole batch (every stage sees it: the step function
+        runs again, on the whole batch, see the module); a further call is relayed to the other stages.
+        """
+        mb = self._current
+        if mb is None:
+            raise RuntimeError("the pipelined sequence was asked to decode outside a step of the pipeline")
+        if self.run.training:
+            raise RuntimeError(
+                f"{self.hook} asked the pipelined sequence {self.sequence!r} to decode; decoding runs in evaluation "
+                "steps (validation, test, predict) only"
+            )
+        if self._call_index is not None:
+            raise RuntimeError(
+                f"{self.hook} asked the pipelined sequence to decode under schedule={self.run.schedule!r}, whose "
+                "processes hold several stages; decoding runs with one stage per process: evaluate with "
+                "schedule='gpipe' or '1f1b'"
+            )
+        self._calls += 1
+        if self._calls > 1:
+            if self._relay is None:
+                raise RuntimeError("a further decoding call needs the step's relay (StepDriver(..., relay=...))")
+            return self._relay.decode(mb.index, decoding)
+        if self._decoding_chunks is None:
+            if mb.index != 0:
+                raise RuntimeError(
+                    f"{self.hook} decoded at its first call for micro-batch {mb.index} but not for micro-batch 0; a "
+                    "step that decodes at its first call must do so for every batch"
+                )
+            raise WholeBatchDecoding
+        return decode(self.run.stage, decoding, self._decoding_chunks)
 
     # --- the one loss-weighting rule
 

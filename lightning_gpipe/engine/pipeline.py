@@ -1,4 +1,5 @@
-"""The GPipe engine without a Trainer: one training or evaluation step of a pipeline, per process or in-process.
+"""The GPipe engine without a Trainer: a pipeline's training and evaluation steps and decoding calls, per process or
+in-process.
 
 :class:`Pipeline` is one process's view of a step: scatter the mini-batch into micro-batches, run them through the step
 driver (:class:`~lightning_gpipe.engine.driver.StepDriver`: the schedule's actions, each micro-batch's loss weighted by
@@ -6,7 +7,8 @@ its share of the batch), and gather. A process holds one stage, or several under
 Every process of a pipeline is handed the same mini-batch; stage 0 feeds ``input_fn(micro-batch)`` to its cell and the
 last stage computes ``loss_fn(output, micro-batch)``. After ``train_step`` the parameters' ``.grad`` hold exactly what
 ``loss.backward()`` of the unpartitioned model on the whole mini-batch would have accumulated (up to float round-off
-from summing micro-batches).
+from summing micro-batches). :meth:`Pipeline.decode` runs a decoding call on every stage in rounds, each stage keeping
+its caches (:mod:`~lightning_gpipe.engine.decoding`).
 
 :func:`run_in_threads` runs all the processes of a pipeline in one process, one thread each, for tests and notebooks;
 each keeps its own device and its own random streams, as it would in a process of its own.
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.engine.config import PipelineConfig, config_from
+from lightning_gpipe.engine.decoding import Decoding, decode
 from lightning_gpipe.engine.driver import StepDriver
 from lightning_gpipe.engine.fingerprint import Fingerprint
 from lightning_gpipe.engine.microbatch import Microbatch, gather, split_batch
@@ -125,9 +128,8 @@ class Pipeline:
     def begin(self, batch: Any, *, training: bool = True, fingerprint: Fingerprint | None = None) -> StepRun:
         """Scatter ``batch`` and begin a step on this process's stages; drive it through the returned
         :class:`StepRun`."""
-        return StepRun(
-            self.stages, self.schedule, split_batch(batch, self.chunks), training=training, fingerprint=fingerprint
-        )
+        split = split_batch(batch, self.chunks)
+        return StepRun(self.stages, self.schedule, split, training=training, fingerprint=fingerprint, batch=batch)
 
     def train_step(self, batch: Any, loss_fn: LossFn, input_fn: InputFn = first_element) -> torch.Tensor | None:
         """Forward and backward of one mini-batch; returns its (detached) loss where the process holds the last stage,
@@ -162,6 +164,17 @@ class Pipeline:
         )
         driver.finish()
         return gather(outputs, [mb.size for mb in run.microbatches]) if call.is_last else None
+
+    def decode(self, decoding: Decoding) -> Any:
+        """Run the decoding call ``decoding`` on every stage, its sequences in up to ``chunks`` micro-batches in flight,
+        each stage keeping its caches (:mod:`~lightning_gpipe.engine.decoding`); its result where the process holds
+        the last stage, else ``None``. Every process calls it with the same call."""
+        if len(self.stages) > 1:
+            raise ValueError(
+                f"decoding runs with one stage per process, but schedule={self.schedule!r} places "
+                f"{len(self.stages)} on each; decode under schedule='gpipe' or '1f1b'"
+            )
+        return decode(self.stages[0], decoding, self.chunks)
 
     def _feed(self, input_fn: InputFn) -> Callable[[Microbatch], Any]:
         return lambda mb: self._input(input_fn, mb.value)

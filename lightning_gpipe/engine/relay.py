@@ -15,16 +15,16 @@ never calls twice costs one ``done`` message per link more than before. The call
 another through the stages (the next call's input needs the last stage's output), so while a micro-batch decodes,
 one stage computes at a time.
 
-Control wire format: a ``CONTROL_BYTES`` uint8 buffer holding the payload length (8 bytes, little endian) and the
-pickled payload when it fits, else the payload follows as a second message (as the step headers of
-:mod:`lightning_gpipe.engine.boundary`). The payload is ``("call", value)`` with the value's tensors on the CPU, or
-``("done", None)``.
+A further call may also be a decoding call (:meth:`CallRelay.decode`): the last stage relays the call itself, and every
+stage then runs it in rounds, keeping its caches (:mod:`~lightning_gpipe.engine.decoding`).
+
+A control message is a packed object (:mod:`~lightning_gpipe.engine.framing`, a ``MESSAGE_BYTES`` head and a tail when
+longer): ``("call", value)`` or ``("decode", decoding)`` with their tensors on the CPU, or ``("done", None)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -32,16 +32,15 @@ from typing import Any
 import torch
 
 from lightning_gpipe.engine.collectives import portable, to_device
+from lightning_gpipe.engine.decoding import Decoding, decode
 from lightning_gpipe.engine.errors import PipelineError
+from lightning_gpipe.engine.framing import MESSAGE_BYTES, pack, unpack
 from lightning_gpipe.engine.microbatch import Microbatch
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.step import StepRun
 
-__all__ = ["CONTROL_BYTES", "CallRelay"]
+__all__ = ["CallRelay"]
 
-CONTROL_BYTES = 1024
-"""Size in bytes of a control message: payload length, then the pickled payload when it fits."""
-_LENGTH_BYTES = 8
 _CALL = Microbatch(0, None, 1, 1.0)  # a further call is an evaluation step of one micro-batch
 
 
@@ -51,10 +50,17 @@ class CallRelay:
     Args:
         stage: the stage whose first calls the step runs; its cell, transport, timeline and anomaly checks are shared.
         compute_guard: entered around the cell's computation (the in-process runner's random-stream scope).
+        chunks: how many micro-batches a decoding call's sequences are split into (the pipeline's ``chunks``).
     """
 
-    def __init__(self, stage: Stage, compute_guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        compute_guard: Callable[[], AbstractContextManager[Any]] | None = None,
+        chunks: int | None = None,
+    ) -> None:
         self.stage = stage
+        self.chunks = chunks or stage.config.chunks or 1
         # A stage of its own for the further calls, each run as a step (StepRun): its links keep a step's state
         # (header, posted receives) apart from the first calls' links, whose receives may still be posted.
         self._calls = Stage(
@@ -73,24 +79,35 @@ class CallRelay:
 
         On the last stage only, in the step of micro-batch ``index``, after that micro-batch's first call.
         """
+        if self._relayed(index, ("call", portable(value))):
+            return self._run(None)
+        return self._run(value)
+
+    def decode(self, index: int, decoding: Decoding) -> Any:
+        """Run the decoding call ``decoding`` on every stage (:func:`~lightning_gpipe.engine.decoding.decode`); its
+        result. On the last stage only, in the step of micro-batch ``index``, after that micro-batch's first call."""
+        self._relayed(index, ("decode", portable(decoding)))
+        return decode(self.stage, decoding, self.chunks)
+
+    def _relayed(self, index: int, payload: tuple[str, Any]) -> bool:
+        """Check a further call of micro-batch ``index`` and send ``payload`` up the stages; whether there are any."""
         stage = self.stage
         if not stage.is_last:
             raise PipelineError(stage.index, "only the last stage drives further calls of the sequence")
         if torch.is_grad_enabled():
             raise RuntimeError(
-                "the step called the pipelined sequence a second time with gradients enabled; under GPipeStrategy a "
-                "step may call the sequence several times (decoding) only in validation, test and predict steps, "
-                "without gradients. A training step passes its input through the sequence exactly once."
+                "the step called the pipelined sequence a second time with gradients enabled; a step may call the "
+                "sequence several times (decoding) only in evaluation (validation, test, predict), without gradients"
             )
         self.count += 1
         if stage.num_stages == 1:
-            return self._run(value)
+            return False
         if self.count == 1:
             # The previous stage sent the first calls of the whole step before this one; where receives are posted
             # only when needed (device streams), this call's would take one of theirs: post theirs first.
             stage.post_activations(after=index)
-        self._send_control(("call", portable(value)))
-        return self._run(None)
+        self._send_control(payload)
+        return True
 
     def finish(self) -> None:
         """Tell the other stages that this step asks for no further calls (last stage, once per step)."""
@@ -113,7 +130,10 @@ class CallRelay:
                 self.stage.transport.wait_sends()
                 return served
             served += 1
-            self._run(to_device(value, stage.transport.device) if stage.is_first else None)
+            if kind == "decode":
+                decode(stage, to_device(value, stage.transport.device), self.chunks)
+            else:
+                self._run(to_device(value, stage.transport.device) if stage.is_first else None)
 
     # --- both
 
@@ -130,33 +150,22 @@ class CallRelay:
     def _send_control(self, payload: tuple[str, Any]) -> None:
         """Send ``payload`` to the previous stage (this stage's own or relayed from the next)."""
         transport = self.stage.transport
-        data = pickle.dumps(payload)
-        message = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
-        message[:_LENGTH_BYTES] = torch.tensor(list(len(data).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
-        fits = len(data) <= CONTROL_BYTES - _LENGTH_BYTES
-        if fits:
-            message[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        peer = self.stage.index - 1
-        what = "the last stage's next call of the sequence" if payload[0] == "call" else "the end of the step's calls"
-        transport.send(message.to(transport.device), peer, what)
-        if not fits:
-            transport.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(transport.device), peer, what)
+        what = "the end of the step's calls" if payload[0] == "done" else "the last stage's next call of the sequence"
+        head, tail = pack(payload, MESSAGE_BYTES)
+        for part in (head, tail) if tail is not None else (head,):
+            transport.send(part.to(transport.device), self.stage.index - 1, what)
 
     def _receive_control(self) -> tuple[str, Any]:
         """The next control message from the next stage, relayed on to the previous one."""
         transport, peer = self.stage.transport, self.stage.index + 1
         what = "the last stage's next call of the sequence (or its end of the step)"
-        header = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=transport.device)
-        transport.recv(header, peer, what)
-        raw = header.cpu()
-        length = int.from_bytes(bytes(raw[:_LENGTH_BYTES].tolist()), "little")
-        if length <= CONTROL_BYTES - _LENGTH_BYTES:
-            data = bytes(raw[_LENGTH_BYTES : _LENGTH_BYTES + length].tolist())
-        else:
-            payload = torch.empty(length, dtype=torch.uint8, device=transport.device)
-            transport.recv(payload, peer, what)
-            data = bytes(payload.cpu().tolist())
-        kind, value = pickle.loads(data)
+
+        def receive(size: int) -> torch.Tensor:
+            buffer = torch.empty(size, dtype=torch.uint8, device=transport.device)
+            transport.recv(buffer, peer, what)
+            return buffer
+
+        kind, value = unpack(receive(MESSAGE_BYTES), receive)
         if not self.stage.is_first:
             self._send_control((kind, value))
         return kind, value

@@ -27,8 +27,8 @@ time and gradients from the first backward on, :data:`GRADIENTS_AHEAD` at a time
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -251,6 +251,13 @@ class Stage:
     def _record(self, phase: str, index: int) -> AbstractContextManager[None]:
         return self.timeline.record(self.index, phase, index) if self.timeline is not None else nullcontext()
 
+    @contextmanager
+    def computing(self, phase: str, index: int) -> Iterator[None]:
+        """Around this stage's own computation of ``phase`` for micro-batch ``index`` (not its waits): the compute
+        guard, and the timeline's span. For passes that the stage does not run itself (a decoding round's)."""
+        with self._guard(), self._record(phase, index):
+            yield
+
     def forward(self, index: int, value: Any = None) -> Any:
         """Run micro-batch ``index`` through the cell. Stage 0 is given ``value``; later stages receive it.
 
@@ -426,12 +433,13 @@ class Stage:
         if self._sharded is not None:
             self._sharded.end_step(reduce=self._backward_ran)
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, stranded: bool = False) -> None:
         """Drop the step's state and tell the other stages (where the transport can) that this one failed.
 
-        Receives the step left posted cannot be taken back; if there are any, this stage refuses further steps.
+        Receives the step left posted cannot be taken back; if there are any (its own, or ``stranded`` ones of a
+        decoding call), this stage refuses further steps.
         """
-        if any(link is not None and link.posted for link in (self._inbox, self._grad_inbox)):
+        if stranded or any(link is not None and link.posted for link in (self._inbox, self._grad_inbox)):
             self._stranded = reason
         for link in (self._inbox, self._grad_inbox):
             if link is not None:

@@ -50,6 +50,8 @@ class StepRun:
         microbatches: the step's micro-batches, the same on every stage.
         training: run the schedule's forward and backward passes; else forwards only.
         fingerprint: this process's copy of the batch, checked against the other stages' (see :class:`Stage`).
+        batch: the batch the micro-batches were split from, for an evaluation step that decodes it whole
+            (:meth:`decode_whole`).
     """
 
     def __init__(
@@ -60,11 +62,13 @@ class StepRun:
         *,
         training: bool = True,
         fingerprint: Fingerprint | None = None,
+        batch: Any = None,
     ) -> None:
         self.stages: tuple[Stage, ...] = (stages,) if isinstance(stages, Stage) else tuple(stages)
         self.schedule = schedule
         self.training = training
         self.microbatches = list(microbatches)
+        self.batch = batch
         self._by_index = {stage.index: stage for stage in self.stages}
         self.order: StepOrder = _order(self.stages, schedule, len(self.microbatches), training)
         """The schedule's order for this process and step, built once per (schedule, process, K, M)."""
@@ -156,6 +160,19 @@ class StepRun:
     def weight(self, index: int, stage: int | None = None) -> None:
         """A split backward's weight pass of micro-batch ``index`` on ``stage`` (see :meth:`Stage.weight_backward`)."""
         self._advance(Action(Phase.WEIGHT, index, stage)).weight_backward(index)
+
+    def decode_whole(self) -> Microbatch:
+        """Replace an evaluation step's forwards, none of which ran, by one call of the step function on the whole
+        batch, which decodes it (:mod:`~lightning_gpipe.engine.decoding` splits its rows into micro-batches of its
+        own); that one micro-batch, which the step's outputs and logs then belong to."""
+        if self.training or self._done or self.batch is None:
+            raise RuntimeError(
+                "only an evaluation step whose first forward has not run, begun with its batch, can decode it whole"
+            )
+        size = sum(mb.size for mb in self.microbatches)
+        self.microbatches = [Microbatch(0, self.batch, size, 1.0)]
+        self.actions = ()
+        return self.microbatches[0]
 
     def end(self) -> None:
         """Finish the step once every action ran: wait for the sends, commit deferred BatchNorm statistics."""

@@ -157,7 +157,8 @@ class PipelinedSequential(nn.Module):
 
     It holds the layers of this process's stages (one, or several: ``schedule="interleaved"`` or ``"zbv"``) under
     their original indices. Calling it runs ``runner`` (set by the strategy for the duration of a step), which
-    pipelines the call; outside a step it refuses to run, since most layers live elsewhere.
+    pipelines the call, and :meth:`decode` runs ``decoder``, which runs a decoding call on every stage; outside a step
+    both refuse to run, since most layers live elsewhere.
     """
 
     holds_all_layers = False  # model code reads this (duck typing) to call the whole sequence, never its parts
@@ -173,6 +174,7 @@ class PipelinedSequential(nn.Module):
         self.num_stages = num_stages
         self.runner: Callable[[Any], Any] | None = None
         self.balance: list[int] = []  # layers per stage of the whole cut
+        self.decoder: Callable[[Any], Any] | None = None
 
     @property
     def stage(self) -> int:
@@ -187,12 +189,23 @@ class PipelinedSequential(nn.Module):
 
     def forward(self, value: Any) -> Any:
         if self.runner is None:
-            raise RuntimeError(
-                f"this pipelined sequence holds {_stages(self.stages)} of {self.num_stages} only (layers "
-                f"{', '.join(dict(self.named_children()))} of {self.num_layers}); it runs inside the Trainer's "
-                "steps. After fit, trainer.strategy.gather_module() puts the whole sequence back on global rank 0."
-            )
+            raise RuntimeError(self._outside_a_step())
         return self.runner(value)
+
+    def decode(self, decoding: Any) -> Any:
+        """Run ``decoding`` (a :class:`~lightning_gpipe.engine.decoding.Decoding`) on every stage of the pipeline,
+        each stage with its own layers and caches; its result on the last stage. Model code that decodes calls it in
+        place of its own loop where the sequence does not hold all its layers (``holds_all_layers``)."""
+        if self.decoder is None:
+            raise RuntimeError(self._outside_a_step())
+        return self.decoder(decoding)
+
+    def _outside_a_step(self) -> str:
+        return (
+            f"this pipelined sequence holds {_stages(self.stages)} of {self.num_stages} only (layers "
+            f"{', '.join(dict(self.named_children()))} of {self.num_layers}); it runs inside the Trainer's steps. "
+            "After fit, trainer.strategy.gather_module() puts the whole sequence back on global rank 0."
+        )
 
     def extra_repr(self) -> str:
         held = ",".join(map(str, self.stages))

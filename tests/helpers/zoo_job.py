@@ -138,9 +138,9 @@ GENERATION = {
 
 def predict_causal_lm(model: L.LightningModule, root: Path) -> dict[str, Any]:
     """The trained language model's greedy and sampled continuations of :func:`prompts`, generated in predict steps
-    under GPipeStrategy (K = 2, M = 2: each token is one relayed call of the stages), and, under ``"validation"``, the
-    sampled ones a ``validation_step`` generated per micro-batch (on the last stage, the only one that runs past the
-    first call; an empty list elsewhere)."""
+    under GPipeStrategy (K = 2, M = 2: the stages decode two micro-batches in flight, each keeping its caches), and,
+    under ``"validation"``, the sampled ones a ``validation_step`` generated (on the last stage, the only one that
+    runs past the decoding call; an empty list elsewhere)."""
     out: dict[str, Any] = {}
     batch = prompts()
     loader = DataLoader(Repeated(batch, 1), batch_size=len(batch["input_ids"]))

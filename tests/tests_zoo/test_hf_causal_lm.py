@@ -154,23 +154,45 @@ def test_sampled_generation_with_a_seed_equals_library_generate(
     assert again.tolist() != ours.tolist(), "another seed draws other tokens"
 
 
-def test_generation_through_the_pipelined_sequence_equals_the_whole_model(llama: Path) -> None:
-    from lightning_gpipe.partition.sequence import PipelinedSequential
+@pytest.mark.parametrize(("balance", "chunks"), [([2, 3], 2), ([1, 2, 2], 3)])
+def test_generation_on_the_stages_with_caches_equals_library_generate(
+    saved: Path, balance: list[int], chunks: int
+) -> None:
+    # Each stage keeps the cache of its own layers and rebuilds its masks (sliding windows of 4 in Mistral and Qwen2,
+    # left padding): the prompt is read once, then one token per row and round crosses the stages.
+    from helpers.decoding import pipelined
+
+    model = zoo.load_pretrained(saved)
+    ids, mask = prompts()
+    theirs = library(saved).generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=2
+    )
+    model.layers = pipelined(model.layers, balance, chunks)
+    assert model.generate(ids, mask, max_new_tokens=8).tolist() == theirs.tolist()
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_seeded_sampling_on_the_stages_draws_the_whole_models_tokens(llama: Path, chunks: int) -> None:
+    # Rows end at different rounds (an end token the first row samples early), so a finished micro-batch's rows are
+    # drawn and dropped while the others decode, in the whole batch's order of draws.
+    from helpers.decoding import pipelined
 
     model = zoo.load_pretrained(llama)
     ids, mask = prompts(model.hparams["config"]["vocab_size"])
-    whole = model.generate(ids, mask, max_new_tokens=6)
-    sampled = model.generate(ids, mask, max_new_tokens=6, do_sample=True, top_k=8, seed=1)
-    sequence = model.layers
-    # Inside a GPipeStrategy step the layers are the stand-in, and each token is one call of the whole sequence on
-    # the whole prefix (no cache: a call leaves nothing on the stages).
-    stand_in = PipelinedSequential(dict(sequence.named_children()), len(sequence), 0, 1)
-    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-    stand_in.runner = lambda value: calls.append(value) or sequence(value)
-    model.layers = stand_in  # type: ignore[assignment]
-    assert model.generate(ids, mask, max_new_tokens=6).tolist() == whole.tolist()
-    assert [call[0].shape[1] for call in calls] == list(range(9, 9 + whole.shape[1] - 9))
-    assert model.generate(ids, mask, max_new_tokens=6, do_sample=True, top_k=8, seed=1).tolist() == sampled.tolist()
+    settings: dict[str, Any] = {"max_new_tokens": 8, "do_sample": True, "top_k": 8, "temperature": 1.3, "seed": 5}
+    first = model.generate(ids, mask, **settings, eos_token_id=())
+    end = int(first[0, 10])
+    whole = model.generate(ids, mask, **settings, eos_token_id=end)
+    lengths = [row.index(end) if end in row else 8 for row in whole[:, 9:].tolist()]
+    assert lengths[0] <= 1 < max(lengths), f"rows should end at different rounds: {lengths}"
+    torch.manual_seed(5)
+    theirs = library(llama).generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=8, temperature=1.3, pad_token_id=0,
+        eos_token_id=end,
+    )  # fmt: skip
+    assert whole.tolist() == theirs.tolist()
+    model.layers = pipelined(model.layers, [2, 3], chunks)
+    assert model.generate(ids, mask, **settings, eos_token_id=end).tolist() == whole.tolist()
 
 
 def test_a_right_padded_prompt_is_refused(llama: Path) -> None:
@@ -236,10 +258,10 @@ def test_a_sequence_longer_than_gpt2_s_positions_is_refused_before_any_layer_run
     message = r"a sequence of 200 tokens exceeds the model's 128 learned positions \(n_positions\); truncate to 128, "
     with pytest.raises(ValueError, match=message + r"e.g. tokenizer\(..., truncation=True, max_length=128\)"):
         model.training_step({"input_ids": ids, "labels": ids}, 0)
-    with pytest.raises(ValueError, match=r"a prompt and its max_new_tokens of 130 tokens exceeds"):
+    with pytest.raises(ValueError, match=r"a prompt of 120 tokens and max_new_tokens=10 need 129 positions, but the "):
         model.generate(ids[:, :120], max_new_tokens=10)
     assert not ran, "refused before the first layer: under the pipeline, on every stage alike"
-    model.generate(ids[:, :120], max_new_tokens=8)  # up to the limit
+    model.generate(ids[:, :120], max_new_tokens=9)  # up to the limit: the last new token takes no position
 
 
 @RunIf(multiprocess=True)
@@ -523,7 +545,8 @@ def test_export_from_a_two_stage_checkpoint(pipelined_run: Path, tmp_path: Path)
 def test_generation_in_pipelined_predict_and_validation_steps_equals_transformers_generate(
     pipelined_run: Path, tmp_path: Path
 ) -> None:
-    # predict_step generated these under GPipeStrategy (K = 2, M = 2), each token one relayed call of the stages.
+    # predict_step generated these under GPipeStrategy (K = 2, M = 2): every stage kept the cache of its layers for
+    # two micro-batches of rows in flight.
     from helpers.zoo_job import GENERATION, prompts
 
     predictions = torch.load(pipelined_run / "hf_causal_lm-predictions.pt", weights_only=True)
@@ -536,17 +559,14 @@ def test_generation_in_pipelined_predict_and_validation_steps_equals_transformer
     width = predictions["greedy"].shape[1]
     assert width == ids.shape[1] + GENERATION["greedy"]["max_new_tokens"]
     assert predictions["greedy"].tolist() == torch.nn.functional.pad(theirs, (0, width - theirs.shape[1])).tolist()
-    # Sampling draws per micro-batch, from a generator seeded alike: rows 0-1 and rows 2-3 on their own.
+    # Sampling draws in the whole batch's order: the whole model's tokens, whatever the micro-batches.
     model.hparams["generation"] = GENERATION["sampled"]
-    halves = [
-        model.predict_step({"input_ids": ids[[a, b]], "attention_mask": mask[[a, b]]}, 0) for a, b in ((0, 1), (2, 3))
-    ]
-    assert predictions["sampled"].tolist() == torch.cat(halves).tolist()
+    assert predictions["sampled"].tolist() == model.predict_step(batch, 0).tolist()
     assert predictions["sampled"].tolist() != predictions["greedy"].tolist()
-    # A validation_step that generates (sampled, per micro-batch) under the pipeline: the whole model's tokens.
+    # A validation_step that generates at its first call runs once on the whole batch under the pipeline.
     validation = torch.load(pipelined_run / "hf_causal_lm-validation.pt", weights_only=True)
-    expected = [model.generate(ids[[a, b]], mask[[a, b]], **GENERATION["sampled"]) for a, b in ((0, 1), (2, 3))]
-    assert [tokens.tolist() for tokens in validation] == [tokens.tolist() for tokens in expected]
+    expected = model.generate(ids, mask, **GENERATION["sampled"])
+    assert [tokens.tolist() for tokens in validation] == [expected.tolist()]
 
 
 def test_the_planner_plans_a_language_model_from_a_sample_of_token_ids(llama: Path) -> None:

@@ -201,18 +201,27 @@ def test_a_loaded_model_starts_in_training_mode(saved: Path) -> None:
     assert all(module.training for module in model.modules())
 
 
-def test_greedy_generation_through_the_pipelined_sequence_equals_the_whole_model(saved: Path) -> None:
-    from lightning_gpipe.partition.sequence import PipelinedSequential
-    from zoo.hf.generation import greedy_generate
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 2), (3, 1)])
+def test_generation_on_the_stages_with_caches_equals_library_generate(saved: Path, stages: int, chunks: int) -> None:
+    # Every stage keeps the library's EncoderDecoderCache of its own decoder layers: the encoder runs once, then one
+    # token per row and round crosses the stages; beams are reordered on every stage.
+    from helpers.decoding import pipelined
 
+    from zoo.hf.generation import beam_generate, greedy_generate
+
+    library = transformers.AutoModelForSeq2SeqLM.from_pretrained(saved).eval()
     model = zoo.load_pretrained(saved)
-    source, _, _, prefix = batch(saved, transformers.AutoModelForSeq2SeqLM.from_pretrained(saved).eval())
-    whole = greedy_generate(model, source, prefix, max_new_tokens=6)
-    sequence = model.layers
-    # Inside a GPipeStrategy step the layers are the stand-in, and each token is one call of the whole sequence.
-    stand_in = PipelinedSequential(dict(sequence.named_children()), len(sequence), 0, 1)
-    calls = []
-    stand_in.runner = lambda value: calls.append(value) or sequence(value)
-    model.layers = stand_in  # type: ignore[assignment]
-    assert greedy_generate(model, source, prefix, max_new_tokens=6).tolist() == whole.tolist()
-    assert len(calls) == whole.shape[1] - 1 - len(prefix)
+    source, attention, _, prefix = batch(saved, library)
+    theirs = library.generate(
+        input_ids=source, attention_mask=attention, num_beams=1, do_sample=False, max_new_tokens=6 + len(prefix),
+        bad_words_ids=[[library.config.pad_token_id]], **({"forced_bos_token_id": prefix[0]} if prefix else {}),
+    )  # fmt: skip
+    beams = beam_generate(model, source, prefix, beam_size=3, max_new_tokens=6)
+    assert beams.tokens.shape[1] > 1 + len(prefix)
+    entries = len(model.layers)
+    balance = [entries // 2, entries - entries // 2] if stages == 2 else [2, entries - 4, 2]
+    model.layers = pipelined(model.layers, balance, chunks)  # type: ignore[assignment]
+    assert greedy_generate(model, source, prefix, max_new_tokens=6).tolist() == theirs.tolist()
+    pipelined_beams = beam_generate(model, source, prefix, beam_size=3, max_new_tokens=6)
+    assert pipelined_beams.tokens.tolist() == beams.tokens.tolist()
+    torch.testing.assert_close(pipelined_beams.scores, beams.scores)

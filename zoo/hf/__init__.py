@@ -10,12 +10,13 @@ through the ``causal_lm*`` modules (conversion, layers, generation, tiny models)
 
 from zoo.hf.conversion import is_hf_source
 from zoo.hf.data import PretrainedCausalLMDataModule, PretrainedTranslationDataModule
-from zoo.hf.generation import evaluate_pretrained_translation, greedy_generate
+from zoo.hf.generation import beam_generate, evaluate_pretrained_translation, greedy_generate
 from zoo.hf.tiny import save_tiny_translation_model
 
 __all__ = [
     "PretrainedCausalLMDataModule",
     "PretrainedTranslationDataModule",
+    "beam_generate",
     "evaluate_pretrained_translation",
     "greedy_generate",
     "is_hf_source",

@@ -50,8 +50,8 @@ class TokenEmbedding(nn.Module):
     builds the masks of the decoder layers' kinds (``full``, ``sliding``) for the attention implementation of
     ``config``.
 
-    ``cache``, set for the duration of a decoding on the whole model (:mod:`zoo.hf.causal_lm_generation`), is the
-    library's key/value cache, whose lengths the masks cover (read before any layer extends it, as the library does).
+    ``cache``, set for the duration of a decoding round (:mod:`zoo.hf.causal_lm_generation`), is the library's
+    key/value cache, whose lengths the masks cover (read before any layer extends it, as the library does).
     """
 
     cache: Any = None
@@ -111,8 +111,8 @@ class CausalDecoderLayer(nn.Module):
     """Stream -> stream through one library decoder layer, with the stream's causal (or sliding-window) mask and its
     rotary table ``table`` (0 but for models with one table per layer type).
 
-    ``cache``, set for the duration of a decoding on the whole model (:mod:`zoo.hf.causal_lm_generation`), is the
-    library's key/value cache that the layer reads and extends; the stream then holds the new tokens only.
+    ``cache``, set for the duration of a decoding round (:mod:`zoo.hf.causal_lm_generation`), is the library's
+    key/value cache that the layer reads and extends; the stream then holds the new tokens only.
     """
 
     cache: Any = None
@@ -131,6 +131,22 @@ class CausalDecoderLayer(nn.Module):
             extra.update(cache=self.cache, use_cache=True)
         x = self.layer(x, attention_mask=sliding if self.sliding else full, position_ids=positions, **extra)
         return (x, full, sliding, positions, *rotary)
+
+    @property
+    def attention(self) -> nn.Module:
+        """The library layer's self-attention: its ``config``, and its ``layer_idx``, the layer's slot in a cache."""
+        layer: Any = self.layer
+        attention: nn.Module = getattr(layer, "self_attn", None) or layer.attn  # GPT-2's is `attn`
+        return attention
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """The bytes of one token's keys and values in this layer's cache, per sequence."""
+        attention: Any = self.attention
+        config = attention.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        itemsize = next(attention.parameters()).dtype.itemsize
+        return 2 * heads * attention.head_dim * itemsize
 
 
 class FinalNorm(nn.Module):

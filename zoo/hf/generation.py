@@ -1,31 +1,35 @@
-"""Greedy translation and BLEU per language pair for a :class:`~zoo.tasks.pretrained_translation.PretrainedTranslator`.
+"""Greedy and beam-search translation and BLEU per language pair for a
+:class:`~zoo.tasks.pretrained_translation.PretrainedTranslator`.
 
 Shape legend: B batch, S source length, T decoded length.
 
-Decoding runs on the whole model after ``fit``, or inside a ``validation_step`` / ``predict_step`` under
-``GPipeStrategy``, where every token calls the whole pipelined sequence
-(:class:`~zoo.transformer.decoding.PrefixScorer`). On the whole model the encoder runs once; the decoder re-reads the
-growing prefix at every step (no key/value cache), which is exact and fine at sentence lengths. It reproduces
+Decoding runs in rounds with the library's ``EncoderDecoderCache`` in each decoder layer
+(:mod:`zoo.transformer.search`): the encoder runs once, then each round feeds one token per row. On the whole model
+the rounds run here; inside a ``validation_step`` / ``predict_step`` under ``GPipeStrategy`` every stage runs them with
+its own layers and caches, micro-batches in flight, with the same tokens. :func:`greedy_generate` reproduces
 ``transformers``' ``generate(num_beams=1, do_sample=False, bad_words_ids=[[pad]])``: the decoder starts from
 ``decoder_start_token_id`` and the target-language ``prefix`` (M2M-100's forced ``__de__`` token), never emits
 padding, forces the config's ``forced_eos_token_id`` (Marian's ``</s>``) at the last step, and each row stops at
-``</s>``; finished rows are padded.
+``</s>``; finished rows are padded. :func:`beam_generate` searches beams with GNMT's length penalty under the same
+rules (:func:`~zoo.transformer.decoding.beam_search`'s algorithm, not ``generate``'s).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zoo.bleu import bleu_by_pair
-from zoo.transformer.decoding import PrefixScorer
+from zoo.decoding import run_decoding
+from zoo.transformer.decoding import BeamSearchResult
+from zoo.transformer.search import Seq2SeqDecoding
 
 if TYPE_CHECKING:  # zoo.tasks.pretrained_translation imports zoo.hf, whose package imports this module
     from zoo.tasks.pretrained_translation import PretrainedTranslator
 
-__all__ = ["evaluate_pretrained_translation", "greedy_generate"]
+__all__ = ["beam_generate", "evaluate_pretrained_translation", "greedy_generate"]
 
 
 def greedy_generate(
@@ -33,31 +37,51 @@ def greedy_generate(
 ) -> torch.Tensor:
     """Tokens [B, 1 + len(prefix) + n] (the decoder start and ``prefix`` included) for ``source`` [B, S], with at
     most ``max_new_tokens`` generated after the prefix, as ``generate`` returns them."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    tokens: torch.Tensor = _run(model, _decoding(model, source, prefix, max_new_tokens))
+    return tokens
+
+
+def beam_generate(
+    model: PretrainedTranslator,
+    source: torch.Tensor,
+    prefix: Sequence[int] = (),
+    beam_size: int = 4,
+    max_new_tokens: int = 64,
+    length_penalty: float = 0.6,
+) -> BeamSearchResult:
+    """The best of ``beam_size`` hypotheses for each of ``source`` [B, S] by GNMT's length-penalized log-probability:
+    its tokens [B, 1 + len(prefix) + n] (the decoder start and ``prefix`` included, padded after ``</s>``) and
+    scores [B]."""
+    decoding = _decoding(model, source, prefix, max_new_tokens, beam_size, length_penalty)
+    tokens, scores = _run(model, decoding)
+    start = torch.tensor(decoding.start, device=tokens.device).repeat(tokens.shape[0], 1)
+    return BeamSearchResult(torch.cat([start, tokens], dim=1), scores)
+
+
+def _decoding(
+    model: PretrainedTranslator,
+    source: torch.Tensor,
+    prefix: Sequence[int],
+    max_new_tokens: int,
+    beam_size: int | None = None,
+    length_penalty: float = 0.6,
+) -> Seq2SeqDecoding:
+    """The decoding call of the library's rules (see the module)."""
+    forced_eos = model.hparams["config"].get("forced_eos_token_id")
+    return Seq2SeqDecoding(
+        source, (model.decoder_start_id, *prefix), model.eos_id, model.pad_id, max_new_tokens, banned=(model.pad_id,),
+        forced_eos=None if forced_eos is None else int(forced_eos), beam_size=beam_size, length_penalty=length_penalty,
+    )  # fmt: skip
+
+
+def _run(model: PretrainedTranslator, decoding: Seq2SeqDecoding) -> Any:
     was_training = model.training
     model.train(False)
     try:
         with torch.no_grad():
-            scorer = PrefixScorer(model, source)
-            start = [model.decoder_start_id, *prefix]
-            tokens = torch.tensor(start, device=source.device).repeat(source.shape[0], 1)  # [B, t]
-            done = torch.zeros(source.shape[0], dtype=torch.bool, device=source.device)
-            forced_eos = model.hparams["config"].get("forced_eos_token_id")
-            for index in range(max_new_tokens):
-                logits = scorer.logits(tokens)  # [B, V]
-                logits[:, model.pad_id] = float("-inf")
-                step = logits.argmax(dim=-1)
-                if forced_eos is not None and index == max_new_tokens - 1:
-                    step = torch.full_like(step, int(forced_eos))
-                step = torch.where(done, model.pad_id, step)
-                tokens = torch.cat([tokens, step[:, None]], dim=1)
-                done |= step == model.eos_id
-                if bool(done.all()):
-                    break
+            return run_decoding(model.layers, decoding)
     finally:
         model.train(was_training)
-    return tokens
 
 
 def evaluate_pretrained_translation(

@@ -311,8 +311,6 @@ class PretrainedCausalLM(ZooModule):
         continuations, [B, P + n]."""
         settings.setdefault("eos_token_id", self.eos_ids)
         settings.setdefault("pad_token_id", self.pad_id)
-        length = input_ids.shape[1] + settings.get("max_new_tokens", MAX_NEW_TOKENS)
-        self._check_length(length, "a prompt and its max_new_tokens")
         self.load_weights()
         return generate(self, input_ids, attention_mask, **settings)
 

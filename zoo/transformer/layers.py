@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.transformer.cache import AttentionCache
+
 __all__ = [
     "FeedForward",
     "MultiHeadAttention",
@@ -77,15 +79,18 @@ class TokenEmbedding(nn.Embedding):
         return super().forward(tokens) * math.sqrt(self.embedding_dim)
 
 
-def sinusoidal_positions(length: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
-    """Sinusoidal position signals [length, dim] (sines in the first half, cosines in the second, as lingvo and
-    tensor2tensor). Computed on demand, so they hold no parameters and no buffers."""
+def sinusoidal_positions(length: int, dim: int, device: torch.device | None = None, start: int = 0) -> torch.Tensor:
+    """Sinusoidal position signals [length, dim] of positions ``start, start + 1, ...`` (sines in the first half,
+    cosines in the second, as lingvo and tensor2tensor). Computed on demand, so they hold no parameters and no
+    buffers."""
     if dim % 2:
         raise ValueError(f"d_model={dim} must be even for sinusoidal positions (half sines, half cosines)")
     half = dim // 2
     increment = math.log(1.0e4) / max(half - 1, 1)
     inverse_timescales = torch.exp(torch.arange(half, device=device, dtype=torch.float32) * -increment)
-    scaled = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inverse_timescales[None, :]
+    scaled = (
+        torch.arange(start, start + length, device=device, dtype=torch.float32)[:, None] * inverse_timescales[None, :]
+    )
     return torch.cat([scaled.sin(), scaled.cos()], dim=1)
 
 
@@ -110,7 +115,9 @@ class MultiHeadAttention(nn.Module):
     """Multi-head dot-product attention with biased Q, K, V and output projections (A·E wide inside).
 
     ``mask`` is boolean, True where a query may attend to a key, broadcastable to [B, A, T, S]. A query whose keys are
-    all masked attends to all of them instead of producing NaN (only all-padding rows can be in that case).
+    all masked attends to all of them instead of producing NaN (only all-padding rows can be in that case). With a
+    ``cache`` (decoding) the keys and values are kept: a self-attention's grow by this call's, a cross-attention's are
+    computed from ``memory`` once and read after.
     """
 
     def __init__(
@@ -134,9 +141,17 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor, cache: AttentionCache | None = None
+    ) -> torch.Tensor:
         """Attend from ``x`` [B, T, D] to ``memory`` [B, S, D] under ``mask``; returns [B, T, D]."""
-        q, k, v = self._heads(self.query(x)), self._heads(self.key(memory)), self._heads(self.value(memory))
+        q = self._heads(self.query(x))
+        if cache is not None and cache.filled and not cache.grow:
+            k, v = cache.kept()
+        else:
+            k, v = self._heads(self.key(memory)), self._heads(self.value(memory))
+            if cache is not None:
+                k, v = cache.update(k, v)
         if self.per_dim_scale is not None:
             q, scale = self.per_dim_scale(q), 1.0
         else:
@@ -169,6 +184,8 @@ class Softmax(nn.Module):
     paper's logit clipping); the gradient of a clamped logit is zero. Eval mode (validation, decoding) sees the raw
     logits, as lingvo's inference graphs do.
     """
+
+    decoding_role = "head"  # while decoding (zoo.transformer.search): the last position's logits only
 
     def __init__(self, d_model: int, vocab_size: int, logits_abs_max: float | None = None) -> None:
         super().__init__()
