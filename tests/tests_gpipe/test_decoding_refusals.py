@@ -20,7 +20,7 @@ def test_bad_decoding_calls_fail_alike_on_every_rank_before_any_stage_starts(tmp
     seen = [torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False) for rank in range(2)]
     expected = {
         # GPT-2's learned positions used to raise a bare IndexError on one stage and gloo's error on the other.
-        "prompt_too_long": "a prompt of 130 tokens and max_new_tokens=4 need 133 positions, but the model has 128",
+        "prompt_too_long": "a prompt of 126 tokens and max_new_tokens=4 need 129 positions, but the model has 128",
         "no_new_tokens": "max_new_tokens=0 must be at least 1",
         "top_p_out_of_range": "top_p=1.5: sampling needs temperature > 0, top_k >= 0 (0: off) and 0 < top_p <= 1",
         "caches_too_large": "of key/value cache on stage 0, but its device (cpu) has",
