@@ -535,15 +535,13 @@ class GPipeStrategy(ParallelStrategy):
 
         Each rank keeps its stage after ``fit`` (docs/guide/strategy.md, "After fit"). This sends every stage's layers
         to global rank 0, one stage at a time, where the module becomes whole on the CPU (the whole model's weights);
-        elsewhere it keeps this rank's layers, the others on ``meta``. The next Trainer call cuts it again.
+        elsewhere it keeps this rank's layers, whole (sharded ones too), the others on ``meta``. The next Trainer call
+        cuts it again.
         """
-        if self._assembled is None:  # nothing cut here: never, or gathered already
-            if self.lightning_module is not None:
-                refuse_a_cut_module(self.lightning_module)  # cut by another Trainer's strategy, which gathers it
-        elif self.settings.data_parallel == "fsdp":
-            raise NotImplementedError("gather_module() under data_parallel='fsdp' is not supported yet")
-        else:
+        if self._assembled is not None:
             self._put_back(destination=0)
+        elif self.lightning_module is not None:  # nothing cut here, or by another Trainer's strategy, which gathers it
+            refuse_a_cut_module(self.lightning_module)
         return self.lightning_module if self.is_global_zero else None
 
     def _put_back(self, destination: int | None = None) -> None:
