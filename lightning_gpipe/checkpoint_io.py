@@ -13,11 +13,11 @@ Lightning's ``FSDPStrategy(state_dict_type=...)`` names them:
 Either is loaded whatever the strategy's setting. Stages sharded over their replicas (``data_parallel="fsdp"``) write
 their shards into a sharded directory as they are, each replica its own rows; a full file gets each stage gathered
 whole from its replicas first. Reading, a sharded stage takes only its own rows of each tensor, in either format.
-Every save is atomic (:mod:`lightning_gpipe.checkpoint_paths`): a
-crash during a save leaves the previous checkpoint loadable. A checkpoint that does not fit (another model's, a sharded
-directory where a file is expected or the reverse, a lost or truncated shard) is refused before anything is written or
-loaded, on every rank alike. Each rank's random generators travel in the checkpoint too
-(:mod:`lightning_gpipe.random_states`).
+
+Every save is atomic (:mod:`lightning_gpipe.checkpoint_paths`): a crash during a save leaves the previous checkpoint
+loadable. A checkpoint that does not fit (another model's, a sharded directory where a file is expected or the
+reverse, a lost or truncated shard) is refused before anything is written or loaded, on every rank alike. Each rank's
+random generators travel in the checkpoint too (:mod:`lightning_gpipe.random_states`).
 """
 
 from __future__ import annotations

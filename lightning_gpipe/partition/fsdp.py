@@ -146,8 +146,8 @@ def unshard_stage(partition: Partition) -> None:
     takes the sharded layer's place in the stand-in too. The partition is then as under ``"ddp"``: its layers plain
     modules, whole, the same objects in the stand-in and in the sequence; :meth:`Partition.put_back` follows.
 
-    A rank holds its shards and its stage whole at the end, one tensor more at most on the way. Nothing happens to
-    layers that were never sharded.
+    A rank holds its shards and its stage whole at the end, one tensor more at most on the way. A stage that was not
+    sharded (``"ddp"``: its layers are the sequence's own) is left as it is.
     """
     stand_in, sequence = partition.stand_in, partition.original
     for index in partition.layers:
