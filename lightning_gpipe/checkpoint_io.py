@@ -10,11 +10,14 @@ Lightning's ``FSDPStrategy(state_dict_type=...)`` names them:
 - ``"sharded"``: a ``torch.distributed.checkpoint`` directory that every rank writes its part of
   (:mod:`lightning_gpipe.sharded_checkpoint`).
 
-Either is loaded whatever the strategy's setting. Every save is atomic (:mod:`lightning_gpipe.checkpoint_paths`): a
-crash during a save leaves the previous checkpoint loadable. A checkpoint that does not fit (another model's, a sharded
-directory where a file is expected or the reverse, a lost or truncated shard) is refused before anything is written or
-loaded, on every rank alike. Each rank's random generators travel in the checkpoint too
-(:mod:`lightning_gpipe.random_states`).
+Either is loaded whatever the strategy's setting. Stages sharded over their replicas (``data_parallel="fsdp"``) write
+their shards into a sharded directory as they are, each replica its own rows; a full file gets each stage gathered
+whole from its replicas first. Reading, a sharded stage takes only its own rows of each tensor, in either format.
+
+Every save is atomic (:mod:`lightning_gpipe.checkpoint_paths`): a crash during a save leaves the previous checkpoint
+loadable. A checkpoint that does not fit (another model's, a sharded directory where a file is expected or the
+reverse, a lost or truncated shard) is refused before anything is written or loaded, on every rank alike. Each rank's
+random generators travel in the checkpoint too (:mod:`lightning_gpipe.random_states`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 
 from lightning_gpipe.checkpoint_paths import (
     format_conflict,
@@ -46,6 +51,9 @@ from lightning_gpipe.config import StrategyConfig
 from lightning_gpipe.engine.collectives import portable, receive_tensors, send_tensors
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.layout import ProcessLayout
+from lightning_gpipe.engine.sharding import held_part, local_shard, shard_like, sharded_target, whole
+from lightning_gpipe.engine.sharding import is_sharded as is_sharded_tensor
+from lightning_gpipe.engine.tree import map_tensors
 from lightning_gpipe.full_checkpoint import WholeCheckpoint, stage_part, stage_specs
 from lightning_gpipe.partition.state_dict import (
     ModelNames,
@@ -169,13 +177,20 @@ class StageCheckpoints:
     # ------------------------------------------------------------------ saving
 
     def module_state(self) -> dict[str, Any]:
-        """This stage's part of the module's state dict (:meth:`save` puts the parts together)."""
+        """This stage's part of the module's state dict (:meth:`save` puts the parts together); see
+        :meth:`_as_saved`."""
         self.check_every_rank_saves()
-        return {key: value.detach() for key, value in self._module.state_dict().items()}
+        return self._as_saved({key: value.detach() for key, value in self._module.state_dict().items()})
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """This stage's part of the optimizer's state, keyed by parameter name."""
-        return optimizer_state_by_name(optimizer, self._module, self.names.aliases)
+        """This stage's part of the optimizer's state, keyed by parameter name; see :meth:`_as_saved`."""
+        return self._as_saved(optimizer_state_by_name(optimizer, self._module, self.names.aliases))
+
+    def _as_saved(self, state: Any) -> Any:
+        """``state`` as this rank saves it: sharded tensors as they are for a sharded directory (each replica writes
+        its own rows), gathered whole for a full file (a collective over the replicas, which Lightning's saving runs
+        on every rank in the same order)."""
+        return state if self.state_dict_type == "sharded" else map_tensors(whole, state)
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, io: CheckpointIO, storage_options: Any = None) -> None:
         """Write ``checkpoint`` (this rank's, holding its stage's part) at ``filepath``: a collective of every rank."""
@@ -275,8 +290,10 @@ class StageCheckpoints:
         A file's other tensors stay memory-mapped and unread; a sharded directory's are not read at all (its
         ``state_dict`` and optimizer states then hold this rank's part only). Before the module is cut into stages
         the checkpoint is read whole, by ``io``. Restores this rank's random generators when the checkpoint was written
-        by the same world and pipe size.
+        by the same world and pipe size. ``optimizers`` are read while fitting only (the weights alone otherwise).
         """
+        if self.module is None or self.module.trainer.state.fn != TrainerFn.FITTING:
+            optimizers = []
         if self.module is None or is_remote(filepath):
             checkpoint = io.load_checkpoint(filepath, weights_only=True)
             if self.module is not None:
@@ -323,8 +340,10 @@ class StageCheckpoints:
             except ValueError as error:
                 raise ValueError(f"{path}: {error}") from error
 
-    def _local_names(self) -> set[str]:
-        return set(parameter_names(self._module, self.names.aliases).values())
+    def _local_parameters(self) -> dict[str, Tensor]:
+        """This stage's parameters by the name their optimizer state is saved under."""
+        names = parameter_names(self._module, self.names.aliases)
+        return {names[id(parameter)]: parameter for parameter in self._module.parameters()}
 
     def _read_full(self, path: Path, optimizers: Sequence[Any]) -> dict[str, Any]:
         try:
@@ -338,11 +357,11 @@ class StageCheckpoints:
             self._check(path, checkpoint, optimizers)
             own = self._module.state_dict()  # read straight into: the stage holds no second copy of its weights
             state = checkpoint["state_dict"]
-            checkpoint["state_dict"] = {key: file.read(t, own[key]) if key in own else t for key, t in state.items()}
+            checkpoint["state_dict"] = {key: _read(file, t, own[key]) if key in own else t for key, t in state.items()}
             if optimizers and "optimizer_states" in checkpoint:
-                names = self._local_names()
+                parameters = self._local_parameters()
                 checkpoint["optimizer_states"] = [
-                    _read_state(state_by_name(saved, self.names.parameter_order), names, file.read)
+                    _read_state(state_by_name(saved, self.names.parameter_order), parameters, file)
                     for saved in checkpoint["optimizer_states"]
                 ]
         return checkpoint
@@ -358,8 +377,8 @@ class StageCheckpoints:
         }
         shapes = {"state_dict": directory.model_shapes()}
         self._check(path, {**shapes, "optimizer_states": list(entries.values()) if saved else None}, optimizers)
-        names = [self._local_names()] * len(optimizers)
-        part = directory.read(self._module.state_dict(), names, self.control_group)
+        parameters = [self._local_parameters()] * len(optimizers)
+        part = directory.read(self._module.state_dict(), parameters, self.control_group)
         checkpoint["state_dict"] = part.get("model", {})
         if optimizers and saved:
             read = [part.get(optimizer_key(i), entries[i]) for i in saved]
@@ -367,24 +386,54 @@ class StageCheckpoints:
         return checkpoint
 
     def load_module_state(self, saved: Mapping[str, Any], strict: bool) -> None:
-        """Load this stage's part of ``saved`` (a state dict of the whole module, checked by :meth:`load`)."""
-        local_keys = self._module.state_dict().keys()
-        self._module.load_state_dict({key: saved[key] for key in local_keys if key in saved}, strict=strict)
+        """Load this stage's part of ``saved`` (a state dict of the whole module, checked by :meth:`load`); a sharded
+        tensor takes its rows of a whole one (what a checkpoint read whole holds)."""
+        own = self._module.state_dict()
+        local = {key: _held(saved[key], own[key]) for key in own if key in saved}
+        self._module.load_state_dict(local, strict=strict)
 
     def load_optimizer_states(self, optimizers: list[Any], saved: list[Any]) -> None:
         """Load this stage's parameters' part of each optimizer state in ``saved`` (checked by :meth:`load`)."""
         order, aliases = self.names.parameter_order, self.names.aliases
+        parameters = self._local_parameters()
         for optimizer, state in zip(optimizers, saved, strict=True):
-            optimizer.load_state_dict(local_optimizer_state(state, optimizer, self._module, order, aliases))
+            local = local_optimizer_state(state, optimizer, self._module, order, aliases)
+            held = {
+                name: {k: _held(v, parameters[name]) for k, v in entry.items()}
+                for name, entry in local["state"].items()
+            }
+            optimizer.load_state_dict({**local, "state": held})
             optimizers_to_device([optimizer], self.device)
 
 
-def _read_state(saved: Mapping[str, Any], names: set[str], read: Any) -> dict[str, Any]:
-    """``saved`` (a name-keyed optimizer state) with the state of ``names`` read into memory by ``read``."""
+def _held(value: Any, like: Any) -> Any:
+    """``value`` as this stage holds it: this rank's rows where it is a whole tensor of the sharded tensor ``like``."""
+    return shard_like(value, like) if isinstance(value, Tensor) and isinstance(like, Tensor) else value
+
+
+def _read(file: TensorFile, saved: Tensor, into: Tensor | None = None) -> Tensor:
+    """``saved`` (one of ``file``'s tensors) read from the file: into ``into`` where it fits (else into fresh memory),
+    and when ``into`` is sharded only the rows of its shard, into that shard, returning ``into``."""
+    if into is None or not is_sharded_tensor(into):
+        return file.read(saved, into)
+    shard = local_shard(into)
+    read = file.read(held_part(saved, into), shard)
+    if read.data_ptr() != shard.data_ptr():  # not read in place: a device tensor
+        shard.copy_(read)
+    return into
+
+
+def _read_state(saved: Mapping[str, Any], parameters: Mapping[str, Tensor], file: TensorFile) -> dict[str, Any]:
+    """``saved`` (a name-keyed optimizer state) with the state of ``parameters`` read from ``file``: the rows of a
+    sharded parameter's shard into a tensor sharded alike, for the tensors of its shape (Adam's moments)."""
+
+    def read(value: Any, parameter: Tensor) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        return _read(file, value, sharded_target(value.shape, value.dtype, parameter))
+
     state = {
-        name: {key: read(value) if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
-        if name in names
-        else entry
+        name: {key: read(value, parameters[name]) for key, value in entry.items()} if name in parameters else entry
         for name, entry in saved["state"].items()
     }
     return {**saved, "state": state}

@@ -6,22 +6,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from lightning.pytorch import Trainer
-from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_gpipe.compat import default_process_group_backend
 from lightning_gpipe.engine.config import validate_flag
 from lightning_gpipe.partition.config import BuildConfig, ResolvedPipeline
 
 __all__ = [
-    "NO_SHARDED_CHECKPOINTS",
     "START_METHODS",
     "STATE_DICT_TYPES",
     "StartMethod",
     "StateDictType",
     "StrategyConfig",
     "eager_selective_advice",
-    "refuse_sharded_checkpoints",
 ]
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -88,22 +84,6 @@ def _check_backend(backend: object) -> str | None:
             "'nccl', or None to choose by device"
         )
     return backend
-
-
-NO_SHARDED_CHECKPOINTS = (
-    "checkpoints of a pipeline with data_parallel='fsdp' are not supported yet: its stages hold shards, which today's "
-    "whole-model checkpoint would not gather. Train with data_parallel='ddp' to save or resume, or keep "
-    "data_parallel='fsdp' with Trainer(enable_checkpointing=False) and no ckpt_path or trainer.save_checkpoint."
-)
-"""Why sharded stages refuse to save or load a checkpoint (today's whole-model checkpoints gather whole stages)."""
-
-
-def refuse_sharded_checkpoints(trainer: Trainer) -> None:
-    """Refuse, before training, a run under ``data_parallel="fsdp"`` that would save or load a checkpoint."""
-    if trainer.checkpoint_callbacks and trainer.state.fn == TrainerFn.FITTING:
-        raise ValueError(f"{NO_SHARDED_CHECKPOINTS} (the Trainer has a ModelCheckpoint callback)")
-    if trainer.ckpt_path is not None:
-        raise ValueError(f"{NO_SHARDED_CHECKPOINTS} (ckpt_path={trainer.ckpt_path!r})")
 
 
 def eager_selective_advice(settings: ResolvedPipeline, device: torch.device) -> str | None:

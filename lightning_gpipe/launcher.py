@@ -4,7 +4,8 @@ Lightning's ``_MultiProcessingLauncher`` (``start_method="fork"`` or ``"spawn"``
 uses) hands the launching process global rank 0's ``state_dict()`` at the end of ``fit``, which it loads into the
 user's module. Each rank keeps only its own stage, so that would be one stage. Here every rank of the first pipeline
 writes its stage's part to a folder the launching process made, and the launching process loads each part into the
-user's module, which it held whole all along: no rank ever holds the whole model.
+user's module, which it held whole all along: no rank ever holds the whole model. A stage sharded over its replicas
+(``data_parallel="fsdp"``) is gathered whole by them first, each rank holding its stage for as long as it writes it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 
 from lightning_gpipe.compat import MultiProcessingLauncher, worker_output
+from lightning_gpipe.engine.sharding import whole
 
 __all__ = ["StagesToLauncher"]
 
@@ -38,7 +41,8 @@ class StagesToLauncher(MultiProcessingLauncher):
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
         strategy = self._strategy
-        state = trainer.lightning_module.state_dict()  # on every rank, as Lightning's own does (metrics may sync)
+        # On every rank, as Lightning's own does (metrics may sync); sharded tensors gathered by their replicas.
+        state = {k: whole(v) if isinstance(v, Tensor) else v for k, v in trainer.lightning_module.state_dict().items()}
         if trainer.state.fn == TrainerFn.FITTING and strategy.global_rank < getattr(strategy, "pipe_size", 1):
             assert self._parts is not None
             torch.save(state, self._parts / f"stage-{strategy.global_rank}.pt")  # the first pipeline's stages

@@ -8,15 +8,18 @@ plain Lightning load.
 
 Every rank writes only its own stage: its state dict and its optimizers' state, keyed by the whole model's names
 (:mod:`lightning_gpipe.partition.state_dict`). A tensor that several ranks hold (a data-parallel replica's, a tied
-copy) is written once: DCP keeps one rank's entry per key. DCP also keeps one rank's copy of each value that is not a
-tensor, so those must be alike on every rank: each parameter group lists the whole model's parameter names, gathered
-over the pipeline. An optimizer without any tensor state (plain SGD, or Adam before its first step) leaves DCP nothing
-to write; it goes whole into ``meta.pt``, where the consolidation tool finds it too.
+copy) is written once: DCP keeps one rank's entry per key. A stage sharded over its replicas (``data_parallel="fsdp"``)
+holds its tensors as ``DTensor`` shards, which DCP writes as they are: each replica its own rows, nothing gathered,
+the index recording each whole tensor's size and where each replica's rows lie in it. DCP also keeps one rank's copy
+of each value that is not a tensor, so those must be alike on every rank: each parameter group lists the whole
+model's parameter names, gathered over the pipeline. An optimizer without any tensor state (plain SGD, or Adam before
+its first step) leaves DCP nothing to write; it goes whole into ``meta.pt``, where the consolidation tool finds it too.
 
 Reading, each rank asks DCP for its own keys only (the targets sized from the directory's metadata: an optimizer's
-state may not exist yet), whatever K, replica count or schedule wrote the directory. DCP reads non-tensor values with
-``pickle``; each is first checked to load with ``weights_only=True``, so a value whose unpickling would run code is
-refused (the directory's ``.metadata`` index is a pickle that DCP reads as is: load directories you trust).
+state may not exist yet), whatever K, replica count, schedule or ``data_parallel`` wrote the directory; a sharded
+target (a sharded parameter, and its optimizer state shaped alike) gets only this rank's rows. DCP reads non-tensor
+values with ``pickle``; each is first checked to load with ``weights_only=True``, so a value whose unpickling would run
+code is refused (the directory's ``.metadata`` index is a pickle that DCP reads as is: load directories you trust).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
+
+from lightning_gpipe.engine.sharding import sharded_target
 
 __all__ = ["META_FILE", "ShardedDirectory", "is_sharded", "optimizer_indices", "optimizer_key", "write_sharded"]
 
@@ -135,11 +140,15 @@ class ShardedDirectory:
         return {int(key[len("optimizer_") :]): value["param_groups"] for key, value in target.items()}
 
     def read(
-        self, model: Mapping[str, torch.Tensor], names: Sequence[Collection[str]], group: dist.ProcessGroup | None
+        self,
+        model: Mapping[str, torch.Tensor],
+        parameters: Sequence[Mapping[str, torch.Tensor]],
+        group: dist.ProcessGroup | None,
     ) -> dict[str, Any]:
         """This rank's part, a collective over ``group`` (every rank of the job): the model's entries read straight
         into the tensors of ``model`` (this stage's state dict), and the state of optimizer ``i``'s parameters
-        ``names[i]`` with its parameter groups, on the CPU. Returns ``{"model": ..., "optimizer_0": ...}``."""
+        (``parameters[i]``, by the names their state is saved under) with its parameter groups: on the CPU, or sharded
+        as a sharded parameter is for tensors of its shape. Returns ``{"model": ..., "optimizer_0": ...}``."""
         target: dict[str, Any] = {"model": {}}
         for path, fqn in self.paths.items():
             entry = self.metadata.state_dict_metadata[fqn]
@@ -148,9 +157,10 @@ class ShardedDirectory:
                 if path[0] == "model" and path[1] in model:
                     target["model"][path[1]] = model[path[1]]
                 continue
-            if index >= len(names) or (path[1] == "state" and len(path) > 2 and path[2] not in names[index]):
+            if index >= len(parameters) or (path[1] == "state" and len(path) > 2 and path[2] not in parameters[index]):
                 continue
-            _place(target, path, _empty(entry))
+            like = parameters[index].get(path[2]) if path[1] == "state" and len(path) > 3 else None
+            _place(target, path, _empty(entry, like))
         reader = FileSystemReader(self.directory)
         dcp.load(target, storage_reader=reader, planner=_WeightsOnlyPlanner(), process_group=group)
         return target
@@ -166,11 +176,14 @@ def _meta_tensor(entry: Any) -> torch.Tensor:
     return torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="meta")
 
 
-def _empty(entry: Any) -> Any:
-    """A target DCP reads an entry into: a CPU tensor of its size, or a placeholder for a value that is not one."""
-    if isinstance(entry, TensorStorageMetadata):
-        return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-    return None
+def _empty(entry: Any, like: torch.Tensor | None = None) -> Any:
+    """A target DCP reads an entry into: a CPU tensor of its size (this rank's rows only, sharded as ``like`` is, when
+    ``like`` is a sharded tensor of that size), or a placeholder for a value that is not one."""
+    if not isinstance(entry, TensorStorageMetadata):
+        return None
+    size, dtype = tuple(entry.size), entry.properties.dtype
+    shard = sharded_target(size, dtype, like) if like is not None else None
+    return shard if shard is not None else torch.empty(size, dtype=dtype)
 
 
 def _place(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:

@@ -41,14 +41,7 @@ from lightning_gpipe.compat import (
     set_device_mesh,
     sync_ddp_if_available,
 )
-from lightning_gpipe.config import (
-    NO_SHARDED_CHECKPOINTS,
-    StartMethod,
-    StateDictType,
-    StrategyConfig,
-    eager_selective_advice,
-    refuse_sharded_checkpoints,
-)
+from lightning_gpipe.config import StartMethod, StateDictType, StrategyConfig, eager_selective_advice
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.layout import ProcessLayout, new_stage_groups
 from lightning_gpipe.engine.relay import CallRelay
@@ -327,8 +320,6 @@ class GPipeStrategy(ParallelStrategy):
         check_automatic_optimization(module)
         if self._auto_plan is not None:
             self._follow_plan(module)
-        if self.settings.data_parallel == "fsdp":
-            refuse_sharded_checkpoints(trainer)
         assembled = self._partition_model(module)
         self.precision_plugin.convert_module(self.model)  # type: ignore[arg-type]
         self.model_to_device()
@@ -492,8 +483,6 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.settings.data_parallel == "fsdp":
-            raise NotImplementedError(NO_SHARDED_CHECKPOINTS)
         return self._checkpoints().module_state()
 
     @override
@@ -507,13 +496,10 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # Loading a checkpoint never runs code from it; each rank reads its own stage's part (once it has one).
-        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return self._checkpoints().load(checkpoint_path, self.optimizers if fitting else [], self.checkpoint_io)
+        return self._checkpoints().load(checkpoint_path, self.optimizers, self.checkpoint_io)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.settings.data_parallel == "fsdp":
-            raise NotImplementedError(NO_SHARDED_CHECKPOINTS)
         self._checkpoints().load_module_state(checkpoint["state_dict"], strict)
 
     @override
@@ -535,15 +521,13 @@ class GPipeStrategy(ParallelStrategy):
 
         Each rank keeps its stage after ``fit`` (docs/guide/strategy.md, "After fit"). This sends every stage's layers
         to global rank 0, one stage at a time, where the module becomes whole on the CPU (the whole model's weights);
-        elsewhere it keeps this rank's layers, the others on ``meta``. The next Trainer call cuts it again.
+        elsewhere it keeps this rank's layers, whole (sharded ones too), the others on ``meta``. The next Trainer call
+        cuts it again.
         """
-        if self._assembled is None:  # nothing cut here: never, or gathered already
-            if self.lightning_module is not None:
-                refuse_a_cut_module(self.lightning_module)  # cut by another Trainer's strategy, which gathers it
-        elif self.settings.data_parallel == "fsdp":
-            raise NotImplementedError("gather_module() under data_parallel='fsdp' is not supported yet")
-        else:
+        if self._assembled is not None:
             self._put_back(destination=0)
+        elif self.lightning_module is not None:  # nothing cut here, or by another Trainer's strategy, which gathers it
+            refuse_a_cut_module(self.lightning_module)
         return self.lightning_module if self.is_global_zero else None
 
     def _put_back(self, destination: int | None = None) -> None:
@@ -554,19 +538,13 @@ class GPipeStrategy(ParallelStrategy):
         self._planned = {**self._planned, "balance": [len(bound) for bound in partition.bounds]}
         self._assembled.gather(destination, self.layout.pipeline_ranks(self.layout.replica), self._object_group)
         partition.module.example_input_array = self._example_input
-        self._assembled = self._steps = None
-        self._stages = ()
+        self._assembled, self._steps, self._stages = None, None, ()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        strategy_registry.register(
-            "gpipe", cls, description="GPipe pipeline parallelism over one process per stage", override=True
-        )
-        strategy_registry.register(
-            "gpipe_notebook",
-            cls,
-            description="GPipe pipeline parallelism, processes forked (works in notebooks)",
-            start_method="fork",
-            override=True,
-        )
+        for name, description, start_method in (
+            ("gpipe", "GPipe pipeline parallelism over one process per stage", "popen"),
+            ("gpipe_notebook", "GPipe pipeline parallelism, processes forked (works in notebooks)", "fork"),
+        ):
+            strategy_registry.register(name, cls, description=description, start_method=start_method, override=True)

@@ -10,6 +10,10 @@ first forward waits for its own), and gradients accumulate whole, with no reduct
 outside FSDP's hooks, and only the end of the step knows that no backward is left. :class:`ShardedCell` ends each
 step: a training step's gradients are reduce-scattered once (averaged over the replicas and added to the shards'
 ``.grad``, so Lightning's gradient accumulation adds batches as with whole parameters), then the units reshard.
+
+Between steps a sharded tensor is a ``DTensor`` holding this rank's rows: :func:`whole` gathers it (a collective over
+the replicas), :func:`held_part` and :func:`shard_like` take this rank's part of a whole one (no communication), which
+is how a checkpoint of whole tensors is read into shards.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.engine.torch_compat import drop_unsharded_gradients, reduce_unsharded_gradients
 
-__all__ = ["ShardedCell", "is_sharded", "local_shard", "whole"]
+__all__ = ["ShardedCell", "held_part", "is_sharded", "local_shard", "shard_like", "sharded_target", "whole"]
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -39,6 +43,38 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` whole: a sharded tensor gathered from every shard (a collective over its replicas), else itself."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def held_part(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` (whole, of ``like``'s shape) that this rank holds of ``like`` when ``like`` is sharded:
+    a view of the rows of its shard (contiguous where ``tensor`` is: FSDP shards dim 0); else ``tensor`` itself."""
+    if not isinstance(like, DTensor):
+        return tensor
+    (chunk,) = like.__create_chunk_list__()  # the shard's place in the whole tensor, as DCP reads it
+    for dim, (start, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+        if size != tensor.shape[dim]:
+            tensor = tensor.narrow(dim, start, size)
+    return tensor
+
+
+def sharded_target(shape: Sequence[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor | None:
+    """An empty tensor of ``shape`` sharded as ``like`` is, this rank's part allocated, in ``dtype``: what a tensor
+    that belongs with ``like`` (Adam's moments of a sharded parameter) is read into; ``None`` when ``like`` is not
+    sharded or has another shape."""
+    if not isinstance(like, DTensor) or tuple(shape) != tuple(like.shape):
+        return None
+    return torch.empty_like(like, dtype=dtype)
+
+
+def shard_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (whole) sharded as ``like`` is: a new sharded tensor holding this rank's part of it (no
+    communication), in ``tensor``'s dtype; ``tensor`` itself when it is sharded already, or ``like`` is not sharded or
+    of another shape."""
+    shard = None if isinstance(tensor, DTensor) else sharded_target(tensor.shape, tensor.dtype, like)
+    if shard is None:
+        return tensor
+    local_shard(shard).copy_(held_part(tensor, like))
+    return shard
 
 
 class ShardedCell:

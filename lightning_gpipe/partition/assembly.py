@@ -45,7 +45,7 @@ from lightning_gpipe.engine.transport import Transport
 from lightning_gpipe.partition.balance import balance_by_cost, checked_total, in_place_starts
 from lightning_gpipe.partition.compile import CompiledLayers, compile_layers
 from lightning_gpipe.partition.config import ResolvedPipeline
-from lightning_gpipe.partition.fsdp import shard_stage
+from lightning_gpipe.partition.fsdp import shard_stage, unshard_stage
 from lightning_gpipe.partition.reader import WeightsReader, read_held
 from lightning_gpipe.partition.sequence import (
     Partition,
@@ -118,8 +118,13 @@ class AssembledStage:
         buckets (:func:`~lightning_gpipe.engine.collectives.receive_tensors`): it holds the whole model and one bucket,
         and no rank holds a pickled copy. Tied tensors become one again, deferred BatchNorm layers plain BatchNorm, and
         compiled layers run as they did before assembly (:meth:`~lightning_gpipe.partition.sequence.Partition.finish`).
+
+        Sharded layers (``data_parallel="fsdp"``) are first made whole on every rank
+        (:func:`~lightning_gpipe.partition.fsdp.unshard_stage`, a collective over each stage's replicas, which every
+        rank joins whatever ``destination`` is): a rank outside the destination holds its stage, whole, at most.
         """
         self.compiled.restore()
+        unshard_stage(self.partition)
         tied = self.ties.values()
         if destination is None or destination not in ranks or self.processes == 1:
             self.partition.put_back(allocate=False)

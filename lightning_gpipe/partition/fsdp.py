@@ -9,7 +9,8 @@ through a pipeline step (gathered once, reduced once) is the engine's :mod:`~lig
 :func:`shard_stage` takes one layer at a time, in order: allocates and initializes it if it was built on the meta
 device, ties it back to the tensors it shares, converts its BatchNorm when asked, gives it replica 0's values, keeps
 a copy of its structure on the meta device (reassembly rebuilds the whole module from it) and shards it. A rank
-therefore holds its shards plus one whole layer at most, never the whole stage.
+therefore holds its shards plus one whole layer at most, never the whole stage. :func:`unshard_stage` is the inverse,
+when the module is put back: each layer rebuilt from its copy, whole, its tensors gathered from the replicas' shards.
 
 A parameter that two layers of one process share (tied embeddings on one stage, or on the two stages of one ZB-V
 process) cannot be split between two units; such a tensor stays whole on every process holding it, its gradient
@@ -32,10 +33,11 @@ from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.collectives import broadcast_tensors
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.layout import ProcessLayout
-from lightning_gpipe.partition.sequence import Partition, materialize
+from lightning_gpipe.engine.sharding import whole
+from lightning_gpipe.partition.sequence import Partition, materialize, non_persistent_buffers
 from lightning_gpipe.partition.tied import Tie, retie, set_aside
 
-__all__ = ["PRECISIONS", "mixed_precision", "shard_stage", "ties_kept_whole"]
+__all__ = ["PRECISIONS", "mixed_precision", "shard_stage", "ties_kept_whole", "unshard_stage"]
 
 PRECISIONS: dict[str, MixedPrecisionPolicy] = {
     "32-true": MixedPrecisionPolicy(),
@@ -135,6 +137,36 @@ def shard_stage(
     set_aside(others, own)
     for name, skeleton in skeletons.items():
         partition.original._modules[name] = skeleton
+
+
+def unshard_stage(partition: Partition) -> None:
+    """Make each layer of this process whole again (after :func:`shard_stage`): the meta copy that the whole sequence
+    (``partition.original``) holds in its place is allocated where the layer's shards are, given the layer's tensors
+    gathered whole (``DTensor.full_tensor``: a collective over the replicas, every replica in the same order), and
+    takes the sharded layer's place in the stand-in too. The partition is then as under ``"ddp"``: its layers plain
+    modules, whole, the same objects in the stand-in and in the sequence; :meth:`Partition.put_back` follows.
+
+    A rank holds its shards and its stage whole at the end, one tensor more at most on the way. A stage that was not
+    sharded (``"ddp"``: its layers are the sequence's own) is left as it is.
+    """
+    stand_in, sequence = partition.stand_in, partition.original
+    for index in partition.layers:
+        name = str(index)
+        layer, skeleton = stand_in.get_submodule(name), sequence.get_submodule(name)
+        if layer is skeleton or not any(t.is_meta for t in _state(skeleton)):
+            continue
+        device = next((tensor.device for tensor in _state(layer)), torch.device("cpu"))
+        skeleton.to_empty(device=device)
+        target = {**skeleton.state_dict(keep_vars=True), **dict(non_persistent_buffers(skeleton))}
+        source = {**layer.state_dict(keep_vars=True), **dict(non_persistent_buffers(layer))}
+        with torch.no_grad():
+            for key, tensor in target.items():  # in the layer's own order, alike on every replica
+                tensor.copy_(whole(source[key].detach()))
+        stand_in._modules[name] = skeleton
+
+
+def _state(layer: nn.Module) -> list[Tensor]:
+    return [*layer.parameters(), *layer.buffers()]
 
 
 def _layer_of(name: str) -> str:

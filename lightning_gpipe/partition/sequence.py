@@ -20,12 +20,19 @@ import torch
 from torch import nn
 
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
-from lightning_gpipe.engine.sharding import whole
 from lightning_gpipe.partition.balance import cell_bounds
 from lightning_gpipe.partition.reader import allocate_meta
 from lightning_gpipe.partition.tied import Tie, find_ties, retie, set_aside
 
-__all__ = ["Partition", "PipelinedSequential", "RemoteLayers", "find_sequence", "materialize", "partition_module"]
+__all__ = [
+    "Partition",
+    "PipelinedSequential",
+    "RemoteLayers",
+    "find_sequence",
+    "materialize",
+    "non_persistent_buffers",
+    "partition_module",
+]
 
 
 def _resolve(module: nn.Module, path: str) -> Any:
@@ -301,9 +308,10 @@ class Partition:
     def stage_state(self) -> dict[str, torch.Tensor]:
         """This stage's part of the sequence on the CPU, keys relative to the sequence: its state dict and also its
         non-persistent buffers (rotary tables, BERT's ``position_ids``), which no state dict holds but the other
-        stages need to reassemble the model. Sharded parameters are gathered whole: a collective over the replicas."""
-        state = {key: whole(value.detach()).cpu() for key, value in self.stand_in.state_dict().items()}
-        for key, buffer in _non_persistent_buffers(self.stand_in):
+        stages need to reassemble the model. Sharded layers are made whole first
+        (:func:`~lightning_gpipe.partition.fsdp.unshard_stage`)."""
+        state = {key: value.detach().cpu() for key, value in self.stand_in.state_dict().items()}
+        for key, buffer in non_persistent_buffers(self.stand_in):
             state[key] = buffer.detach().cpu()
         return state
 
@@ -322,7 +330,7 @@ class Partition:
                 continue
             layer.to_empty(device=torch.device("cpu"))
             empty.update((f"{index}.{key}", tensor) for key, tensor in layer.state_dict(keep_vars=True).items())
-            empty.update((f"{index}.{key}", buffer) for key, buffer in _non_persistent_buffers(layer))
+            empty.update((f"{index}.{key}", buffer) for key, buffer in non_persistent_buffers(layer))
         _assign(self.module, self.path, self.original)
         return empty
 
@@ -345,7 +353,7 @@ class Partition:
         self.finish(tied)
 
 
-def _non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The buffers of ``module`` that its state dict leaves out, with their dotted names."""
     for prefix, submodule in module.named_modules(remove_duplicate=False):  # a shared module under each name
         for name in submodule._non_persistent_buffers_set:

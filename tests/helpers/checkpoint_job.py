@@ -4,7 +4,8 @@
 and Trainer, in the same processes. A run is a dict:
 
 - ``pipe_size`` (``strategy: "auto"``: plain Lightning on one device instead), ``devices``, ``steps``, ``chunks``,
-  ``schedule``; ``model`` and ``groups``: see :class:`AdamModule`;
+  ``schedule``, ``data_parallel``; ``model`` and ``groups``: see :class:`AdamModule`; ``samples``: the dataset's
+  size (64; 32 makes an epoch of two steps, so that a checkpoint after two resumes where an uninterrupted run goes on);
 - ``state_dict_type``: the strategy's checkpoint format; ``save``: a path ``trainer.save_checkpoint`` writes after fit;
 - ``resume``: ``fit(ckpt_path=...)``; ``checkpoints``: a folder where ``ModelCheckpoint`` keeps the best checkpoint by
   ``train_loss`` and ``last.ckpt``, every step;
@@ -29,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_gpipe
-from helpers.lightning_job import dataset
+from helpers.lightning_job import SAMPLES, dataset
 from helpers.models import IN, OUT, build
 from helpers.whole import whole_module
 
@@ -77,7 +78,7 @@ def trainer_for(run: dict[str, Any], root: Path, callbacks: list[Callback]) -> L
     if run.get("strategy", "gpipe") == "gpipe":
         strategy = lightning_gpipe.GPipeStrategy(
             pipe_size=run["pipe_size"], chunks=run.get("chunks", 4), schedule=run.get("schedule", "gpipe"),
-            state_dict_type=run.get("state_dict_type", "full"),
+            state_dict_type=run.get("state_dict_type", "full"), data_parallel=run.get("data_parallel", "ddp"),
         )  # fmt: skip
     return L.Trainer(
         accelerator="cpu", devices=run.get("devices", 1), strategy=strategy, max_steps=run["steps"], logger=False,
@@ -96,7 +97,7 @@ def fit(run: dict[str, Any], root: Path) -> tuple[AdamModule, L.Trainer]:
                             every_n_train_steps=1)
         )  # fmt: skip
     trainer = trainer_for(run, root, callbacks)
-    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=run.get("resume"))
+    trainer.fit(module, DataLoader(dataset(run.get("samples", SAMPLES)), batch_size=BATCH), ckpt_path=run.get("resume"))
     if run.get("save"):
         trainer.save_checkpoint(run["save"])
     return module, trainer

@@ -1,8 +1,8 @@
 """The fork launcher: the launching process's own module holds the whole trained model after ``fit``.
 
-``python -m helpers.jobs helpers.fork_job OUT``, run as one process: its Trainer forks two ranks (K = 2,
-``start_method="fork"``, what ``strategy="gpipe_notebook"`` means), and when ``fit`` returns the launching process
-saves its module's state dict to ``OUT/launched.pt``.
+``python -m helpers.jobs helpers.fork_job OUT [fsdp]``, run as one process: its Trainer forks two ranks (K = 2,
+``start_method="fork"``, what ``strategy="gpipe_notebook"`` means; with ``fsdp``, four: two replicas of each stage
+sharding it), and when ``fit`` returns the launching process saves its module's state dict to ``OUT/launched.pt``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from helpers.lightning_job import SequentialModule, dataset, trainer_for
 STEPS = 3
 
 
-def main(out: str) -> None:
+def main(out: str, data_parallel: str = "ddp") -> None:
     L.seed_everything(0, verbose=False)
     module = SequentialModule()
-    run = {"pipe_size": 2, "devices": 2, "chunks": 4, "steps": STEPS, "options": {"start_method": "fork"}}
+    options = {"start_method": "fork", "data_parallel": data_parallel}
+    devices = 4 if data_parallel == "fsdp" else 2
+    run = {"pipe_size": 2, "devices": devices, "chunks": 4, "steps": STEPS, "options": options}
     trainer_for(run, Path(out)).fit(module, DataLoader(dataset(), batch_size=16))
     torch.save(module.state_dict(), Path(out) / "launched.pt")

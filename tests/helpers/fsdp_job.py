@@ -2,25 +2,24 @@
 
 ``python -m helpers.jobs helpers.fsdp_job CONFIG.json`` runs every fit of the config (the runs of
 :mod:`helpers.lightning_job`, with ``"data_parallel"``, ``"optimizer"`` and ``"model"`` among their keys) and writes,
-per fit and rank, what the rank holds at the end of training, before the strategy reassembles the model:
+per fit and rank, what the rank holds, each stage kept where it is after ``fit``:
 
-- ``held-N-rankR.pt``: the rank's parameters gathered whole (``DTensor.full_tensor()``, stage by stage), and how many
-  elements of parameters, gradients and optimizer state the rank itself holds;
-- ``result-N.pt`` (rank 0): the whole model's state dict after ``fit`` (reassembled from the shards);
+- ``held-N-rankR.pt``: the rank's parameters gathered whole (``DTensor.full_tensor()``, stage by stage) at the start
+  and at the end of training, how many elements of parameters, gradients and optimizer state the rank itself holds,
+  its stage's state-dict keys and those it read from a pretrained checkpoint (``zoo.load_pretrained``);
+- ``result-N.pt`` (rank 0): the whole model's state dict, gathered with ``trainer.strategy.gather_module()`` after
+  ``fit`` (and the predictions, which run on the stages kept);
 - ``predictions-N.pt`` (rank 0, with ``"predict"``): ``trainer.predict`` on the training data after ``fit``; with
-  ``"decode"``: the language model's greedy continuations of :func:`helpers.zoo_job.prompts`;
-- ``error-N-rankR.txt``: the error of a fit that is expected to fail (``"expect_error"``), or of its
-  ``trainer.save_checkpoint`` (``"save"``).
+  ``"decode"``: the language model's greedy continuations of :func:`helpers.zoo_job.prompts`.
 
-``"measure_setup"`` records how much the peak RSS grew during setup (where the stage is allocated); ``"checkpointing"``
-gives the Trainer its default ``ModelCheckpoint``; ``"zoo"`` trains a zoo model's tiny configuration on its tiny batch
-instead (``"hf_causal_lm"``: the Hugging Face language model saved in the config's folder, see :mod:`helpers.zoo_job`).
+``"measure_setup"`` records how much the peak RSS grew during setup (where the stage is allocated); ``"zoo"`` trains a
+zoo model's tiny configuration on its tiny batch instead (``"hf_causal_lm"`` or ``"llama_bf16"``: the Hugging Face
+language model saved in the config's folder as ``NAME-source``, see :mod:`helpers.zoo_job`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.strategy_memory.measure import pin_mmap_threshold
 from helpers.lightning_job import BATCH, SequentialModule, dataset, trainer_for
+from helpers.load_job import _recording_reads
 from helpers.models import IN, OUT
 from helpers.tied_job import VOCAB, tied_lm, tokens
+from helpers.whole import whole_module
 from helpers.zoo_job import CAUSAL_LM, GENERATION, PROMPT_LENGTHS, Repeated, causal_lm, prompts
 from helpers.zoo_tiny import tiny_batch, tiny_model
 from lightning_gpipe.engine.sharding import is_sharded, local_shard, whole
@@ -49,6 +50,7 @@ def wide() -> nn.Sequential:
 
 
 BUILDERS = {"tied": tied_lm, "wide": wide}
+PRETRAINED = (CAUSAL_LM, "llama_bf16")  # language models read from a checkpoint saved in the config's folder
 
 
 class Module(SequentialModule):
@@ -105,10 +107,16 @@ def _status_bytes(field: str) -> int:
 
 
 class Holdings(L.Callback):
-    """At the end of training, before reassembly: the rank's parameters whole, and the elements it holds itself."""
+    """At the start and the end of training: the rank's parameters whole, and the elements it holds itself."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, read: list[str]) -> None:
+        self.path, self.read = path, read
+        self.start: dict[str, torch.Tensor] = {}
+        self.stage_keys: list[str] = []
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.start = {name: whole(p.detach()).clone() for name, p in module.named_parameters()}
+        self.stage_keys = list(module.state_dict())
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         parameters = dict(module.named_parameters())
@@ -127,23 +135,25 @@ class Holdings(L.Callback):
             "gathered_dtypes": sorted(map(str, getattr(module, "gathered_dtypes", ()))),
             "mesh": None if mesh is None else (mesh["pipe"].mesh.tolist(), mesh["data"].mesh.tolist()),
             "module_mesh": module.device_mesh is mesh,
+            "start": self.start,
+            "stage_keys": self.stage_keys,
+            "read": list(self.read),
         }
         torch.save({"parameters": whole_parameters, "held": held, **extras}, self.path)
 
 
 def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
+    read = _recording_reads() if run.get("zoo") in PRETRAINED else []  # what this rank reads from a checkpoint
     module, data = _module_and_data(run, root)
     options = {**run.get("options", {}), "data_parallel": run.get("data_parallel", "ddp")}
     # "16-mixed" on the CPU: Lightning would make it bf16, so the plugin is given with the GradScaler of a GPU's run.
     precision: dict[str, Any] = {"precision": run.get("precision", "32-true")}
     if precision["precision"] == "16-mixed":
         precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
-    trainer = trainer_for(
-        {**run, "options": options}, root, enable_checkpointing=run.get("checkpointing", False), **precision
-    )
+    trainer = trainer_for({**run, "options": options}, root, **precision)
     rank = trainer.strategy.global_rank
-    trainer.callbacks.append(Holdings(root / f"held-{index}-rank{rank}.pt"))
+    trainer.callbacks.append(Holdings(root / f"held-{index}-rank{rank}.pt", read))
     batch_size = len(data) // run["steps"] if "zoo" in run else run.get("batch", BATCH)
     loader = DataLoader(data, batch_size=batch_size)
     validation = loader if run.get("limit_val_batches") else None
@@ -151,7 +161,7 @@ def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
     if rank == 0:  # before predict, which clears them
         logged = {key: value.detach().cpu() for key, value in trainer.callback_metrics.items()}
         torch.save(logged, root / f"metrics-{index}.pt")
-    if run.get("predict"):  # a new setup after fit's teardown: the stages sharded again, then resharded after each step
+    if run.get("predict"):  # on the stages fit kept, sharded: each step gathers them and reshards them at its end
         predictions = trainer.predict(module, DataLoader(data, batch_size=BATCH))
         if rank == 0:
             torch.save(torch.cat(predictions), root / f"predictions-{index}.pt")  # type: ignore[arg-type]
@@ -160,11 +170,6 @@ def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
         (tokens_out,) = trainer.predict(module, DataLoader(Repeated(prompts(), 1), batch_size=len(PROMPT_LENGTHS)))
         if rank == 0:
             torch.save(tokens_out, root / f"predictions-{index}.pt")
-    if run.get("save"):
-        try:
-            trainer.save_checkpoint(root / "refused.ckpt")
-        except NotImplementedError as error:
-            (root / f"error-{index}-rank{rank}.txt").write_text(str(error))
     return module
 
 
@@ -174,7 +179,7 @@ def _module_and_data(run: dict[str, Any], root: Path) -> tuple[L.LightningModule
         module = Module(run)
         module.sync_dist = run.get("sync_dist", False)
         return module, tokens() if run.get("model") == "tied" else dataset()
-    zoo_module, batch = causal_lm(root) if name == CAUSAL_LM else (tiny_model(name), tiny_batch(name))
+    zoo_module, batch = causal_lm(root, name=name) if name in PRETRAINED else (tiny_model(name), tiny_batch(name))
     return zoo_module, Repeated(batch, run["steps"])  # the same batch every step
 
 
@@ -182,12 +187,6 @@ def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     root = Path(config_path).parent
     for index, run in enumerate(config["runs"]):
-        try:
-            module = fit(run, root, index)
-        except ValueError as error:
-            if not run.get("expect_error"):
-                raise
-            (root / f"error-{index}-rank{os.environ['RANK']}.txt").write_text(str(error))
-            continue
-        if module.global_rank == 0:
-            torch.save(module.state_dict(), root / f"result-{index}.pt")
+        whole_trained = whole_module(fit(run, root, index))  # on every rank: the sharded stages gather their shards
+        if whole_trained is not None:
+            torch.save(whole_trained.state_dict(), root / f"result-{index}.pt")

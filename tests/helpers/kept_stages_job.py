@@ -1,7 +1,8 @@
 """After ``fit`` each rank keeps its stage: later calls of the Trainer reuse it, ``gather_module`` puts the whole back.
 
-``python -m helpers.jobs helpers.kept_stages_job OUT`` (two ranks) fits the strategy tests' MLP at K = 2, then with
-the same Trainer validates, predicts and fits on, gathers the module on global rank 0, validates again (the module cut
+``python -m helpers.jobs helpers.kept_stages_job OUT [fsdp]`` (two ranks; with ``fsdp``, four: two replicas of each
+stage sharding it, ``data_parallel="fsdp"``) fits the strategy tests' MLP at K = 2, then with the same Trainer
+validates, predicts and fits on, gathers the module on global rank 0, validates again (the module cut
 anew) and gathers again. Each rank writes ``rank-R.json``: what its module held after each call and the values
 returned; global rank 0 also writes the gathered module's state dicts (``whole.pt``, ``whole-again.pt``).
 :func:`calls` runs the same sequence under any strategy (the test runs it in plain Lightning).
@@ -54,9 +55,11 @@ def calls(run: dict[str, Any], root: Path) -> dict[str, Any]:
     return seen
 
 
-def main(out: str) -> None:
+def main(out: str, data_parallel: str = "ddp") -> None:
     root = Path(out)
-    seen = calls({"pipe_size": 2, "devices": 2, "chunks": 4, "limit_val_batches": 2}, root)
+    devices = 4 if data_parallel == "fsdp" else 2
+    run = {"pipe_size": 2, "devices": devices, "chunks": 4, "limit_val_batches": 2}
+    seen = calls({**run, "options": {"data_parallel": data_parallel}}, root)
     for name in ("whole", "whole_again"):
         state = seen.pop(name)
         if state is not None:

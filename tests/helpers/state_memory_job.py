@@ -1,7 +1,8 @@
 """Each rank's resident memory at the end of fit, gathering the module, saving and resuming: it holds its own stage.
 
-``python -m helpers.jobs helpers.state_memory_job OUT`` (two ranks) trains a 64 MiB MLP with Adam at K = 2 (each rank
-half of it) and measures, per rank, how much its peak resident memory (``VmHWM``, reset through
+``python -m helpers.jobs helpers.state_memory_job OUT [fsdp]`` (two ranks; with ``fsdp``, four: two replicas of each
+stage, each holding half of it, ``data_parallel="fsdp"``) trains a 64 MiB MLP with Adam at K = 2 (each rank half of
+it) and measures, per rank, how much its peak resident memory (``VmHWM``, reset through
 ``/proc/self/clear_refs``) rises: at teardown, in ``gather_module``, saving a full file and a sharded directory after
 the first step, and resuming each; global rank 0 also saves the same model with plain Lightning in one process. Each
 rank writes ``memory-rankR.json``: ``{"whole": bytes of the weights, "file": bytes of the full checkpoint, ...rises}``.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.strategy_memory.measure import pin_mmap_threshold
 from lightning_gpipe import GPipeStrategy
 
 WIDTH, DEPTH = 1024, 16  # 16 x 4 MiB of float32 weights; Adam adds two moments
@@ -98,14 +100,21 @@ def fit(strategy: Any, devices: int, steps: int, rises: Rises, resume: Path | No
     return module
 
 
-def main(out: str) -> None:
+def main(out: str, data_parallel: str = "ddp") -> None:
     torch.set_num_threads(1)
     root, rank = Path(out), int(os.environ.get("LOCAL_RANK", "0"))
     seen: dict[str, Any] = {"whole": DEPTH * (WIDTH + 1) * WIDTH * 4}
+    devices = 4 if data_parallel == "fsdp" else 2
+    if data_parallel == "fsdp":
+        pin_mmap_threshold()  # freed tensors leave the RSS: an allocation cannot hide in memory a fit before freed
+
+    def strategy(kind: str) -> GPipeStrategy:
+        return GPipeStrategy(pipe_size=2, chunks=2, state_dict_type=kind, data_parallel=data_parallel)  # type: ignore[arg-type]
+
     for kind in ("full", "sharded"):
         path = root / f"{kind}.ckpt"
         saving = Rises(save=path)
-        module = fit(GPipeStrategy(pipe_size=2, chunks=2, state_dict_type=kind), 2, 1, saving)
+        module = fit(strategy(kind), devices, 1, saving)
         seen[f"{kind}_save"] = saving.rises["save"]
         if kind == "full":
             seen["teardown"] = saving.teardown_rise()
@@ -113,10 +122,10 @@ def main(out: str) -> None:
             module.trainer.strategy.gather_module()  # type: ignore[attr-defined]
             seen["gather"] = resident()[1] - start
         resuming = Rises()
-        fit(GPipeStrategy(pipe_size=2, chunks=2, state_dict_type=kind), 2, 2, resuming, resume=path)
+        fit(strategy(kind), devices, 2, resuming, resume=path)
         seen[f"{kind}_resume"] = resuming.rises["resume"]
     seen["file"] = (root / "full.ckpt").stat().st_size
-    if rank == 0:
+    if rank == 0 and data_parallel == "ddp":
         plain = Rises(save=root / "plain.ckpt")
         fit("auto", 1, 1, plain)
         seen["plain_save"] = plain.rises["save"]

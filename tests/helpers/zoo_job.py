@@ -54,14 +54,16 @@ CAUSAL_LM_LORA = "hf_causal_lm_lora"  # the same model with LoRA adapters of ran
 CAUSAL_LM_PACKED = "hf_causal_lm_packed"  # the same model on a batch of packed sequences (packed_batch)
 
 
-def causal_lm(root: Path, lora: bool = False) -> tuple[L.LightningModule, dict[str, torch.Tensor]]:
-    """The tiny language model saved in ``root/hf_causal_lm-source`` and a batch as Hugging Face's collators make it:
-    rows of 4 to 10 tokens right-padded to 10, labels -100 at the padding and at each row's first two (prompt) tokens,
-    so that the micro-batches learn different numbers of tokens."""
+def causal_lm(
+    root: Path, lora: bool = False, name: str = CAUSAL_LM
+) -> tuple[L.LightningModule, dict[str, torch.Tensor]]:
+    """The tiny language model saved in ``root/NAME-source`` (``hf_causal_lm-source``) and a batch as Hugging Face's
+    collators make it: rows of 4 to 10 tokens right-padded to 10, labels -100 at the padding and at each row's first two
+    (prompt) tokens, so that the micro-batches learn different numbers of tokens."""
     import zoo
 
     adapters = {"lora": {"r": 4, "lora_alpha": 8}} if lora else {}
-    model = zoo.load_pretrained(root / f"{CAUSAL_LM}-source", lr=1e-2, **adapters)
+    model = zoo.load_pretrained(root / f"{name}-source", lr=1e-2, **adapters)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 96, (8, 10), generator=generator)
     mask = torch.zeros_like(ids)

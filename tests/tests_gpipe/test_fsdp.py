@@ -1,8 +1,9 @@
 """``data_parallel="fsdp"``: two pipelines of two stages whose replicas shard each stage train exactly like ``"ddp"``.
 
-The multi-process tests share three jobs of 4 gloo ranks (:data:`JOBS`), each launched when a test first asks for it;
+The multi-process tests share four jobs of 4 gloo ranks (:data:`JOBS`), each launched when a test first asks for it;
 every fit runs under ``"ddp"`` and under ``"fsdp"`` (Adam, clipping by norm, 5 steps), and the tests compare what each
-rank holds at the end of training, its parameters gathered whole stage by stage, and the whole model reassembled.
+rank holds at the end of training, its parameters gathered whole stage by stage (``full_tensor``), and the whole model
+that ``trainer.strategy.gather_module()`` puts back on global rank 0. Checkpoints: ``test_fsdp_checkpoints.py``.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ from lightning_gpipe.engine.sharding import ShardedCell, is_sharded, whole
 from lightning_gpipe.engine.thread_transport import ThreadTransport
 from lightning_gpipe.partition.assembly import assemble_stage
 from lightning_gpipe.partition.config import BuildConfig
-from lightning_gpipe.partition.fsdp import _skeleton, mixed_precision, shard_stage, ties_kept_whole
+from lightning_gpipe.partition.fsdp import _skeleton, mixed_precision, shard_stage, ties_kept_whole, unshard_stage
 from lightning_gpipe.partition.sequence import partition_module
 from lightning_gpipe.partition.tied import Tie
-from zoo.hf.causal_lm_tiny import save_tiny_causal_lm
+from zoo.hf.causal_lm_tiny import save_tiny_causal_lm, tiny_causal_config
 
 TOLERANCE = 1e-5
 WORLD = 4
 CAUSAL = "hf_causal_lm"
+LLAMA = "llama_bf16"  # a Llama saved in bfloat16 safetensors shards, read per stage by zoo.load_pretrained
 _ZOO = {"steps": 3, "chunks": 2, "clip": None}
 _PAIR = {"pipe_size": 2, "devices": WORLD, "chunks": 4, "steps": 5, "clip": 0.05}
 SCHEDULES: dict[str, dict[str, Any]] = {
@@ -63,9 +65,8 @@ FLOWS: dict[str, dict[str, Any]] = {
     "tied, zbv": {"model": "tied", "schedule": "zbv"},
     "tied, interleaved, meta": {"model": "tied", "schedule": "interleaved", "virtual_stages": 2, "meta": True},
 }
-# One pipeline of 4 stages: nothing to shard over (then a fit that would save checkpoints, then one that saves).
+# One pipeline of 4 stages: nothing to shard over.
 _ALONE = {"pipe_size": 4, "devices": WORLD, "chunks": 4, "steps": 2}
-_REFUSED = [{**_PAIR, "steps": 1, "checkpointing": True, "expect_error": True}, {**_PAIR, "steps": 1, "save": True}]
 # A model of 16 layers of 4 MiB built on meta, one stage over 4 replicas: what setup allocates per rank.
 _WIDE = {"pipe_size": 1, "devices": WORLD, "chunks": 2, "steps": 1, "model": "wide", "meta": True, "optimizer": "sgd"}
 
@@ -84,28 +85,24 @@ JOBS: dict[str, dict[str, dict[str, Any]]] = {
         "alone ddp": {**_ALONE, "data_parallel": "ddp"},
         "alone fsdp": {**_ALONE, "data_parallel": "fsdp"},
     },
-    "flows": {**_pairs(FLOWS), "refused at setup": _REFUSED[0], "refused save": _REFUSED[1]},
+    "flows": _pairs(FLOWS),
     # A Hugging Face decoder LM (Gemma: its embedding tied to the head across the stages, rotary tables), then greedy
     # decoding in predict steps, and the zoo's encoder-decoder Transformer (a nested boundary value with a padding
     # mask), each decoder layer its own unit. No clipping: Adam turns the noise-level gradients of attention's key
     # biases into whole steps, so a norm summed in another order (shards, then stages) moves them by 1e-4; without it
     # the two are bit for bit equal. chunks=2: decoding 4 prompts in 4 micro-batches fails under "ddp" too (reported).
+    # Then a Llama whose weights each rank reads for its stage alone from bfloat16 shards, as hub checkpoints ship.
     "zoo": {
         f"{name} {dp}": {**_PAIR, **_ZOO, "zoo": name, "data_parallel": dp, "decode": name == CAUSAL}
-        for name in (CAUSAL, "transformer")
+        for name in (CAUSAL, "transformer", LLAMA)
         for dp in ("ddp", "fsdp")
     },
-    "setup": {
-        f"wide {dp}": {**_WIDE, "measure_setup": True, "data_parallel": dp, "checkpointing": False}
-        for dp in ("ddp", "fsdp")
-    },
+    "setup": {f"wide {dp}": {**_WIDE, "measure_setup": True, "data_parallel": dp} for dp in ("ddp", "fsdp")},
 }
-for _name, _run in JOBS["flows"].items():  # the refusals run under "fsdp"
-    _run.setdefault("data_parallel", "fsdp")
 
 
 class Fit:
-    """What one fit of a job left: per rank at the end of training, the reassembled model, logs, errors."""
+    """What one fit of a job left: per rank at the start and end of training, the gathered model, logs."""
 
     def __init__(self, folder: Path, index: int, stdout: str) -> None:
         self.folder, self.index, self.stdout = folder, index, stdout
@@ -121,9 +118,6 @@ class Fit:
     def metrics(self) -> dict[str, torch.Tensor]:
         return torch.load(self.folder / f"metrics-{self.index}.pt", weights_only=True)
 
-    def errors(self) -> list[str]:
-        return [(self.folder / f"error-{self.index}-rank{rank}.txt").read_text() for rank in range(WORLD)]
-
 
 class SharedJobs:
     """The jobs of :data:`JOBS`, each launched on first use; ``jobs(name)[fit]``."""
@@ -137,7 +131,8 @@ class SharedJobs:
             folder = self.root / job
             folder.mkdir(parents=True)
             if job == "zoo":
-                save_tiny_causal_lm(folder / "hf_causal_lm-source", "gemma", init_std=0.3)
+                save_tiny_causal_lm(folder / f"{CAUSAL}-source", "gemma", init_std=0.3)
+                save_bfloat16_llama(folder / f"{LLAMA}-source")
             config = folder / "config.json"
             config.write_text(json.dumps({"runs": list(JOBS[job].values())}))
             results = run_job("helpers.fsdp_job", [str(config)], WORLD, timeout=540)
@@ -161,14 +156,23 @@ def _second(item: tuple[str, float]) -> float:
     return item[1]
 
 
+def save_bfloat16_llama(directory: Path) -> None:
+    """A tiny Llama of 4 layers, random-initialized, saved in bfloat16 safetensors shards with their index."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_causal_config("llama", layers=4))
+    model.to(torch.bfloat16).save_pretrained(directory, max_shard_size="20KB")
+
+
 def assert_trains_like_ddp(ddp: Fit, fsdp: Fit, tolerance: float = TOLERANCE) -> None:
-    """Every rank's parameters, gathered whole, and the reassembled model equal ``"ddp"``'s; they moved in training."""
+    """Every rank's parameters, gathered whole, and the gathered model equal ``"ddp"``'s; they moved in training."""
     for rank in range(WORLD):
         expected, actual = ddp.held(rank)["parameters"], fsdp.held(rank)["parameters"]
         key, difference = _difference(actual, expected)
         assert difference <= tolerance, f"rank {rank}, {key}: max abs difference {difference:.2e}"
     key, difference = _difference(fsdp.result, ddp.result)
-    assert difference <= tolerance, f"reassembled {key}: max abs difference {difference:.2e}"
+    assert difference <= tolerance, f"gathered {key}: max abs difference {difference:.2e}"
 
 
 # ------------------------------------------------------------------ settings, without processes
@@ -255,6 +259,34 @@ def test_a_model_with_layers_sharded_already_is_refused() -> None:
     partition = partition_module(module, "layers", module.layers, [1, 1], stage=0)
     with pytest.raises(ValueError, match=r"Module already holds layers sharded with fully_shard.*unsharded"):
         shard_stage(partition, ProcessLayout(4, 2, 1), mesh, torch.device("cpu"), seed=0, deferred_batch_norm=False)
+
+
+@pytest.mark.usefixtures("loopback_process_group")
+def test_a_sharded_stage_is_whole_again_in_the_sequence_put_back() -> None:
+    # The sequence holds a meta copy of each sharded layer: put back as it was, the stage's layers had no memory.
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.layers = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    module.layers[1].running_mean.add_(1.0)
+    expected = {key: value.clone() for key, value in module.layers.state_dict().items()}
+    layout = ProcessLayout(2, 2, 0)  # global rank 0: the last stage of a pipeline of two, its only replica
+    partition = partition_module(module, "layers", module.layers, [1, 2], stage=layout.stage)
+    shard_stage(partition, layout, mesh, torch.device("cpu"), seed=0, deferred_batch_norm=True)
+    assert all(is_sharded(p) for p in partition.stand_in.parameters())
+    assert all(t.is_meta for t in partition.original[2].parameters())
+    unshard_stage(partition)
+    partition.put_back(allocate=False)
+    partition.finish({})
+    layers = module.layers
+    assert type(layers) is nn.Sequential
+    assert [type(layer) for layer in layers] == [nn.Linear, nn.BatchNorm1d, nn.Linear]  # no FSDP, no deferred BN
+    assert layers[0].weight.is_meta  # the other stage's layer
+    for key, value in layers.state_dict().items():
+        if not key.startswith("0."):
+            assert not is_sharded(value)
+            assert torch.equal(value, expected[key]), key
 
 
 @pytest.mark.usefixtures("loopback_process_group")
@@ -392,18 +424,6 @@ def test_tied_copies_are_sharded_across_processes_and_kept_whole_within_one(jobs
 
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(600)
-def test_checkpoints_are_refused_under_fsdp_until_sharded_checkpoints_exist(jobs: SharedJobs) -> None:
-    fits = jobs("flows")
-    for message in fits["refused at setup"].errors():
-        assert "data_parallel='fsdp' are not supported yet" in message
-        assert "enable_checkpointing=False" in message
-        assert "ModelCheckpoint" in message
-    for message in fits["refused save"].errors():
-        assert "data_parallel='fsdp' are not supported yet" in message
-
-
-@RunIf(multiprocess=True)
-@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["hf_causal_lm", "transformer"])
 def test_zoo_models_train_like_ddp_with_sharded_stages(jobs: SharedJobs, name: str) -> None:
     fits = jobs("zoo")
@@ -415,6 +435,32 @@ def test_zoo_models_train_like_ddp_with_sharded_stages(jobs: SharedJobs, name: s
         decoded = [torch.load(f.folder / f"predictions-{f.index}.pt", weights_only=True) for f in (ddp, fsdp)]
         assert decoded[0].shape == (4, 12)
         assert torch.equal(decoded[0], decoded[1])
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(600)
+def test_a_pretrained_llama_trains_sharded_from_exactly_its_weights_each_rank_reading_its_stage(
+    jobs: SharedJobs,
+) -> None:
+    import zoo
+
+    fits = jobs("zoo")
+    fsdp = fits[f"{LLAMA} fsdp"]
+    # The plain model: zoo.load_pretrained read whole, outside any pipeline (bfloat16 to float32, as the stages read).
+    plain = zoo.load_pretrained(fsdp.folder / f"{LLAMA}-source", lr=1e-2)
+    plain.load_weights()
+    expected = {name: p.detach() for name, p in plain.named_parameters()}
+    started: set[str] = set()
+    for rank in range(WORLD):
+        held = fsdp.held(rank)
+        for name, value in held["start"].items():  # gathered whole from the shards when training starts
+            assert torch.equal(value, expected[name]), (rank, name)
+        started |= held["start"].keys()
+        assert held["read"], f"rank {rank} read nothing"
+        assert sorted(held["read"]) == sorted(held["stage_keys"]), f"rank {rank} read other stages' tensors"
+        assert held["sharded"]
+    assert started == expected.keys()
+    assert_trains_like_ddp(fits[f"{LLAMA} ddp"], fsdp)
 
 
 @RunIf(multiprocess=True)

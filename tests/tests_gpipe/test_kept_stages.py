@@ -1,5 +1,6 @@
 """Each rank keeps only its own stage after fit, and reads and writes only its own state; the whole module comes back
-only when asked for (``gather_module``), or by itself to a notebook's process under the fork launcher."""
+only when asked for (``gather_module``), or by itself to a notebook's process under the fork launcher. Each with stages
+held whole (``data_parallel="ddp"``, two ranks) and sharded over two replicas (``"fsdp"``, four ranks)."""
 
 from __future__ import annotations
 
@@ -21,25 +22,32 @@ from lightning_gpipe import GPipeStrategy
 MIB = 2**20
 
 
+WORLDS = {"ddp": 2, "fsdp": 4}  # K = 2: one pipeline, or two whose replicas shard each stage
+
+
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("data_parallel", list(WORLDS))
 def test_later_calls_of_the_trainer_reuse_the_kept_stages_and_gather_module_gives_the_whole_back(
-    tmp_path: Path,
+    tmp_path: Path, data_parallel: str
 ) -> None:
-    results = run_job("helpers.kept_stages_job", [str(tmp_path)], 2, timeout=500)
+    world = WORLDS[data_parallel]
+    results = run_job("helpers.kept_stages_job", [str(tmp_path), data_parallel], world, timeout=500)
     for rank, result in enumerate(results):
         assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
-    seen = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    seen = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(world)]
     reference = calls({"strategy": "auto", "devices": 1, "limit_val_batches": 2}, tmp_path / "plain")
     whole = sum(p.numel() for p in SequentialModule().parameters())
-    for rank in range(2):
+    for rank in range(world):
         for call in ("after_fit", "after_predict", "after_second_fit", "after_validate_after_gather"):
             assert seen[rank][call]["sequence"] == "PipelinedSequential", (rank, call)  # still cut: one stage each
-        assert seen[0]["after_fit"]["parameters"] + seen[1]["after_fit"]["parameters"] == whole
         for value in ("validate", "predict", "validate_after_gather"):
             assert seen[rank][value] == pytest.approx(reference[value], rel=1e-5), (rank, value)
+        if rank > 0:  # each keeps its own layers, whole
+            stage = seen[rank]["after_fit"]["parameters"]
+            assert seen[rank]["after_gather"] == {"sequence": "Sequential", "parameters": stage}, rank
+    assert seen[0]["after_fit"]["parameters"] + seen[1]["after_fit"]["parameters"] == whole
     assert seen[0]["after_gather"] == {"sequence": "Sequential", "parameters": whole}
-    assert seen[1]["after_gather"] == {"sequence": "Sequential", "parameters": seen[1]["after_fit"]["parameters"]}
     assert_same_parameters(torch.load(tmp_path / "whole.pt", weights_only=True), reference["whole"])
     assert_same_parameters(torch.load(tmp_path / "whole-again.pt", weights_only=True), reference["whole"])
 
@@ -90,10 +98,14 @@ def test_saving_and_resuming_touch_only_the_ranks_own_stage(memory: list[dict[st
 
 @RunIf(multiprocess=True)
 @pytest.mark.timeout(600)
-def test_the_fork_launcher_gives_the_launching_process_the_whole_trained_module(tmp_path: Path) -> None:
+@pytest.mark.parametrize("data_parallel", list(WORLDS))
+def test_the_fork_launcher_gives_the_launching_process_the_whole_trained_module(
+    tmp_path: Path, data_parallel: str
+) -> None:
     # Lightning's launcher loads global rank 0's state dict into the launching process's module: one stage, now that
-    # each rank keeps its own; every rank of the first pipeline hands over its stage instead.
-    result, _seconds, leftovers = launch("helpers.fork_job", [str(tmp_path)], timeout=500)
+    # each rank keeps its own; every rank of the first pipeline hands over its stage instead (a sharded stage gathered
+    # whole by its replicas: a pickled DTensor would not load with weights_only=True).
+    result, _seconds, leftovers = launch("helpers.fork_job", [str(tmp_path), data_parallel], timeout=500)
     assert result.returncode == 0, result.stdout[-4000:]
     assert leftovers == 0
     launched = torch.load(tmp_path / "launched.pt", weights_only=True)
