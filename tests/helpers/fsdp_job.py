@@ -12,7 +12,10 @@ per fit and rank, what the rank holds at the end of training, before the strateg
 - ``error-N-rankR.txt``: the error of a fit that is expected to fail (``"expect_error"``), or of its
   ``trainer.save_checkpoint`` (``"save"``).
 
-``"measure_setup"`` records how much the peak RSS grew during setup (where the stage is allocated); ``"checkpointing"``
+``"measure_setup"`` records how much the peak RSS grew during setup (where the stage is allocated);
+``"measure_steps": [N, ...]`` what each rank holds through those training steps (:class:`helpers.step_bytes.StepBytes`,
+in ``step-I-rankR.json`` with the rank's stage), its gradients zeroed in place between steps as the planner assumes;
+``"checkpointing"``
 gives the Trainer its default ``ModelCheckpoint``; ``"zoo"`` trains a zoo model's tiny configuration on its tiny batch
 instead (``"hf_causal_lm"``: the Hugging Face language model saved in the config's folder, see :mod:`helpers.zoo_job`).
 """
@@ -33,14 +36,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.strategy_memory.measure import pin_mmap_threshold
-from helpers.lightning_job import BATCH, SequentialModule, dataset, trainer_for
+from helpers.lightning_job import BATCH, SAMPLES, SequentialModule, dataset, trainer_for
 from helpers.models import IN, OUT
+from helpers.step_bytes import StepBytes, end_after_profiling
 from helpers.tied_job import VOCAB, tied_lm, tokens
 from helpers.zoo_job import CAUSAL_LM, GENERATION, PROMPT_LENGTHS, Repeated, causal_lm, prompts
 from helpers.zoo_tiny import tiny_batch, tiny_model
 from lightning_gpipe.engine.sharding import is_sharded, local_shard, whole
 
 WIDE = 1024  # the wide model's layers: 4 MiB of float32 each, so that a stage's allocation shows in the RSS
+MEASURED = 512  # the measured model's width: 1 MiB layers, whose activations at a batch of 256 weigh as much
 
 
 def wide() -> nn.Sequential:
@@ -48,7 +53,18 @@ def wide() -> nn.Sequential:
     return nn.Sequential(nn.Linear(IN, WIDE), *[nn.Linear(WIDE, WIDE) for _ in range(14)], nn.Linear(WIDE, OUT))
 
 
-BUILDERS = {"tied": tied_lm, "wide": wide}
+def measured() -> nn.Sequential:
+    """Two halves of four layers, 512 wide inside, 16 where they meet: a step's activations, gradients and gathered
+    parameters all weigh megabytes, far above what Lightning allocates beside them, and what crosses the boundary
+    (which the transport buffers) next to nothing."""
+    W, narrow = MEASURED, 16
+    return nn.Sequential(
+        nn.Linear(IN, W), nn.Tanh(), nn.Linear(W, W), nn.Linear(W, narrow),
+        nn.Linear(narrow, W), nn.Tanh(), nn.Linear(W, W), nn.Linear(W, OUT),
+    )  # fmt: skip
+
+
+BUILDERS = {"tied": tied_lm, "wide": wide, "measured": measured}
 
 
 class Module(SequentialModule):
@@ -97,6 +113,10 @@ class Module(SequentialModule):
             return torch.optim.Adam(self.parameters(), lr=0.01)
         return super().configure_optimizers()
 
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        # A measured step keeps its gradients' memory between steps, as the planner counts them in the state.
+        optimizer.zero_grad(set_to_none="measure_steps" not in self.job)
+
 
 def _status_bytes(field: str) -> int:
     match = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
@@ -144,10 +164,16 @@ def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
     )
     rank = trainer.strategy.global_rank
     trainer.callbacks.append(Holdings(root / f"held-{index}-rank{rank}.pt"))
+    measure = StepBytes(run["measure_steps"]) if "measure_steps" in run else None
+    if measure is not None:
+        trainer.callbacks.append(measure)
     batch_size = len(data) // run["steps"] if "zoo" in run else run.get("batch", BATCH)
     loader = DataLoader(data, batch_size=batch_size)
     validation = loader if run.get("limit_val_batches") else None
     trainer.fit(module, loader, validation)
+    if measure is not None:
+        record = {**measure.record(), "stage": trainer.strategy.layout.stage}  # type: ignore[attr-defined]
+        (root / f"step-{index}-rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:  # before predict, which clears them
         logged = {key: value.detach().cpu() for key, value in trainer.callback_metrics.items()}
         torch.save(logged, root / f"metrics-{index}.pt")
@@ -173,7 +199,7 @@ def _module_and_data(run: dict[str, Any], root: Path) -> tuple[L.LightningModule
     if name is None:
         module = Module(run)
         module.sync_dist = run.get("sync_dist", False)
-        return module, tokens() if run.get("model") == "tied" else dataset()
+        return module, tokens() if run.get("model") == "tied" else dataset(run.get("samples", SAMPLES))
     zoo_module, batch = causal_lm(root) if name == CAUSAL_LM else (tiny_model(name), tiny_batch(name))
     return zoo_module, Repeated(batch, run["steps"])  # the same batch every step
 
@@ -191,3 +217,5 @@ def main(config_path: str) -> None:
             continue
         if module.global_rank == 0:
             torch.save(module.state_dict(), root / f"result-{index}.pt")
+    if any("measure_steps" in run for run in config["runs"]):
+        end_after_profiling()
