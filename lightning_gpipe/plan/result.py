@@ -203,9 +203,9 @@ class Plan:
         head = Text(
             f"{self.devices} device(s) x {format_bytes(self.memory_per_device)}, batch {self.batch_size}"
             f"{' per pipeline' if self.per_pipeline_batch else ''}: "
-            f"K={best.pipe_size} stages x {best.replicas} replica(s){' sharded' if sharded else ''}, "
-            f"M={best.chunks} micro-batches of {best.microbatch_size}, checkpoint={best.checkpoint!r}, "
-            f"{best.schedule_label}{', ' + best.data_parallel_label if sharded else ''}\n"
+            f"K={best.pipe_size} stages x {best.replicas} replica(s), M={best.chunks} micro-batches of "
+            f"{best.microbatch_size}, checkpoint={best.checkpoint!r}, {best.schedule_label}"
+            f"{', ' + best.data_parallel_label if sharded else ''}\n"
             f"predicted step {best.step_time * 1e3:.1f} ms for {best.samples} samples, bubble {best.bubble:.0%}, "
             f"peak {format_bytes(best.peak)} ({best.peak / self.memory_per_device:.0%} of the budget)"
         )

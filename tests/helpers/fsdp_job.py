@@ -18,6 +18,8 @@ in ``step-I-rankR.json`` with the rank's stage), its gradients zeroed in place b
 ``"checkpointing"``
 gives the Trainer its default ``ModelCheckpoint``; ``"zoo"`` trains a zoo model's tiny configuration on its tiny batch
 instead (``"hf_causal_lm"``: the Hugging Face language model saved in the config's folder, see :mod:`helpers.zoo_job`).
+A run with ``"plan"`` (``AutoPlan``'s arguments) plans at setup; ``settings-N.json`` (rank 0) holds the settings each
+fit resolved, ``data_parallel`` included, and ``"settings_of": N`` gives a later fit those of fit N explicitly.
 """
 
 from __future__ import annotations
@@ -64,7 +66,13 @@ def measured() -> nn.Sequential:
     )  # fmt: skip
 
 
-BUILDERS = {"tied": tied_lm, "wide": wide, "measured": measured}
+def stack() -> nn.Sequential:
+    """Sixteen layers of 1 MiB and next to no activations: where whole replicas' state decides whether a stage fits."""
+    W = MEASURED
+    return nn.Sequential(nn.Linear(IN, W), *[nn.Linear(W, W) for _ in range(14)], nn.Linear(W, OUT))
+
+
+BUILDERS = {"tied": tied_lm, "wide": wide, "measured": measured, "stack": stack}
 
 
 class Module(SequentialModule):
@@ -154,6 +162,8 @@ class Holdings(L.Callback):
 def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
     module, data = _module_and_data(run, root)
+    if "plan" in run:  # plan="auto" profiles the sequence on a few rows of its input
+        module.example_input_array = torch.randn(2, IN, generator=torch.Generator().manual_seed(1))
     options = {**run.get("options", {}), "data_parallel": run.get("data_parallel", "ddp")}
     # "16-mixed" on the CPU: Lightning would make it bf16, so the plugin is given with the GradScaler of a GPU's run.
     precision: dict[str, Any] = {"precision": run.get("precision", "32-true")}
@@ -207,15 +217,23 @@ def _module_and_data(run: dict[str, Any], root: Path) -> tuple[L.LightningModule
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     root = Path(config_path).parent
+    chosen: list[dict[str, Any]] = []  # the settings each fit ran with (what plan="auto" chose)
     for index, run in enumerate(config["runs"]):
+        if "settings_of" in run:  # the settings an earlier fit's plan chose, given explicitly
+            run = {key: value for key, value in run.items() if key != "settings_of"} | chosen[run["settings_of"]]
         try:
             module = fit(run, root, index)
         except ValueError as error:
             if not run.get("expect_error"):
                 raise
             (root / f"error-{index}-rank{os.environ['RANK']}.txt").write_text(str(error))
+            chosen.append({})
             continue
+        settings = module.trainer.strategy.settings  # type: ignore[attr-defined]
+        names = ("pipe_size", "chunks", "balance", "checkpoint", "schedule", "data_parallel")
+        chosen.append({name: getattr(settings, name) for name in names})
         if module.global_rank == 0:
             torch.save(module.state_dict(), root / f"result-{index}.pt")
+            (root / f"settings-{index}.json").write_text(json.dumps(chosen[-1]))
     if any("measure_steps" in run for run in config["runs"]):
         end_after_profiling()
