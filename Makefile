@@ -58,7 +58,7 @@ bench-overhead: env  ## GPipeStrategy with K=1, M=1 against strategy="auto"; the
 bench-memory: env  ## peak memory of re-materialization against the paper's formula
 	$(RUN) python -m benchmarks.strategy_memory.run
 
-bench-fsdp: env  ## data_parallel="fsdp" against "ddp", 2 pipelines x 2 stages on 4 CPU ranks: bytes per rank, peak RSS, step-time ratio (about 3 minutes)
+bench-fsdp: env  ## data_parallel="fsdp" against "ddp", 2 pipelines x 2 stages on 4 CPU ranks: bytes per rank, peak RSS, step-time ratio, the planner's prediction (about 3 minutes; docs/benchmarks/fsdp.md)
 	OMP_NUM_THREADS=1 $(RUN) python -m benchmarks.fsdp_memory.run
 
 bench-schedules: env  ## our five schedules against torch.distributed.pipelining's on K = 2 and 4 CPU processes: throughput, bubble, activation memory, Gantt charts (about 15 minutes; QUICK=1: about 5, docs left alone)

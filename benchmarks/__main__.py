@@ -115,6 +115,16 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("strategy_overhead", quick_deadline=0, full_deadline=1800, quick=False, writes_docs=False),
     Experiment("strategy_memory", quick_deadline=0, full_deadline=900, quick=False, writes_docs=False),
     Experiment(
+        "fsdp_memory",
+        quick_deadline=0,
+        full_deadline=900,
+        quick=False,
+        headlines=(
+            Headline("fsdp_held_vs_ddp", 0.60, "bytes the 2 x 2 ranks hold between steps, fsdp / ddp", True),
+            Headline("fsdp_speed_vs_ddp", 0.80, "ddp's step time / fsdp's, 2 x 2 CPU ranks"),
+        ),
+    ),
+    Experiment(
         "schedule_speed",
         quick_deadline=0,
         full_deadline=1500,

@@ -96,8 +96,8 @@ class GPipeStrategy(ParallelStrategy):
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
         detect_anomalies: stop at the first NaN or Inf, naming its stage and micro-batch; off by default.
         verify_batches: check at every step that all stages of a pipeline read the same batch; on by default.
-        plan: ``"auto"`` or an :class:`~lightning_gpipe.AutoPlan`: rank 0 plans K, M, balance, checkpoint and schedule
-            at setup, every rank follows it (docs/guide/planning.md); leave those five at their defaults.
+        plan: ``"auto"`` or an :class:`~lightning_gpipe.AutoPlan`: rank 0 plans K, M, balance, checkpoint, schedule
+            and data_parallel at setup, every rank follows it (docs/guide/planning.md); leave those at their defaults.
         compile: ``torch.compile`` each layer of each stage in place: ``True`` or a dict of its keyword arguments.
         data_parallel: how the replicas of a stage share it: ``"ddp"`` (default: each holds it whole) or ``"fsdp"``
             (each holds a shard of every parameter, its gradient and its optimizer state; docs/guide/fsdp.md).
@@ -161,7 +161,7 @@ class GPipeStrategy(ParallelStrategy):
         # Settled in setup, by _follow_plan; refused here beside the settings it would choose.
         self._auto_plan = auto_plan(
             plan, pipe_size=pipe_size, chunks=chunks, balance=balance, checkpoint=checkpoint, schedule=schedule,
-            virtual_stages=virtual_stages,
+            virtual_stages=virtual_stages, data_parallel=data_parallel,
         )  # fmt: skip
         self._planned: dict[str, Any] = {}  # the settings the plan chose, in place of the config's
         self._settings: ResolvedPipeline | None = None  # the config resolved against the world, by set_world_ranks

@@ -81,8 +81,9 @@ class BuildConfig(PipelineConfig):
 
         ``pipe_size=None`` becomes the world size and ``chunks=None`` ``4 * pipe_size``. ``chosen`` holds settings made
         for the user, which take the place of these: under ``plan="auto"`` the planner's ``pipe_size``, ``chunks``,
-        ``balance``, ``checkpoint``, ``schedule`` and ``virtual_stages`` (the strategy refuses a plan beside them).
-        ``data_parallel="fsdp"`` with a single replica (nothing to shard over) warns and resolves to ``"ddp"``.
+        ``balance``, ``checkpoint``, ``schedule``, ``virtual_stages`` and ``data_parallel`` (the strategy refuses a
+        plan beside them). ``data_parallel="fsdp"`` with a single replica (nothing to shard over) warns and resolves
+        to ``"ddp"``.
 
         Raises:
             ValueError: the world cannot be cut into pipelines of ``pipe_size`` processes, a list balance has
@@ -126,7 +127,7 @@ class BuildConfig(PipelineConfig):
             self.deferred_batch_norm,
             self.timeout,
             compile_options(self.compile),
-            _resolve_data_parallel(self.data_parallel, layout),
+            _resolve_data_parallel(chosen.get("data_parallel", self.data_parallel), layout),
         )
 
 

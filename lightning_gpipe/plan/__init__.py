@@ -1,8 +1,10 @@
-"""The planner: K, M, balance, re-materialization and schedule for a model, a device count and a memory budget.
+"""The planner: K, M, balance, re-materialization, schedule and data parallelism for a model, a device count and a
+memory budget.
 
 :func:`plan` (:mod:`~lightning_gpipe.plan.search`) profiles the model's layers, weighs every configuration the devices
 allow (:func:`evaluate`: each process's peak memory, :mod:`~lightning_gpipe.plan.memory`, and the step time,
-:mod:`~lightning_gpipe.plan.simulate`) and keeps the fastest that fits. The :class:`Plan`
+:mod:`~lightning_gpipe.plan.simulate`; whole or sharded replicas, :mod:`~lightning_gpipe.plan.sharding`) and keeps the
+fastest that fits. The :class:`Plan`
 (:mod:`~lightning_gpipe.plan.result`) says what to set, what to expect and why; a request that nothing fits raises
 :class:`InfeasiblePlanError` naming the smallest device count and the smallest memory per device that would work.
 ``GPipeStrategy(plan="auto")`` runs it at setup (:mod:`~lightning_gpipe.plan.auto`).

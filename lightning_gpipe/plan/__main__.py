@@ -9,6 +9,8 @@ to pipeline, its class, or a factory that returns one, called with the ``--model
         --sample-dtype long --devices 8 --memory 16GB --batch-size 32
 
 ``--batch-size`` is what each pipeline reads per step (the DataLoader's ``batch_size``), as ``plan="auto"`` takes it.
+``--data-parallel`` says how the replicas of a stage may share it: ``auto`` (default) keeps them whole unless nothing
+fits whole, then shards them (``data_parallel="fsdp"``); ``ddp`` or ``fsdp`` plans for that one.
 Prints the ``GPipeStrategy(...)`` that carries the plan out, the same line as ``plan="auto"`` logs, then the plan's
 table; exits with status 2 and the planner's answer when nothing fits.
 """
@@ -30,6 +32,7 @@ from lightning_gpipe.engine.schedule import SCHEDULES
 from lightning_gpipe.engine.tree import map_tensors
 from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.plan import DEFAULT_VIRTUAL_STAGES, InfeasiblePlanError, plan
+from lightning_gpipe.plan.sharding import DATA_PARALLEL_CHOICES
 
 __all__ = ["build_model", "main"]
 
@@ -149,6 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=list(DEFAULT_VIRTUAL_STAGES),
         help="the stages per process to weigh for schedule 'interleaved'",
     )
+    parser.add_argument(
+        "--data-parallel",
+        default="auto",
+        choices=DATA_PARALLEL_CHOICES,
+        help="how the replicas of a stage share it: whole (ddp), sharded (fsdp), or whole unless nothing fits whole "
+        "(auto, the default)",
+    )
     parser.add_argument("--flops-per-second", type=float, help="time layers from FLOPs instead of measuring them")
     args = parser.parse_args(argv)
 
@@ -180,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             virtual_stages=args.virtual_stages,
             flops_per_second=args.flops_per_second,
             per_pipeline_batch=True,
+            data_parallel=args.data_parallel,
         )
     except InfeasiblePlanError as error:
         print(error, file=sys.stderr)

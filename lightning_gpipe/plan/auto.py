@@ -27,6 +27,7 @@ from lightning_gpipe.engine.tree import flatten
 from lightning_gpipe.partition.config import BuildConfig
 from lightning_gpipe.plan.result import Plan, parse_bytes
 from lightning_gpipe.plan.search import plan
+from lightning_gpipe.plan.sharding import PlannedDataParallel, check_data_parallel
 
 __all__ = [
     "DEVICE_MEMORY_SHARE",
@@ -44,7 +45,7 @@ DEVICE_MEMORY_SHARE = 0.9
 """The share of a CUDA device's total memory a plan may fill when no budget is given: the CUDA context, the caching
 allocator's rounding and the communication buffers take the rest."""
 
-_PLANNED = ("pipe_size", "chunks", "balance", "checkpoint", "schedule", "virtual_stages")
+_PLANNED = ("pipe_size", "chunks", "balance", "checkpoint", "schedule", "virtual_stages", "data_parallel")
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(BuildConfig) if f.name in _PLANNED}
 
 
@@ -65,6 +66,9 @@ class AutoPlan:
             schedules (default: all of them). This is how to fix one setting and plan the others.
         virtual_stages: the stages per process to weigh for ``schedule="interleaved"`` (default:
             :data:`~lightning_gpipe.plan.DEFAULT_VIRTUAL_STAGES`).
+        data_parallel: how the replicas of each stage may share it: ``"auto"`` (default) keeps them whole
+            (``"ddp"``) unless no configuration fits whole, then shards them (``"fsdp"``); ``"ddp"`` or ``"fsdp"``
+            plans for that one (:mod:`~lightning_gpipe.plan.sharding`).
     """
 
     memory_per_device: float | str | None = None
@@ -76,6 +80,7 @@ class AutoPlan:
     checkpoints: Sequence[str] | None = None
     schedules: Sequence[str] | None = None
     virtual_stages: Sequence[int] | None = None
+    data_parallel: PlannedDataParallel = "auto"
 
     def __post_init__(self) -> None:
         if self.memory_per_device is not None:
@@ -102,6 +107,7 @@ class AutoPlan:
                 f"AutoPlan(virtual_stages={stages!r}) must be a non-empty list of ints >= 2 (stages per process for "
                 "schedule='interleaved'), or None"
             )
+        check_data_parallel(self.data_parallel)
         for mode in self.checkpoints or ():
             validate_mode(mode)
         for name in self.schedules or ():
@@ -115,8 +121,8 @@ def _positive_int(value: object) -> bool:
 def auto_plan(value: object, **explicit: Any) -> AutoPlan | None:
     """The request behind the strategy's ``plan=`` argument, refusing it beside settings it would choose itself.
 
-    ``explicit`` holds the strategy's ``pipe_size``, ``chunks``, ``balance``, ``checkpoint``, ``schedule`` and
-    ``virtual_stages`` arguments; with a plan each must be left at its default.
+    ``explicit`` holds the strategy's ``pipe_size``, ``chunks``, ``balance``, ``checkpoint``, ``schedule``,
+    ``virtual_stages`` and ``data_parallel`` arguments; with a plan each must be left at its default.
 
     Raises:
         TypeError: ``value`` is neither ``None``, ``"auto"`` nor an :class:`AutoPlan`.
@@ -144,10 +150,12 @@ def auto_plan(value: object, **explicit: Any) -> AutoPlan | None:
             "virtual_stages": "virtual_stages",
         }
         hints = [f"{restrict[name]}=[{setting!r}]" for name, setting in given.items() if name in restrict]
+        if "data_parallel" in given:  # one value, not a list of them
+            hints.append(f"data_parallel={given['data_parallel']!r}")
         how = f"plan=AutoPlan({', '.join(hints)})" if hints else "the balance the plan finds"
         raise ValueError(
-            f"plan chooses pipe_size, chunks, balance, checkpoint, schedule and virtual_stages, but {settings} "
-            f"{'was' if len(given) == 1 else 'were'} given as well. "
+            f"plan chooses pipe_size, chunks, balance, checkpoint, schedule, virtual_stages and data_parallel, but "
+            f"{settings} {'was' if len(given) == 1 else 'were'} given as well. "
             f"HINT: drop {settings} to let the plan choose, restrict the plan instead ({how}), or drop plan= and set "
             "them all yourself."
         )
@@ -267,6 +275,7 @@ def plan_for_module(
         pipe_sizes=request.pipe_sizes,
         per_pipeline_batch=True,
         compiled=compiled,
+        data_parallel=request.data_parallel,
         **options,
     )
     if device.type == "cuda":

@@ -15,10 +15,12 @@ from lightning_gpipe.engine.microbatch import microbatch_sizes
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop
 from lightning_gpipe.engine.schedule import SPLIT_BACKWARD, stage_table
 from lightning_gpipe.partition.balance import balance_by_cost, cell_bounds, checked_entries
+from lightning_gpipe.partition.config import DataParallel
 from lightning_gpipe.plan.memory import StageMemory, process_memory
 from lightning_gpipe.plan.result import Candidate
+from lightning_gpipe.plan.sharding import Sharing
 from lightning_gpipe.plan.simulate import simulate_step
-from lightning_gpipe.profile.layer_profile import ModelProfile
+from lightning_gpipe.profile.layer_profile import LayerProfile, ModelProfile
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
@@ -66,6 +68,7 @@ def evaluate(
     first_send_parked: bool | None = None,
     compiled: bool = False,
     virtual_stages: int = 1,
+    data_parallel: DataParallel = "ddp",
 ) -> Candidate:
     """Predict one configuration: step time, bubble and per-process memory for a mini-batch of ``batch_size`` samples.
 
@@ -77,6 +80,10 @@ def evaluate(
     :class:`_EngineCosts`); ``first_send_parked`` (default: on CPU stages, whose transport is gloo) holds each
     stage's first message until its next forward (:func:`~lightning_gpipe.plan.simulate.simulate_step`).
     ``compiled`` layers re-materialize every micro-batch under ``"selective"``, the last included.
+    ``data_parallel`` is how the ``replicas`` of each stage share it (:mod:`~lightning_gpipe.plan.sharding`): whole,
+    their gradients all-reduced after the step (``"ddp"``), or sharded (``"fsdp"``, with more than one replica): the
+    parameters gathered before a process's first action, each stage's gradients reduce-scattered before its optimizer
+    step, which then updates a shard.
 
     Raises:
         ValueError: ``virtual_stages`` that the schedule does not take, a ``balance`` of another number of stages, or
@@ -90,24 +97,27 @@ def evaluate(
     cells = cell_bounds(_stage_balance(balance, forward, backward, stop / M, schedule, table))
     costs = _EngineCosts.of(profile, bandwidth, latency, overhead, boundary_overhead)
     owner = {s: r for r, held in enumerate(table) for s in held}
+    sharing = Sharing.of(data_parallel, replicas)
+    held = _process_layers(profile, cells, owner, pipe_size)
     stage_f, stage_b, weight = _stage_times(profile, cells, owner, schedule, n, (forward, backward), costs)
     transfer = [costs.latency + n * profile.layers[cell.stop - 1].output_bytes / costs.bandwidth for cell in cells[:-1]]
     wrapped, recompute = _recompute_times(profile, cells, checkpoint, n, forward, costs.replay)
     parked = costs.kind == "cpu" if first_send_parked is None else first_send_parked
     step = simulate_step(
         schedule, stage_f, stage_b, M, transfer=transfer, recompute=recompute, checkpoint_stop=stop,
-        update=[profile.stage_update(cell) for cell in cells], checkpoint_forward=wrapped, first_send_parked=parked,
-        weight=weight, virtual_stages=virtual_stages,
+        update=_updates(profile, cells, sharing, costs.bandwidth), checkpoint_forward=wrapped,
+        first_send_parked=parked, weight=weight, virtual_stages=virtual_stages,
+        ready=[sharing.gather_seconds(layers, costs.bandwidth) for layers in held],
     )  # fmt: skip
     memory = _memory(
-        profile, cells, pipe_size, n, sizes, checkpoint, schedule, virtual_stages, optimizer_slots, compiled
+        profile, cells, pipe_size, n, sizes, checkpoint, schedule, virtual_stages, optimizer_slots, compiled, sharing
     )
-    step_time = step.makespan + _allreduce_time(profile, cells, owner, replicas, costs.bandwidth)
+    step_time = step.makespan + max(sharing.allreduce_seconds(layers, costs.bandwidth) for layers in held)
     v = virtual_stages if schedule == "interleaved" else 1
     balanced = tuple(len(cell) for cell in cells)
     return Candidate(
         pipe_size, replicas, M, n, balanced, checkpoint, schedule, step_time, step.bubble, memory, step.busy,
-        batch_size, v,
+        batch_size, v, sharing.data_parallel,
     )  # fmt: skip
 
 
@@ -256,8 +266,10 @@ def _memory(
     virtual_stages: int,
     optimizer_slots: float,
     compiled: bool,
+    sharing: Sharing,
 ) -> tuple[StageMemory, ...]:
-    """Each process's peak memory (its stages together) over a step of micro-batches of ``sizes`` samples."""
+    """Each process's peak memory (its stages together, shared among their replicas as ``sharing`` says) over a step
+    of micro-batches of ``sizes`` samples."""
     return tuple(
         process_memory(
             profile,
@@ -272,18 +284,27 @@ def _memory(
             virtual_stages=virtual_stages,
             optimizer_slots=optimizer_slots,
             compiled=compiled,
+            data_parallel=sharing.data_parallel,
+            replicas=sharing.replicas,
         )
         for r in range(K)
     )
 
 
-def _allreduce_time(
-    profile: ModelProfile, cells: list[range], owner: dict[int, int], replicas: int, bandwidth: float
-) -> float:
-    """Seconds to average the gradients over ``replicas`` pipelines: a ring all-reduce of the largest process's."""
-    if replicas == 1:
-        return 0.0
-    held: dict[int, int] = {}
+def _process_layers(
+    profile: ModelProfile, cells: list[range], owner: dict[int, int], K: int
+) -> list[list[LayerProfile]]:
+    """The layers each of the ``K`` processes holds, its stages together."""
+    held: list[list[LayerProfile]] = [[] for _ in range(K)]
     for s, cell in enumerate(cells):
-        held[owner[s]] = held.get(owner[s], 0) + sum(profile.layers[i].trainable_bytes for i in cell)
-    return 2 * (replicas - 1) / replicas * max(held.values()) / bandwidth
+        held[owner[s]] += [profile.layers[i] for i in cell]
+    return held
+
+
+def _updates(profile: ModelProfile, cells: list[range], sharing: Sharing, bandwidth: float) -> list[float]:
+    """Each stage's seconds after its last action: under ``"fsdp"`` its gradients' reduce-scatter, then its optimizer
+    step (over its shards)."""
+    return [
+        sharing.reduce_seconds([profile.layers[i] for i in cell], bandwidth) + sharing.update_seconds(profile, cell)
+        for cell in cells
+    ]

@@ -18,6 +18,10 @@ moment when activations are gone, temporaries of about one copy of the trainable
 
 :func:`process_memory` walks a process that holds several stages (``"interleaved"``, ``"zbv"``) through its actions
 over all of them (:func:`~lightning_gpipe.engine.schedule.process_actions`).
+
+Under ``data_parallel="fsdp"`` (:mod:`~lightning_gpipe.plan.sharding`) the state is each replica's shard, and the walk
+adds what a step holds whole: the gathered parameters throughout, each stage's gradients from its first backward pass
+on (layer by layer as that pass creates them), the unit being reduce-scattered at the step's end.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 
 from lightning_gpipe.engine.rematerialization import CheckpointMode, checkpoint_stop
 from lightning_gpipe.engine.schedule import MULTI_STAGE, Action, Phase, cached_process_actions, stages_of
+from lightning_gpipe.partition.config import DataParallel
+from lightning_gpipe.plan.sharding import Sharing
 from lightning_gpipe.profile.layer_profile import LayerProfile, ModelProfile
 
 __all__ = ["StageBytes", "StageMemory", "process_memory", "stage_bytes", "stage_memory"]
@@ -37,15 +43,18 @@ __all__ = ["StageBytes", "StageMemory", "process_memory", "stage_bytes", "stage_
 class StageMemory:
     """Predicted bytes of one stage: resident state, the mini-batch, and the peak of everything per micro-batch."""
 
-    state: float  # parameters + gradients + optimizer state + buffers
+    state: float  # parameters + gradients + optimizer state + buffers (under "fsdp": the replica's shards of the three)
     batch: float  # the mini-batch's input, handed to every stage
-    activations: float  # the peak of micro-batch activations, gradients and workspaces over the step
+    # The peak over the step of micro-batch activations, gradients and workspaces; under "fsdp" with the parameters'
+    # gradients accumulated whole and the reduce-scatter's buffers.
+    activations: float
     optimizer: float  # temporaries of the optimizer step (activations are freed by then)
+    gathered: float = 0.0  # under "fsdp": the parameters gathered whole, from the step's start to its end
 
     @property
     def peak(self) -> float:
         """The stage's predicted peak bytes."""
-        return self.state + self.batch + max(self.activations, self.optimizer)
+        return self.state + self.batch + max(self.gathered + self.activations, self.optimizer)
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ class StageBytes:
     rebuilt: float  # what a re-materialized backward recomputes: the saved activations not already held
     backward: float | None = None  # the peak of this micro-batch's backward through the layers (None: not known)
     selective: float = 0.0  # what selective re-materialization keeps besides the boundary: the kept operators' outputs
+    backward_layers: tuple[float, ...] = ()  # ``backward`` at each layer's own backward, in the stage's order
 
 
 def stage_bytes(profile: ModelProfile, cell: range, *, last: bool) -> StageBytes:
@@ -82,8 +92,10 @@ def stage_bytes(profile: ModelProfile, cell: range, *, last: bool) -> StageBytes
     selective -= 0.0 if last else layers[-1].selective_output_bytes
     tracked = _tracked(layers, before, last)
     if tracked is not None:
-        saved, forward_end, kept, kept_rematerialized, rebuilt, backward = tracked
-        return StageBytes(saved, received, output, forward_end, kept, kept_rematerialized, rebuilt, backward, selective)
+        saved, forward_end, kept, kept_rematerialized, rebuilt, by_layer = tracked
+        return StageBytes(
+            saved, received, output, forward_end, kept, kept_rematerialized, rebuilt, max(by_layer), selective, by_layer
+        )
     overlap = sum(min(b.saved_input_bytes, a.saved_output_bytes) for a, b in zip(layers, layers[1:], strict=False))
     saved = sum(layer.saved_bytes for layer in layers) - overlap
     sent = 0.0 if last else output
@@ -92,9 +104,12 @@ def stage_bytes(profile: ModelProfile, cell: range, *, last: bool) -> StageBytes
     )
 
 
-def _tracked(layers: list[LayerProfile], before: LayerProfile | None, last: bool) -> tuple[float, ...] | None:
-    """(saved, forward_end, kept, kept_rematerialized, rebuilt, backward) from the per-leaf records, or ``None``
-    when some layer has none or they do not line up (a layer's input leaves are not its predecessor's outputs).
+def _tracked(
+    layers: list[LayerProfile], before: LayerProfile | None, last: bool
+) -> tuple[float, float, float, float, float, tuple[float, ...]] | None:
+    """(saved, forward_end, kept, kept_rematerialized, rebuilt, the backward's peak at each layer) from the per-leaf
+    records, or ``None`` when some layer has none or they do not line up (a layer's input leaves are not its
+    predecessor's outputs).
 
     The engine keeps a stage's received input until its backward (to send its gradient back), and the output it sent
     until the gradient comes back, whatever the layers save. ``backward`` walks the layers from the last to the first:
@@ -137,7 +152,7 @@ def _tracked(layers: list[LayerProfile], before: LayerProfile | None, last: bool
     sent = set() if last else outputs
     engine = inputs | sent  # what the engine holds for the boundary, saved or not
     gradient = 0.0 if last else total(outputs)  # the gradient received for the output, alive through the backward
-    backward = max(
+    by_layer = tuple(
         kept + total(ids_so_far | engine) + layer.transient_bytes + (gradient if k < len(layers) - 1 else 0.0)
         for k, (layer, (kept, ids_so_far)) in enumerate(zip(layers, upto, strict=True))
     )
@@ -147,7 +162,7 @@ def _tracked(layers: list[LayerProfile], before: LayerProfile | None, last: bool
         internal + total(held | engine),
         total(engine),
         internal + total(held - engine),
-        backward,
+        by_layer,
     )
 
 
@@ -164,6 +179,8 @@ def stage_memory(
     schedule: str = "gpipe",
     optimizer_slots: float = 2.0,
     compiled: bool = False,
+    data_parallel: DataParallel = "ddp",
+    replicas: int = 1,
 ) -> StageMemory:
     """Predict the memory of stage ``stage``, which holds layers ``cell`` of ``profile``.
 
@@ -181,6 +198,8 @@ def stage_memory(
             momentum, 0 for plain SGD).
         compiled: the layers are compiled (``compile=True``): ``"selective"`` then keeps its share of every
             micro-batch, the last included.
+        data_parallel, replicas: how the stage's ``replicas`` replicas share it (:class:`~lightning_gpipe.plan.sharding.
+            Sharing`): whole (``"ddp"``) or sharded (``"fsdp"``, over more than one replica).
     """
     if schedule in MULTI_STAGE:
         raise ValueError(
@@ -188,10 +207,8 @@ def stage_memory(
             "HINT: use process_memory with every stage's cell."
         )
     actions = cached_process_actions(schedule, stage, num_stages, num_microbatches)
-    return _walk(
-        profile, {stage: cell}, actions, num_stages, num_microbatches, microbatch_size, batch_size, checkpoint,
-        optimizer_slots, compiled,
-    )  # fmt: skip
+    step = _Step(num_stages, num_microbatches, microbatch_size, batch_size, checkpoint, optimizer_slots, compiled)
+    return _Walk(profile, {stage: cell}, step, Sharing.of(data_parallel, replicas)).run(actions)
 
 
 def process_memory(
@@ -208,6 +225,8 @@ def process_memory(
     virtual_stages: int = 1,
     optimizer_slots: float = 2.0,
     compiled: bool = False,
+    data_parallel: DataParallel = "ddp",
+    replicas: int = 1,
 ) -> StageMemory:
     """Predict the memory of process ``rank``, which holds the stages :func:`~lightning_gpipe.engine.schedule.stages_of`
     gives, stage ``s`` with the layers ``cells[s]``.
@@ -234,10 +253,21 @@ def process_memory(
             f"{num_processes * len(held)} stages. HINT: give one range of layers per stage."
         )
     actions = cached_process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages)
-    return _walk(
-        profile, {s: cells[s] for s in held}, actions, len(cells), num_microbatches, microbatch_size, batch_size,
-        checkpoint, optimizer_slots, compiled,
-    )  # fmt: skip
+    step = _Step(len(cells), num_microbatches, microbatch_size, batch_size, checkpoint, optimizer_slots, compiled)
+    return _Walk(profile, {s: cells[s] for s in held}, step, Sharing.of(data_parallel, replicas)).run(actions)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The step a process's memory is walked through: its shape, re-materialization and optimizer."""
+
+    num_stages: int
+    num_microbatches: int
+    microbatch_size: int
+    batch_size: int
+    checkpoint: CheckpointMode
+    optimizer_slots: float
+    compiled: bool
 
 
 @dataclass(frozen=True)
@@ -251,78 +281,123 @@ class _Held:
     workspace: float
     loss: float
     weight_grads: float = 0.0  # what a split backward's I keeps for W: the output gradients of its weighted operations
+    # Per layer: the whole gradients a sharded stage's first backward has created once it reaches the layer (zeros
+    # under "ddp", where they are state), and the largest of its parameters' gradients, which every other backward
+    # computes afresh before adding it to the one held.
+    created: tuple[float, ...] = ()
+    computed: tuple[float, ...] = ()
+    transients: tuple[float, ...] = ()  # per layer: its backward's workspace for a micro-batch
 
 
-def _walk(
-    profile: ModelProfile,
-    cells: dict[int, range],
-    actions: Sequence[Action],
-    num_stages: int,
-    num_microbatches: int,
-    microbatch_size: int,
-    batch_size: int,
-    checkpoint: CheckpointMode,
-    optimizer_slots: float,
-    compiled: bool = False,
-) -> StageMemory:
-    """The peak of one process holding stages ``cells`` (stage -> layers) walked through its ``actions``."""
-    n = microbatch_size
-    layers = [profile.layers[i] for cell in cells.values() for i in cell]
-    trainable = sum(layer.trainable_bytes for layer in layers)
-    state = sum(layer.param_bytes + layer.buffer_bytes for layer in layers) + trainable * (1.0 + optimizer_slots)
-    stop = checkpoint_stop(checkpoint, num_microbatches, compiled=compiled)
-    selective = checkpoint == "selective"
-    stages: dict[int, _Held] = {}
-    for s, cell in cells.items():
-        last = s == num_stages - 1
-        cell_layers = [profile.layers[i] for i in cell]
-        workspace = n * max(layer.transient_bytes for layer in cell_layers)
-        each = stage_bytes(profile, cell, last=last)
-        stages[s] = _Held(
-            each=each,
-            last=last,
-            received=n * each.received,
-            widest=n * max(layer.output_bytes for layer in cell_layers),
-            workspace=max(workspace, n * profile.loss_transient_bytes) if last else workspace,
-            # The last stage hands its output to the loss, which keeps what it needs; other stages keep the output
-            # they sent until its gradient comes back.
-            loss=n * profile.loss_saved_bytes if last else 0.0,
-            weight_grads=0.0 if s == 0 else n * sum(layer.weighted_output_bytes for layer in cell_layers),
-        )  # fmt: skip
+class _Walk:
+    """The peak of one process holding stages ``cells`` (stage -> layers), walked through its actions.
 
-    def kept(held: _Held, i: int) -> float:
-        if i >= stop:
+    ``live`` is what the micro-batches in flight hold; ``whole`` the gradients accumulated whole under ``"fsdp"`` (each
+    stage's from its first backward pass on); a candidate for the peak is what is held at some moment beside both.
+    """
+
+    def __init__(self, profile: ModelProfile, cells: dict[int, range], step: _Step, sharing: Sharing) -> None:
+        self.profile, self.step, self.sharing = profile, step, sharing
+        self.layers = [profile.layers[i] for cell in cells.values() for i in cell]
+        n = step.microbatch_size
+        self.stop = checkpoint_stop(step.checkpoint, step.num_microbatches, compiled=step.compiled)
+        self.selective = step.checkpoint == "selective"
+        self.stages: dict[int, _Held] = {}
+        for s, cell in cells.items():
+            last = s == step.num_stages - 1
+            cell_layers = [profile.layers[i] for i in cell]
+            workspace = n * max(layer.transient_bytes for layer in cell_layers)
+            each = stage_bytes(profile, cell, last=last)
+            self.stages[s] = _Held(
+                each=each,
+                last=last,
+                received=n * each.received,
+                widest=n * max(layer.output_bytes for layer in cell_layers),
+                workspace=max(workspace, n * profile.loss_transient_bytes) if last else workspace,
+                # The last stage hands its output to the loss, which keeps what it needs; other stages keep the output
+                # they sent until its gradient comes back.
+                loss=n * profile.loss_saved_bytes if last else 0.0,
+                weight_grads=0.0 if s == 0 else n * sum(layer.weighted_output_bytes for layer in cell_layers),
+                created=sharing.gradients(cell_layers),
+                computed=tuple(float(layer.computed_gradient_bytes) for layer in cell_layers),
+                transients=tuple(n * layer.transient_bytes for layer in cell_layers),
+            )
+        self.live = self.whole = self.peak = 0.0
+        self.started: set[int] = set()  # the stages whose parameters' gradients have been computed in this step
+
+    def kept(self, held: _Held, i: int) -> float:
+        """What micro-batch ``i`` keeps on the stage from its forward to its backward."""
+        n = self.step.microbatch_size
+        if i >= self.stop:
             return held.loss + n * held.each.kept
-        return held.loss + n * (held.each.kept_rematerialized + (held.each.selective if selective else 0.0))
+        return held.loss + n * (held.each.kept_rematerialized + (held.each.selective if self.selective else 0.0))
 
-    live = peak = 0.0
-    for action in actions:
-        assert action.stage is not None, "process_actions names each action's stage"
-        i, held = action.microbatch, stages[action.stage]
-        each = held.each
-        # What a selective backward finds kept, it does not rebuild.
-        rebuilt = n * max(0.0, each.rebuilt - (each.selective if selective else 0.0)) if i < stop else 0.0
-        if action.phase is Phase.FORWARD:
-            # A re-materialized forward still builds each layer's output from the one before (and keeps what
-            # selective re-materialization keeps as it goes).
-            wrapped = held.received + 2 * held.widest + (n * each.selective if selective else 0.0)
-            peak = max(peak, live + held.loss + (wrapped if i < stop else n * each.forward_end))
-            live += kept(held, i)
-        elif action.phase is Phase.WEIGHT:
-            # The weight gradients read what I left; then the micro-batch is gone.
-            peak = max(peak, live + held.workspace)
-            live -= kept(held, i) + rebuilt + held.weight_grads
-        elif each.backward is None:
-            gradient = 0.0 if held.last else n * each.output
-            peak = max(peak, live + rebuilt + gradient + held.workspace)
-            live += rebuilt + held.weight_grads if action.phase is Phase.INPUT else -kept(held, i)
+    def hold(self, nbytes: float) -> None:
+        """A moment of the step at which ``nbytes`` are held beside the micro-batches' and the whole gradients."""
+        self.peak = max(self.peak, self.live + self.whole + nbytes)
+
+    def run(self, actions: Sequence[Action]) -> StageMemory:
+        """Walk ``actions`` in order; the memory at the peak."""
+        n, profile, selective = self.step.microbatch_size, self.profile, self.selective
+        self.hold(self.sharing.gathering(self.layers))  # as the step begins, a unit's gather is copied out
+        for action in actions:
+            assert action.stage is not None, "process_actions names each action's stage"
+            i, held = action.microbatch, self.stages[action.stage]
+            each = held.each
+            # What a selective backward finds kept, it does not rebuild.
+            rebuilt = n * max(0.0, each.rebuilt - (each.selective if selective else 0.0)) if i < self.stop else 0.0
+            if action.phase is Phase.FORWARD:
+                # A re-materialized forward still builds each layer's output from the one before (and keeps what
+                # selective re-materialization keeps as it goes).
+                wrapped = held.received + 2 * held.widest + (n * each.selective if selective else 0.0)
+                self.hold(held.loss + (wrapped if i < self.stop else n * each.forward_end))
+                self.live += self.kept(held, i)
+            elif action.phase is Phase.WEIGHT:
+                # The weight gradients read what I left; then the micro-batch is gone.
+                self.hold(held.workspace)
+                self._gradients(action.stage, held.transients)
+                self.live -= self.kept(held, i) + rebuilt + held.weight_grads
+            else:
+                self._backward(action, held, rebuilt)
+        assert math.isclose(self.live, 0.0, abs_tol=1e-6 * max(self.peak, 1.0)), "backward frees what forward kept"
+        self.hold(self.sharing.reducing(self.layers))  # as it ends, the whole gradients are reduced unit by unit
+        return StageMemory(
+            self.sharing.state(self.layers, self.step.optimizer_slots),
+            self.step.batch_size * profile.input_bytes,
+            self.peak,
+            self.sharing.optimizer(self.layers, self.step.optimizer_slots),
+            self.sharing.gathered(self.layers),
+        )
+
+    def _gradients(self, stage: int, by_layer: Sequence[float]) -> None:
+        """A pass that computes ``stage``'s parameters' gradients, holding ``by_layer`` at each layer on top of them: a
+        sharded stage's first pass creates them whole, and they stay to the step's end (``whole``); every other pass
+        computes each layer's gradient before adding it to the one held."""
+        held = self.stages[stage]
+        first = self.sharing.sharded and stage not in self.started
+        self.started.add(stage)
+        gradients = held.created if first else held.computed
+        self.hold(max(b + g for b, g in zip(by_layer, gradients, strict=True)))
+        if first:
+            self.whole += held.created[0]
+
+    def _backward(self, action: Action, held: _Held, rebuilt: float) -> None:
+        """A backward pass (whole, or a split one's input pass I) of micro-batch ``action.microbatch``."""
+        assert action.stage is not None
+        n, i, each = self.step.microbatch_size, action.microbatch, held.each
+        gradient = 0.0 if held.last else n * each.output
+        # A whole backward computes the parameters' gradients too; a split one's input pass leaves them to its W.
+        if each.backward is None:
+            self.hold(rebuilt + gradient + held.workspace)
+            by_layer = [rebuilt + gradient + transient for transient in held.transients]
         else:
-            # The loss's backward runs first, with all of this micro-batch held; then the layers', last to first
-            # (a re-materialized micro-batch is rebuilt when its cell's backward begins).
-            others = live - kept(held, i)
-            loss_backward = kept(held, i) + n * profile.loss_transient_bytes if held.last else 0.0
-            peak = max(peak, others + loss_backward, others + n * each.backward)
-            live += rebuilt + held.weight_grads if action.phase is Phase.INPUT else -kept(held, i)
-    assert math.isclose(live, 0.0, abs_tol=1e-6 * max(peak, 1.0)), "every micro-batch's backward frees what it kept"
-    optimizer = float(trainable) if optimizer_slots > 0 else 0.0
-    return StageMemory(float(state), batch_size * profile.input_bytes, peak, optimizer)
+            # The loss's backward runs first, with all of this micro-batch held; then the layers', last to first (a
+            # re-materialized micro-batch is rebuilt when its cell's backward begins).
+            self.hold(n * self.profile.loss_transient_bytes if held.last else -self.kept(held, i))
+            peaks = each.backward_layers or (each.backward,) * len(held.transients)
+            by_layer = [n * peak - self.kept(held, i) for peak in peaks]
+        if action.phase is Phase.BACKWARD:
+            self._gradients(action.stage, by_layer)
+        else:
+            self.hold(max(by_layer))
+        self.live += rebuilt + held.weight_grads if action.phase is Phase.INPUT else -self.kept(held, i)

@@ -1,5 +1,6 @@
 """Why the planner chose what it chose: the reasons a :class:`~lightning_gpipe.plan.result.Plan` lists, one per
-pipeline size, schedule, re-materialization mode and micro-batch count it did not choose."""
+pipeline size, schedule, re-materialization mode and micro-batch count it did not choose, and why its replicas hold
+the stages whole or sharded."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Sequence
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.engine.schedule import SCHEDULES
 from lightning_gpipe.plan.result import Candidate, format_bytes
+from lightning_gpipe.plan.sharding import PlannedDataParallel
 
-__all__ = ["not_weighed", "reasons"]
+__all__ = ["data_parallel_reason", "not_weighed", "reasons"]
 
 
 def reasons(best: Candidate, every: list[Candidate], budget: float, skipped: Sequence[str] = ()) -> list[str]:
@@ -25,6 +27,32 @@ def reasons(best: Candidate, every: list[Candidate], budget: float, skipped: Seq
         f"chosen: the fastest configuration that fits, {why.speed(best)}, bubble {best.bubble:.0%}, peak "
         f"{format_bytes(best.peak)} of {format_bytes(budget)}",
     ]
+
+
+def data_parallel_reason(
+    best: Candidate, requested: PlannedDataParallel, whole: Sequence[Candidate], budget: float
+) -> list[str]:
+    """Why ``best``'s replicas hold their stages whole or sharded, for a request of ``requested``; ``whole`` are the
+    candidates with whole replicas that ``"auto"`` weighed first, when none of them fit ``budget``."""
+    R = best.replicas
+    if best.data_parallel == "fsdp":
+        if not whole:
+            return [f"data_parallel='fsdp', as asked: each stage is sharded over its {R} replicas"]
+        least = min(whole, key=lambda c: c.peak)
+        return [
+            f"data_parallel='fsdp': nothing fits with whole replicas ('ddp': at best {format_bytes(least.peak)} per "
+            f"device > {format_bytes(budget)}, with {least.label()}); sharded over its {R} replicas, a stage holds "
+            f"1/{R} of its parameters, gradients and optimizer state between steps, and its parameters gathered "
+            "whole during each step"
+        ]
+    if requested == "fsdp" and R == 1:
+        return [f"data_parallel='ddp': at K={best.pipe_size} each stage has a single replica, nothing to shard over"]
+    if requested == "auto" and R > 1:
+        return [
+            f"data_parallel='ddp': the stages fit whole on each of their {R} replicas; 'fsdp' is weighed only when "
+            "nothing fits whole (ask for it with data_parallel='fsdp')"
+        ]
+    return []
 
 
 def not_weighed(schedule: str, K: int, layers: int) -> str:

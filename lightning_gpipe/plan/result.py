@@ -11,6 +11,7 @@ from typing import Any
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.schedule import stages_of
 from lightning_gpipe.partition.balance import cell_bounds
+from lightning_gpipe.partition.config import DataParallel
 from lightning_gpipe.plan.memory import StageMemory
 from lightning_gpipe.profile.layer_profile import ModelProfile
 
@@ -61,6 +62,7 @@ class Candidate:
     stage_busy: tuple[float, ...]  # seconds each process computes per step
     samples: int = 0  # samples per optimizer step over all replicas
     virtual_stages: int = 1  # v, the stages per process of "interleaved" (1 for the other schedules)
+    data_parallel: DataParallel = "ddp"  # how the replicas share each stage: whole, or sharded ("fsdp")
 
     @property
     def time_per_sample(self) -> float:
@@ -88,11 +90,17 @@ class Candidate:
         recompute = ("never", "except_last", "selective", "always").index(self.checkpoint)
         return (round(math.log(max(self.time_per_sample, 1e-15)) / math.log(1.01)), self.peak, recompute)
 
+    @property
+    def data_parallel_label(self) -> str:
+        """``data_parallel='fsdp'`` for sharded replicas; empty for whole ones, the strategy's default."""
+        return f"data_parallel={self.data_parallel!r}" if self.data_parallel != "ddp" else ""
+
     def label(self) -> str:
         """The settings in one line, as the reasons and messages quote them."""
+        sharded = f", {self.data_parallel_label}" if self.data_parallel_label else ""
         return (
             f"K={self.pipe_size}, M={self.chunks}, checkpoint={self.checkpoint!r}, {self.schedule_label}, "
-            f"balance={list(self.balance)}"
+            f"balance={list(self.balance)}{sharded}"
         )
 
 
@@ -140,6 +148,11 @@ class Plan:
         return self.best.virtual_stages
 
     @property
+    def data_parallel(self) -> DataParallel:
+        """How the replicas share each stage: ``"ddp"`` (whole) or ``"fsdp"`` (sharded; only with several)."""
+        return self.best.data_parallel
+
+    @property
     def step_time(self) -> float:
         """Predicted seconds per optimizer step."""
         return self.best.step_time
@@ -156,7 +169,7 @@ class Plan:
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~lightning_gpipe.GPipeStrategy` that carry out this plan
-        (``virtual_stages`` only under ``"interleaved"``)."""
+        (``virtual_stages`` only under ``"interleaved"``, ``data_parallel`` only when ``"fsdp"``)."""
         settings: dict[str, Any] = {
             "pipe_size": self.pipe_size,
             "chunks": self.chunks,
@@ -166,6 +179,8 @@ class Plan:
         }
         if self.schedule == "interleaved":
             settings["virtual_stages"] = self.virtual_stages
+        if self.data_parallel != "ddp":
+            settings["data_parallel"] = self.data_parallel
         return settings
 
     def strategy_code(self) -> str:
@@ -184,22 +199,27 @@ class Plan:
         from rich.text import Text
 
         best = self.best
+        sharded = best.data_parallel != "ddp"
         head = Text(
             f"{self.devices} device(s) x {format_bytes(self.memory_per_device)}, batch {self.batch_size}"
             f"{' per pipeline' if self.per_pipeline_batch else ''}: "
             f"K={best.pipe_size} stages x {best.replicas} replica(s), M={best.chunks} micro-batches of "
-            f"{best.microbatch_size}, checkpoint={best.checkpoint!r}, {best.schedule_label}\n"
+            f"{best.microbatch_size}, checkpoint={best.checkpoint!r}, {best.schedule_label}"
+            f"{', ' + best.data_parallel_label if sharded else ''}\n"
             f"predicted step {best.step_time * 1e3:.1f} ms for {best.samples} samples, bubble {best.bubble:.0%}, "
             f"peak {format_bytes(best.peak)} ({best.peak / self.memory_per_device:.0%} of the budget)"
         )
         several = len(best.balance) > best.pipe_size  # each process holds several stages
         stages = Table(title="per process (its stages' layers)" if several else "per stage")
-        for column in ("process" if several else "stage", "layers", "state", "batch", "activations", "peak", "busy"):
+        columns = ["process" if several else "stage", "layers", "state", "batch", "activations", "peak", "busy"]
+        if sharded:  # the parameters gathered whole for the step, beside the shards in the state
+            columns.insert(4, "gathered")
+        for column in columns:
             stages.add_column(column, justify="right")
         cells = cell_bounds(best.balance)
         for r, (memory, busy) in enumerate(zip(best.stage_memory, best.stage_busy, strict=True)):
             held = stages_of(best.schedule, r, best.pipe_size, best.virtual_stages)
-            stages.add_row(
+            row = [
                 str(r),
                 ", ".join(f"{cells[s].start}-{cells[s].stop - 1}" for s in held),
                 format_bytes(memory.state),
@@ -207,7 +227,10 @@ class Plan:
                 format_bytes(memory.activations),
                 format_bytes(memory.peak),
                 f"{busy / best.step_time:.0%}" if best.step_time > 0 else "-",
-            )
+            ]
+            if sharded:
+                row.insert(4, format_bytes(memory.gathered))
+            stages.add_row(*row)
         why = Text("why:\n" + "\n".join(f"- {reason}" for reason in self.reasons))
         return Group(head, stages, why)
 

@@ -22,10 +22,12 @@ from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, Checkpoin
 from lightning_gpipe.engine.schedule import SCHEDULES, SPLIT_BACKWARD, validate_schedule
 from lightning_gpipe.engine.torch_compat import BatchNormBase
 from lightning_gpipe.partition.balance import balance_by_cost
+from lightning_gpipe.partition.config import DataParallel
 from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.plan.evaluate import evaluate
-from lightning_gpipe.plan.reasons import not_weighed, reasons
+from lightning_gpipe.plan.reasons import data_parallel_reason, not_weighed, reasons
 from lightning_gpipe.plan.result import Candidate, InfeasiblePlanError, Plan, format_bytes, parse_bytes
+from lightning_gpipe.plan.sharding import PlannedDataParallel, Sharing, check_data_parallel
 from lightning_gpipe.profile.layer_profile import ModelProfile, profile_layers
 from lightning_gpipe.profile.optimizer_step import OptimizerFactory
 
@@ -60,8 +62,10 @@ def plan(
     optimizer: OptimizerFactory | None = torch.optim.Adam,
     compiled: bool = False,
     virtual_stages: Sequence[int] = DEFAULT_VIRTUAL_STAGES,
+    data_parallel: PlannedDataParallel = "auto",
 ) -> Plan:
-    """Choose K, M, balance, checkpoint mode and schedule for training ``model`` on ``devices`` devices.
+    """Choose K, M, balance, checkpoint mode, schedule and data parallelism for training ``model`` on ``devices``
+    devices.
 
     Args:
         model: an ``nn.Sequential`` or a module holding one (a zoo model, a LightningModule); real or on meta.
@@ -81,6 +85,9 @@ def plan(
             engine's seconds per micro-batch and stage, and per boundary (default by device type: ``DEFAULT_*``).
         profile: a profile made earlier with :func:`profile_layers` (skips profiling).
         compiled: the stages' layers will be compiled: ``"selective"`` then re-materializes every micro-batch.
+        data_parallel: how the replicas of each stage (``devices / K`` of them) share it: ``"ddp"`` weighs them
+            whole, ``"fsdp"`` sharded (a K with one replica runs as ``"ddp"``), ``"auto"`` whole and, only when no
+            configuration fits whole, sharded (:mod:`~lightning_gpipe.plan.sharding`). Compiled layers run whole.
 
     Raises:
         InfeasiblePlanError: nothing fits; the message names the smallest device count and memory that would.
@@ -88,6 +95,7 @@ def plan(
     """
     budget = parse_bytes(memory_per_device)
     modes, kinds = _checked(devices, batch_size, checkpoints, schedules, virtual_stages)
+    requested = _planned_data_parallel(data_parallel, compiled)
     layers = find_sequence(model)[1] if not isinstance(model, nn.Sequential) else model
     smallest = _smallest_microbatch(layers)
     weighed = _pipe_sizes(pipe_sizes, devices, len(layers))
@@ -95,7 +103,7 @@ def plan(
     costs = {"bandwidth": bandwidth, "latency": latency, "overhead": overhead, "boundary_overhead": boundary_overhead}
     search = _Search(
         None, devices, batch_size, chunks, modes, kinds, tuple(virtual_stages), smallest, per_pipeline_batch,
-        {"optimizer_slots": optimizer_slots, "compiled": compiled, **costs},
+        {"optimizer_slots": optimizer_slots, "compiled": compiled, **costs}, requested,
     )  # fmt: skip
     if profile is None:
         profile = profile_layers(
@@ -120,6 +128,7 @@ class _Search:
     smallest: int  # samples a micro-batch needs at least (BatchNorm: two)
     per_pipeline: bool  # batch_size is each pipeline's
     options: dict[str, Any]  # passed on to evaluate
+    data_parallel: PlannedDataParallel = "ddp"  # what to weigh: whole replicas, sharded ones, or sharded if none fits
 
     def _per_replica(self, K: int) -> tuple[int, int]:
         """The step's samples and each pipeline's at K, for its ``devices / K`` pipelines."""
@@ -143,8 +152,9 @@ class _Search:
         fit = {m for m in counts if 1 <= m <= batch and min(microbatch_sizes(batch, m)) >= self.smallest}
         return sorted(fit or {1})
 
-    def candidates(self, pipe_sizes: Sequence[int]) -> list[Candidate]:
-        """Every configuration weighed at each of ``pipe_sizes``, balanced by time and (K > 1) by memory."""
+    def candidates(self, pipe_sizes: Sequence[int], data_parallel: DataParallel = "ddp") -> list[Candidate]:
+        """Every configuration weighed at each of ``pipe_sizes``, balanced by time and (K > 1) by memory, its
+        replicas sharing each stage as ``data_parallel`` says (whole where a K leaves one replica)."""
         assert self.profile is not None
         found: list[Candidate] = []
         for K in pipe_sizes:
@@ -152,11 +162,25 @@ class _Search:
             for M, mode, schedule in itertools.product(self._counts(per_replica), self.modes, self.kinds):
                 for v in _virtual_stages(schedule, K, M, len(self.profile), self.virtual_stages):
                     settings = {"pipe_size": K, "chunks": M, "checkpoint": mode, "schedule": schedule}
-                    by_time = self._evaluate(batch_size=total, replicas=self.devices // K, virtual_stages=v, **settings)
+                    by_time = self._evaluate(
+                        batch_size=total, replicas=self.devices // K, virtual_stages=v, data_parallel=data_parallel,
+                        **settings,
+                    )  # fmt: skip
                     found.append(by_time)
                     if K > 1:
                         found.append(_memory_balanced(self.profile, by_time, total, self.options))
         return found
+
+    def weighed(self, pipe_sizes: Sequence[int], budget: float) -> tuple[list[Candidate], list[Candidate]]:
+        """The candidates to choose from, and under ``"auto"`` the whole ones that made it weigh sharded ones: whole
+        replicas first, then (``"auto"``, none fitting) sharded ones; ``"fsdp"`` sharded ones only."""
+        first: DataParallel = "fsdp" if self.data_parallel == "fsdp" else "ddp"
+        every = self.candidates(pipe_sizes, first)
+        shardable = [K for K in pipe_sizes if self.devices // K > 1]
+        if self.data_parallel != "auto" or not shardable or any(c.peak <= budget for c in every):
+            return every, []
+        alone = [c for c in every if c.replicas == 1]  # nothing to shard: as they were
+        return self.candidates(shardable, "fsdp") + alone, every
 
     def _evaluate(self, **settings: Any) -> Candidate:
         assert self.profile is not None
@@ -166,18 +190,19 @@ class _Search:
         """The fastest configuration within ``budget`` bytes per device, with the reasons; or the error saying what
         would fit."""
         assert self.profile is not None
-        every = self.candidates(pipe_sizes)
+        every, whole = self.weighed(pipe_sizes, budget)
         fitting = sorted((c for c in every if c.peak <= budget), key=lambda c: c.preference)
         if not fitting:
-            raise self._infeasible(every, budget)
+            raise self._infeasible(every, budget, whole)
         best = fitting[0]
         weighed = {c.schedule for c in every if c.pipe_size == best.pipe_size}
         skipped += [not_weighed(name, best.pipe_size, len(self.profile)) for name in self.kinds if name not in weighed]
-        why = tuple(reasons(best, every, budget, skipped))
+        sharing = data_parallel_reason(best, self.data_parallel, whole, budget)
+        why = tuple(reasons(best, every, budget, [*skipped, *sharing]))
         ranked = tuple(fitting[:10])
         return Plan(best, self.devices, budget, self.batch_size, why, ranked, self.profile, self.per_pipeline)
 
-    def _infeasible(self, every: list[Candidate], budget: float) -> InfeasiblePlanError:
+    def _infeasible(self, every: list[Candidate], budget: float, whole: list[Candidate]) -> InfeasiblePlanError:
         assert self.profile is not None
         least = min(every, key=lambda c: c.peak)
         min_devices: int | None = None
@@ -194,11 +219,28 @@ class _Search:
         )
         message = (
             f"nothing fits {self.devices} device(s) with {format_bytes(budget)} each for batch {self.batch_size}: the "
-            f"thriftiest configuration ({least.label()}) peaks at {format_bytes(least.peak)} per device. HINT: "
-            f"{more}, or give each of the {self.devices} device(s) at least {format_bytes(least.peak)}; a smaller "
-            "batch_size or optimizer state also helps."
+            f"thriftiest configuration ({least.label()}) peaks at {format_bytes(least.peak)} per device"
+            f"{self._sharing_note(every, whole, budget)}. HINT: {more}, or give each of the {self.devices} device(s) "
+            f"at least {format_bytes(least.peak)}; a smaller batch_size or optimizer state also helps."
         )
         return InfeasiblePlanError(message, min_devices=min_devices, min_memory=least.peak)
+
+    def _sharing_note(self, every: list[Candidate], whole: list[Candidate], budget: float) -> str:
+        """What the replicas could hold, whole and sharded, for the message of a request that nothing fits."""
+        if self.devices == 1:
+            return ""
+        shardable = sorted({c.pipe_size for c in every if c.replicas > 1})
+        if not shardable:
+            return "; no K weighed leaves a stage several replicas to shard it over (data_parallel='fsdp')"
+        parts = []
+        if self.data_parallel != "fsdp":
+            least = min(whole or every, key=lambda c: c.peak)
+            parts.append(f"with whole replicas (data_parallel='ddp') at best {format_bytes(least.peak)}")
+        sharded = [c for c in every if c.data_parallel == "fsdp"] or self.candidates(shardable, "fsdp")
+        least = min(sharded, key=lambda c: c.peak)
+        fits = ", which fits: plan with data_parallel='fsdp' or 'auto'" if least.peak <= budget else ""
+        parts.append(f"sharded over them (data_parallel='fsdp') at best {format_bytes(least.peak)}{fits}")
+        return "; " + ", ".join(parts)
 
 
 def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, options: dict[str, Any]) -> Candidate:
@@ -206,10 +248,12 @@ def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, op
     n, slots = like.microbatch_size, options.get("optimizer_slots", 2.0)
     held = like.chunks if like.schedule == "gpipe" else like.pipe_size  # micro-batches in flight, about
     selective = like.checkpoint == "selective"
+    sharing = Sharing.of(like.data_parallel, like.replicas)
     costs = [
-        layer.param_bytes
-        + layer.buffer_bytes
-        + layer.trainable_bytes * (1 + slots)
+        sharing.state([layer], slots)
+        # Sharded, a step also holds the layer's parameters gathered and its gradients whole.
+        + sharing.gathered([layer])
+        + sharing.gradients([layer])[0]
         + n * (layer.saved_bytes if like.checkpoint == "never" else layer.saved_bytes / max(1, held))
         # A selective micro-batch keeps its kept operators' outputs until its backward.
         + (n * held * (layer.selective_bytes + layer.selective_output_bytes) if selective else 0)
@@ -218,7 +262,7 @@ def _memory_balanced(profile: ModelProfile, like: Candidate, batch_size: int, op
     return evaluate(
         profile, pipe_size=like.pipe_size, chunks=like.chunks, batch_size=batch_size, checkpoint=like.checkpoint,
         schedule=like.schedule, balance=balance_by_cost(costs, len(like.balance)), replicas=like.replicas,
-        virtual_stages=like.virtual_stages, **options,
+        virtual_stages=like.virtual_stages, data_parallel=like.data_parallel, **options,
     )  # fmt: skip
 
 
@@ -240,6 +284,17 @@ def _checked(
             "schedule='interleaved'"
         )
     return modes, kinds
+
+
+def _planned_data_parallel(data_parallel: object, compiled: bool) -> PlannedDataParallel:
+    """The request's ``data_parallel``, checked; compiled layers run whole (the strategy does not shard them yet)."""
+    requested = check_data_parallel(data_parallel)
+    if compiled and requested == "fsdp":
+        raise ValueError(
+            "data_parallel='fsdp' cannot be planned for compiled layers: the strategy does not shard compiled stages "
+            "yet. HINT: plan with data_parallel='ddp' (or 'auto'), or without compile"
+        )
+    return "ddp" if compiled else requested
 
 
 def _pipe_sizes(pipe_sizes: Sequence[int] | None, devices: int, layers: int) -> list[int]:

@@ -121,6 +121,7 @@ def simulate_step(
     first_send_parked: bool = False,
     weight: Sequence[float] | None = None,
     virtual_stages: int = 1,
+    ready: Sequence[float] | None = None,
 ) -> SimulatedStep:
     """Simulate one training step of a ``len(forward)``-stage pipeline.
 
@@ -149,6 +150,8 @@ def simulate_step(
             run as an action of its own; the input gradient takes the rest of ``backward``. Defaults to half of it.
         virtual_stages: stages per process for ``"interleaved"`` (the pipeline then has ``len(forward) // v``
             processes; ``"zbv"`` always has two).
+        ready: seconds from the step's start before each process can run its first action (its parameters gathered,
+            under ``data_parallel="fsdp"``), one per process; none by default.
 
     Raises:
         ValueError: unknown schedule, mismatched lengths, or negative or non-finite times.
@@ -178,7 +181,7 @@ def simulate_step(
     )
     K = S // per_process
     replay = _Replay(schedule, K, num_microbatches, virtual_stages, times, checkpoint_stop, first_send_parked)
-    spans = replay.run()
+    spans = replay.run([0.0] * K if ready is None else _per_stage("ready", ready, K))
     updates = [0.0] * S if update is None else _per_stage("update", update, S)
     stepped = [sum(updates[s] for s, r in replay.owner.items() if r == p) for p in range(K)]
     makespan = max(process[-1].end + step for process, step in zip(spans, stepped, strict=True))
@@ -242,8 +245,8 @@ class _Replay:
             end + self.times.links[min(stage, dep.stage)], self.finished[release] if release is not None else 0.0
         )
 
-    def run(self) -> list[list[Span]]:
-        """Every process's spans, in its order.
+    def run(self, starts: list[float]) -> list[list[Span]]:
+        """Every process's spans, in its order, each process starting no earlier than its ``starts`` seconds.
 
         Raises:
             RuntimeError: the processes' orders deadlock.
@@ -260,7 +263,7 @@ class _Replay:
                 releases = [release for dep in deps if (release := self.released_by(s, dep)) is not None]
                 if any(dep not in self.finished for dep in [*deps, *releases]):
                     break
-                start = max([self.arrival(s, dep) for dep in deps] + [spans[r][-1].end if spans[r] else 0.0])
+                start = max([self.arrival(s, dep) for dep in deps] + [spans[r][-1].end if spans[r] else starts[r]])
                 self.finished[action] = end = start + self.duration(action)
                 spans[r].append(Span(r, action, start, end))
                 ready.extend(n for n in range(self.K) if n != r and n not in ready)

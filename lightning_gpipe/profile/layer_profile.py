@@ -67,6 +67,14 @@ class LayerProfile:
     # Per sample, the outputs of its operations with a trainable weight (measured with split=True): the output
     # gradients a split backward keeps from the input pass to the weight pass.
     weighted_output_bytes: float = 0.0
+    # Its largest trainable parameter: the gradient a backward pass computes at once before adding it to the one held
+    # (0: not recorded, taken as all of trainable_bytes).
+    largest_trainable_bytes: int = 0
+
+    @property
+    def computed_gradient_bytes(self) -> int:
+        """The most bytes of parameter gradient its backward computes at once (see ``largest_trainable_bytes``)."""
+        return self.largest_trainable_bytes or self.trainable_bytes
 
 
 class SplitTimes(NamedTuple):
@@ -330,6 +338,7 @@ def _layer_bytes(
                 kept_output / rows,
                 graph_nodes(real, x, input_grad=index > 0) if split else 0,
                 weighted_output_bytes(real, x, input_grad=index > 0) / rows if split else 0.0,
+                max((p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad), default=0),
             )
         )
         last = (real, x)

@@ -12,9 +12,13 @@ per fit and rank, what the rank holds, each stage kept where it is after ``fit``
 - ``predictions-N.pt`` (rank 0, with ``"predict"``): ``trainer.predict`` on the training data after ``fit``; with
   ``"decode"``: the language model's greedy continuations of :func:`helpers.zoo_job.prompts`.
 
-``"measure_setup"`` records how much the peak RSS grew during setup (where the stage is allocated); ``"zoo"`` trains a
-zoo model's tiny configuration on its tiny batch instead (``"hf_causal_lm"`` or ``"llama_bf16"``: the Hugging Face
-language model saved in the config's folder as ``NAME-source``, see :mod:`helpers.zoo_job`).
+``"measure_setup"`` records how much the peak RSS grew during setup (where the stage is allocated);
+``"measure_steps": [N, ...]`` what each rank holds through those training steps (:class:`helpers.step_bytes.StepBytes`,
+in ``step-I-rankR.json`` with the rank's stage), its gradients zeroed in place between steps as the planner assumes;
+``"zoo"`` trains a zoo model's tiny configuration on its tiny batch instead (``"hf_causal_lm"`` or ``"llama_bf16"``: the
+Hugging Face language model saved in the config's folder as ``NAME-source``, see :mod:`helpers.zoo_job`).
+A run with ``"plan"`` (``AutoPlan``'s arguments) plans at setup; ``settings-N.json`` (rank 0) holds the settings each
+fit resolved, ``data_parallel`` included, and ``"settings_of": N`` gives a later fit those of fit N explicitly.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.strategy_memory.measure import pin_mmap_threshold
-from helpers.lightning_job import BATCH, SequentialModule, dataset, trainer_for
+from helpers.lightning_job import BATCH, SAMPLES, SequentialModule, dataset, trainer_for
 from helpers.load_job import _recording_reads
 from helpers.models import IN, OUT
+from helpers.step_bytes import StepBytes, end_after_profiling
 from helpers.tied_job import VOCAB, tied_lm, tokens
 from helpers.whole import whole_module
 from helpers.zoo_job import CAUSAL_LM, GENERATION, PROMPT_LENGTHS, Repeated, causal_lm, prompts
@@ -42,6 +47,7 @@ from helpers.zoo_tiny import tiny_batch, tiny_model
 from lightning_gpipe.engine.sharding import is_sharded, local_shard, whole
 
 WIDE = 1024  # the wide model's layers: 4 MiB of float32 each, so that a stage's allocation shows in the RSS
+MEASURED = 512  # the measured model's width: 1 MiB layers, whose activations at a batch of 256 weigh as much
 
 
 def wide() -> nn.Sequential:
@@ -49,7 +55,24 @@ def wide() -> nn.Sequential:
     return nn.Sequential(nn.Linear(IN, WIDE), *[nn.Linear(WIDE, WIDE) for _ in range(14)], nn.Linear(WIDE, OUT))
 
 
-BUILDERS = {"tied": tied_lm, "wide": wide}
+def measured() -> nn.Sequential:
+    """Two halves of four layers, 512 wide inside, 16 where they meet: a step's activations, gradients and gathered
+    parameters all weigh megabytes, far above what Lightning allocates beside them, and what crosses the boundary
+    (which the transport buffers) next to nothing."""
+    W, narrow = MEASURED, 16
+    return nn.Sequential(
+        nn.Linear(IN, W), nn.Tanh(), nn.Linear(W, W), nn.Linear(W, narrow),
+        nn.Linear(narrow, W), nn.Tanh(), nn.Linear(W, W), nn.Linear(W, OUT),
+    )  # fmt: skip
+
+
+def stack() -> nn.Sequential:
+    """Sixteen layers of 1 MiB and next to no activations: where whole replicas' state decides whether a stage fits."""
+    W = MEASURED
+    return nn.Sequential(nn.Linear(IN, W), *[nn.Linear(W, W) for _ in range(14)], nn.Linear(W, OUT))
+
+
+BUILDERS = {"tied": tied_lm, "wide": wide, "measured": measured, "stack": stack}
 PRETRAINED = (CAUSAL_LM, "llama_bf16")  # language models read from a checkpoint saved in the config's folder
 
 
@@ -99,6 +122,10 @@ class Module(SequentialModule):
             return torch.optim.Adam(self.parameters(), lr=0.01)
         return super().configure_optimizers()
 
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        # A measured step keeps its gradients' memory between steps, as the planner counts them in the state.
+        optimizer.zero_grad(set_to_none="measure_steps" not in self.job)
+
 
 def _status_bytes(field: str) -> int:
     match = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
@@ -146,6 +173,8 @@ def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
     read = _recording_reads() if run.get("zoo") in PRETRAINED else []  # what this rank reads from a checkpoint
     module, data = _module_and_data(run, root)
+    if "plan" in run:  # plan="auto" profiles the sequence on a few rows of its input
+        module.example_input_array = torch.randn(2, IN, generator=torch.Generator().manual_seed(1))
     options = {**run.get("options", {}), "data_parallel": run.get("data_parallel", "ddp")}
     # "16-mixed" on the CPU: Lightning would make it bf16, so the plugin is given with the GradScaler of a GPU's run.
     precision: dict[str, Any] = {"precision": run.get("precision", "32-true")}
@@ -154,10 +183,16 @@ def fit(run: dict[str, Any], root: Path, index: int) -> L.LightningModule:
     trainer = trainer_for({**run, "options": options}, root, **precision)
     rank = trainer.strategy.global_rank
     trainer.callbacks.append(Holdings(root / f"held-{index}-rank{rank}.pt", read))
+    measure = StepBytes(run["measure_steps"]) if "measure_steps" in run else None
+    if measure is not None:
+        trainer.callbacks.append(measure)
     batch_size = len(data) // run["steps"] if "zoo" in run else run.get("batch", BATCH)
     loader = DataLoader(data, batch_size=batch_size)
     validation = loader if run.get("limit_val_batches") else None
     trainer.fit(module, loader, validation)
+    if measure is not None:
+        record = {**measure.record(), "stage": trainer.strategy.layout.stage}  # type: ignore[attr-defined]
+        (root / f"step-{index}-rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:  # before predict, which clears them
         logged = {key: value.detach().cpu() for key, value in trainer.callback_metrics.items()}
         torch.save(logged, root / f"metrics-{index}.pt")
@@ -178,7 +213,7 @@ def _module_and_data(run: dict[str, Any], root: Path) -> tuple[L.LightningModule
     if name is None:
         module = Module(run)
         module.sync_dist = run.get("sync_dist", False)
-        return module, tokens() if run.get("model") == "tied" else dataset()
+        return module, tokens() if run.get("model") == "tied" else dataset(run.get("samples", SAMPLES))
     zoo_module, batch = causal_lm(root, name=name) if name in PRETRAINED else (tiny_model(name), tiny_batch(name))
     return zoo_module, Repeated(batch, run["steps"])  # the same batch every step
 
@@ -186,7 +221,17 @@ def _module_and_data(run: dict[str, Any], root: Path) -> tuple[L.LightningModule
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     root = Path(config_path).parent
+    chosen: list[dict[str, Any]] = []  # the settings each fit ran with (what plan="auto" chose)
     for index, run in enumerate(config["runs"]):
-        whole_trained = whole_module(fit(run, root, index))  # on every rank: the sharded stages gather their shards
+        if "settings_of" in run:  # the settings an earlier fit's plan chose, given explicitly
+            run = {key: value for key, value in run.items() if key != "settings_of"} | chosen[run["settings_of"]]
+        module = fit(run, root, index)
+        settings = module.trainer.strategy.settings  # type: ignore[attr-defined]
+        names = ("pipe_size", "chunks", "balance", "checkpoint", "schedule", "data_parallel")
+        chosen.append({name: getattr(settings, name) for name in names})
+        whole_trained = whole_module(module)  # on every rank: the sharded stages gather their shards
         if whole_trained is not None:
             torch.save(whole_trained.state_dict(), root / f"result-{index}.pt")
+            (root / f"settings-{index}.json").write_text(json.dumps(chosen[-1]))
+    if any("measure_steps" in run for run in config["runs"]):
+        end_after_profiling()

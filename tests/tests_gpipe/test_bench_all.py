@@ -21,7 +21,7 @@ def test_no_headlines_when_the_output_ends_otherwise() -> None:
 
 def test_every_goal_has_a_unique_key() -> None:
     keys = [goal.key for experiment in orchestrator.EXPERIMENTS for goal in experiment.headlines]
-    assert len(keys) == len(set(keys)) == 12
+    assert len(keys) == len(set(keys)) == 14
 
 
 def test_the_quick_run_has_every_goal() -> None:

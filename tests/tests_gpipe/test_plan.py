@@ -228,3 +228,61 @@ def test_plan_says_why_it_did_not_weigh_a_schedule_of_several_stages_per_process
     with pytest.raises(ValueError, match=r"virtual_stages=\[1\] must be a list of ints >= 2"):
         plan(nn.Sequential(nn.Identity()), None, devices=1, memory_per_device="1GB", batch_size=4, profile=meta(1),
              virtual_stages=[1])  # fmt: skip
+
+
+def test_plan_shards_the_replicas_only_when_no_configuration_fits_whole() -> None:
+    # 8 layers of 4 MiB, Adam, 4 devices restricted to K = 1 or 2: whole replicas need 82 MiB per device at best (K =
+    # 2); sharded over two replicas a stage holds half its state between steps, and its parameters gathered and its
+    # gradients whole during a step: 75.5 MiB.
+    profile, layers = synthetic(8, params=4 * MiB), nn.Sequential(*[nn.Identity()] * 8)
+    options: dict[str, Any] = {"devices": 4, "batch_size": 32, "profile": profile, "pipe_sizes": [1, 2]}
+    sharded = plan(layers, None, memory_per_device="80MiB", **options)
+    assert (sharded.data_parallel, sharded.pipe_size, sharded.best.replicas) == ("fsdp", 2, 2)
+    assert sharded.strategy_code().endswith(", data_parallel='fsdp')")
+    assert sharded.strategy_kwargs()["data_parallel"] == "fsdp"
+    assert sharded.reasons[0].startswith(
+        "data_parallel='fsdp': nothing fits with whole replicas ('ddp': at best 82.0 MiB per device > 80.0 MiB"
+    )
+    assert "gathered" in str(sharded)  # the table's column of the parameters a step gathers
+    # With room for whole replicas they stay whole, and the plan says when it would shard them.
+    whole = plan(layers, None, memory_per_device="100MiB", **options)
+    assert whole.data_parallel == "ddp"
+    assert "data_parallel" not in whole.strategy_kwargs()
+    assert any("'fsdp' is weighed only when nothing fits whole" in reason for reason in whole.reasons)
+    # Asked for sharded replicas, it plans them even where whole ones fit.
+    asked = plan(layers, None, memory_per_device="100MiB", data_parallel="fsdp", **options)
+    assert asked.data_parallel == "fsdp"
+    assert any(reason.startswith("data_parallel='fsdp', as asked") for reason in asked.reasons)
+
+
+def test_a_plan_of_whole_replicas_that_nothing_fits_says_what_sharding_would_hold() -> None:
+    profile, layers = synthetic(8, params=4 * MiB), nn.Sequential(*[nn.Identity()] * 8)
+    options: dict[str, Any] = {"devices": 4, "batch_size": 32, "profile": profile, "pipe_sizes": [1, 2]}
+    whole = r"with whole replicas \(data_parallel='ddp'\) at best 82.0 MiB, "
+    fits = r"sharded over them \(data_parallel='fsdp'\) at best 7\d\.\d MiB, which fits: plan with data_parallel='fsdp'"
+    with pytest.raises(InfeasiblePlanError, match=whole + fits):
+        plan(layers, None, memory_per_device="80MiB", data_parallel="ddp", **options)
+    # "auto" weighed both: the message gives both, the thriftiest sharded.
+    both = r"data_parallel='fsdp'\) peaks at .*; with whole replicas \(data_parallel='ddp'\) at best 82.0 MiB"
+    with pytest.raises(InfeasiblePlanError, match=both):
+        plan(layers, None, memory_per_device="40MiB", **options)
+    # One pipeline of every device has no replicas to shard over.
+    with pytest.raises(InfeasiblePlanError, match=r"no K weighed leaves a stage several replicas to shard it over"):
+        plan(layers, None, memory_per_device="10MiB", devices=2, batch_size=32, profile=profile, pipe_sizes=[2])
+
+
+def test_fsdp_over_a_single_replica_is_planned_as_ddp_and_bad_requests_are_refused() -> None:
+    profile, layers = synthetic(8), nn.Sequential(*[nn.Identity()] * 8)
+    alone = plan(layers, None, devices=2, memory_per_device="1GB", batch_size=32, profile=profile, pipe_sizes=[2],
+                 data_parallel="fsdp")  # fmt: skip
+    assert alone.data_parallel == "ddp"  # as the strategy runs it: nothing to shard over
+    assert any("each stage has a single replica, nothing to shard over" in reason for reason in alone.reasons)
+    with pytest.raises(ValueError, match=r"data_parallel='zero3' is not a way to plan the replicas; use 'ddp'"):
+        plan(layers, None, devices=2, memory_per_device="1GB", batch_size=32, profile=profile, data_parallel="zero3")  # type: ignore[arg-type]
+    # The strategy does not shard compiled stages: "fsdp" is refused, "auto" keeps the replicas whole.
+    with pytest.raises(ValueError, match=r"data_parallel='fsdp' cannot be planned for compiled layers"):
+        plan(layers, None, devices=2, memory_per_device="1GB", batch_size=32, profile=profile, compiled=True,
+             data_parallel="fsdp")  # fmt: skip
+    tight = {"devices": 4, "batch_size": 32, "profile": synthetic(8, params=4 * MiB), "pipe_sizes": [1, 2]}
+    with pytest.raises(InfeasiblePlanError):
+        plan(layers, None, memory_per_device="80MiB", compiled=True, **tight)

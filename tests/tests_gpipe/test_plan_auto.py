@@ -213,3 +213,61 @@ def test_auto_plan_is_exported_by_the_package() -> None:
 
     assert lightning_gpipe.AutoPlan is AutoPlan
     assert "AutoPlan" in lightning_gpipe.__all__
+
+
+def test_plan_auto_is_refused_beside_an_explicit_data_parallel_and_checks_its_own() -> None:
+    from lightning_gpipe.plan import AutoPlan
+
+    with pytest.raises(ValueError, match=r"data_parallel='fsdp' was given as well\. .*plan=AutoPlan\(data_parallel="):
+        GPipeStrategy(plan="auto", data_parallel="fsdp")
+    with pytest.raises(ValueError, match=r"data_parallel='zero' is not a way to plan the replicas"):
+        AutoPlan(data_parallel="zero")  # type: ignore[arg-type]
+    assert AutoPlan().data_parallel == "auto"
+    GPipeStrategy(plan=AutoPlan(data_parallel="fsdp"))  # the plan's own restriction
+
+
+def test_a_planned_data_parallel_takes_the_place_of_the_strategys() -> None:
+    from lightning_gpipe.partition.config import BuildConfig
+
+    resolved = BuildConfig().resolve(4, 0, {"pipe_size": 2, "chunks": 2, "data_parallel": "fsdp"})
+    assert resolved.data_parallel == "fsdp"
+    assert BuildConfig().resolve(4, 0, {"pipe_size": 2, "chunks": 2}).data_parallel == "ddp"
+
+
+@RunIf(multiprocess=True)
+@pytest.mark.timeout(420)
+def test_plan_auto_shards_the_replicas_when_whole_ones_do_not_fit(tmp_path: Path) -> None:
+    # Two pipelines of two stages on 4 ranks, 16 layers of 1 MiB and Adam: whole replicas need about 35 MiB per rank,
+    # sharded ones about 30 (as the planner profiles them here); with 32 MiB, plan="auto" shards them, every rank
+    # follows, and the fit equals the one given the printed settings explicitly.
+    from helpers.fsdp_job import stack
+    from helpers.models import IN
+
+    restrict = {"pipe_sizes": [2], "chunks": [2], "checkpoints": ["never"], "schedules": ["gpipe"]}
+    thriftiest = {}
+    for data_parallel in ("ddp", "fsdp"):
+        with pytest.raises(InfeasiblePlanError) as caught:
+            plan(stack(), torch.randn(2, IN), devices=4, memory_per_device=1, batch_size=16, per_pipeline_batch=True,
+                 data_parallel=data_parallel, **restrict)  # fmt: skip
+        thriftiest[data_parallel] = caught.value.min_memory
+    budget = 32 * 2**20
+    assert thriftiest["fsdp"] < budget < thriftiest["ddp"]
+    run = {"pipe_size": None, "devices": 4, "steps": 2, "model": "stack", "batch": 16, "clip": None}
+    runs = [{**run, "plan": {"memory_per_device": budget, **restrict}}, {**run, "settings_of": 0}]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"runs": runs}))
+    results = run_job("helpers.fsdp_job", [str(config)], 4, timeout=400)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-4000:]}"
+    settings = json.loads((tmp_path / "settings-0.json").read_text())
+    assert (settings["pipe_size"], settings["data_parallel"]) == (2, "fsdp")
+    assert "data_parallel='fsdp': nothing fits with whole replicas" in results[0].stdout
+    explicit = ", ".join(f"{name}={value!r}" for name, value in settings.items() if name != "data_parallel")
+    assert f"GPipeStrategy({explicit}, data_parallel='fsdp')" in results[0].stdout
+    for rank in range(4):
+        held = torch.load(tmp_path / f"held-0-rank{rank}.pt", weights_only=True)
+        assert held["sharded"], f"rank {rank} holds no shard"
+    planned, given = (torch.load(tmp_path / f"result-{i}.pt", weights_only=True) for i in range(2))
+    assert planned.keys() == given.keys()
+    for key, value in given.items():
+        assert torch.equal(planned[key], value), key

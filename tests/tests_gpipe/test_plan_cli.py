@@ -9,6 +9,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -142,3 +143,26 @@ def test_the_command_line_plans_interleaved_stages_and_prints_their_virtual_stag
     assert code.group(0).endswith("schedule='interleaved', virtual_stages=2)"), line
     config = eval(code.group(0), {"GPipeStrategy": GPipeStrategy}).config
     assert (config.virtual_stages, len(config.balance)) == (2, 2 * config.pipe_size)
+
+
+def test_the_command_line_plans_the_replicas_whole_sharded_or_either(
+    user_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    options: dict[str, Any] = {"devices": 2, "batch_size": 8, "flops_per_second": 1e9, "schedules": ["gpipe"]}
+    options["per_pipeline_batch"] = True
+    sample = torch.empty(2, 8, device="meta")
+    assert main([f"{user_module}:Net", *ARGS, "--data-parallel", "fsdp"]) == 0
+    expected = plan(layers.to("meta"), sample, memory_per_device="1GB", data_parallel="fsdp", **options)
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == f"GPipe plan for 2 device(s); to train with it: {expected.strategy_code()}"
+    assert line.endswith(", data_parallel='fsdp')")
+    config = eval(line.split(": ", 1)[1], {"GPipeStrategy": GPipeStrategy}).config
+    assert config.data_parallel == "fsdp"
+    # Whole replicas only, with too little memory: the answer says what sharded ones would hold.
+    tight = [arg if arg != "1GB" else "2KB" for arg in ARGS]
+    assert main([f"{user_module}:Net", *tight, "--data-parallel", "ddp"]) == 2
+    assert "sharded over them (data_parallel='fsdp') at best" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([f"{user_module}:Net", *ARGS, "--data-parallel", "zero3"])
+    assert "invalid choice: 'zero3'" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.plan_profiles import FREE_LINKS, meta, synthetic
+from helpers.plan_profiles import FREE_LINKS, MiB, meta, synthetic
 
 from lightning_gpipe.engine.microbatch import scatter
 from lightning_gpipe.plan import (
@@ -220,3 +220,22 @@ def test_the_planner_weighs_the_micro_batches_the_engine_splits_for_every_batch_
             engine = scatter(torch.zeros(total, 1), chunks)
             weighed = evaluate(profile, pipe_size=1, chunks=chunks, batch_size=total, checkpoint="never")
             assert (weighed.chunks, weighed.microbatch_size) == (len(engine), engine[0].size), (total, chunks)
+
+
+def test_sharded_replicas_gather_before_the_step_reduce_after_it_and_update_their_shards() -> None:
+    # One stage of 8 MiB of parameters on 4 replicas, over a link of 1e9 bytes per second: whole replicas all-reduce
+    # 2 x 3/4 of the gradients after the step; sharded ones gather 3/4 of the parameters before their first action,
+    # reduce-scatter 3/4 of the gradients after their last, and their optimizer steps over a quarter of the parameters
+    # (its cost per call whole).
+    profile = replace(synthetic(8), updates=(1e-3,) * 8, update_call=2e-3)
+    options: dict[str, Any] = {"pipe_size": 1, "chunks": 1, "batch_size": 16, "checkpoint": "never", "replicas": 4}
+    options |= {"bandwidth": 1e9, "latency": 0.0, "overhead": 0.0, "boundary_overhead": 0.0}
+    whole = evaluate(profile, data_parallel="ddp", **options)
+    sharded = evaluate(profile, data_parallel="fsdp", **options)
+    link = 3 / 4 * 8 * MiB / 1e9
+    compute = whole.step_time - 2 * link - (8e-3 + 2e-3)
+    assert sharded.step_time == pytest.approx(link + compute + link + (8e-3 / 4 + 2e-3))
+    assert (whole.data_parallel, sharded.data_parallel) == ("ddp", "fsdp")
+    # One replica has nothing to shard over: planned as the strategy runs it, whole.
+    alone = evaluate(profile, data_parallel="fsdp", **{**options, "replicas": 1})
+    assert alone.data_parallel == "ddp"

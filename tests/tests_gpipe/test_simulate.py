@@ -211,3 +211,13 @@ def test_a_parked_first_send_waits_only_for_a_forward_of_its_own_stage(schedule:
     # simulation of CPU stages deadlocked ("schedule 'interleaved' deadlocks with K=2, M=1").
     step = simulate_step(schedule, [1.0] * 4, [2.0] * 4, M, transfer=0.1, first_send_parked=True, virtual_stages=2)
     assert step.makespan >= simulate_step(schedule, [1.0] * 4, [2.0] * 4, M, transfer=0.1, virtual_stages=2).makespan
+
+
+def test_a_process_starts_once_its_parameters_are_gathered() -> None:
+    # K=2, M=2, f=1, b=2: fill-drain ends at 9 (see above). Stage 0 gathering its parameters until 0.5 delays the whole
+    # step; stage 1's gather hides behind stage 0's first forward until it ends after that forward's arrival (at 1).
+    assert simulate_step("gpipe", [1, 1], [2, 2], 2, ready=[0.5, 0.0]).makespan == 9.5
+    assert simulate_step("gpipe", [1, 1], [2, 2], 2, ready=[0.0, 1.0]).makespan == 9.0
+    assert simulate_step("gpipe", [1, 1], [2, 2], 2, ready=[0.0, 2.5]).makespan == 10.5
+    with pytest.raises(ValueError, match="ready has 1 entries"):
+        simulate_step("gpipe", [1, 1], [2, 2], 2, ready=[0.5])
