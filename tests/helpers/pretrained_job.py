@@ -135,13 +135,16 @@ class _AtStart(L.Callback):
 
 
 class _ExportAtEnd(L.Callback):
-    """``export_pretrained`` at the end of training, while each rank holds its stage: every rank calls it."""
+    """``export_pretrained`` (and ``export_adapter`` for a model with LoRA adapters) at the end of training, while each
+    rank holds its stage: every rank calls them."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.export_pretrained(self.directory, max_shard_size="60KB")  # type: ignore[operator]
+        if getattr(pl_module, "_lora_config", None) is not None:
+            pl_module.export_adapter(self.directory.with_name(f"{self.directory.name}-adapter"))  # type: ignore[operator]
 
 
 def fit(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -216,6 +217,7 @@ class PretrainedCausalLM(ZooModule):
         if self.hparams["config"].get("model_type") == "gpt2":
             settings.setdefault("fan_in_fan_out", True)  # Conv1D stores its weight transposed
         config = LoraConfig(**settings)
+        self._lora_config = config  # the sequence's own peft_config is left behind when a pipeline cuts it
         inject_adapter_in_model(config, self.layers)
         for name, parameter in self.layers.named_parameters():
             parameter.requires_grad_("lora_" in name)
@@ -349,27 +351,26 @@ class PretrainedCausalLM(ZooModule):
     def export_adapter(self, directory: str | Path) -> Path:
         """Write the LoRA adapters alone as ``peft`` writes them (``adapter_config.json``,
         ``adapter_model.safetensors``), named for the ``transformers`` model: ``peft.PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(name_or_path), directory)`` gives this model's logits."""
-        from peft import get_peft_model_state_dict
+        AutoModelForCausalLM.from_pretrained(name_or_path), directory)`` gives this model's logits.
+
+        A model whose ``layers`` hold one pipeline stage (after ``fit`` under ``GPipeStrategy``) exports as a
+        collective: call it on every process; global rank 0 gathers the stages' adapters (small beside the model) and
+        writes them."""
         from peft.utils import SAFETENSORS_WEIGHTS_NAME
         from safetensors.torch import save_file
 
-        configs = getattr(self.layers, "peft_config", None)
-        if not configs:
+        config = getattr(self, "_lora_config", None)
+        if config is None:
             raise ValueError(
                 "export_adapter writes LoRA adapters, and this model has none: load it with lora={'r': 8, ...}, or "
                 "write the whole model with export_pretrained(directory)"
             )
-        # A zoo module path (`1.layer.self_attn.q_proj`) -> the library's (`model.layers.0.self_attn.q_proj`).
-        modules = {
-            zoo.removeprefix("layers.").rsplit(".", 1)[0]: library.rsplit(".", 1)[0]
-            for zoo, library in self.library_keys.items()
-        }
-        state = {}
-        for key, value in get_peft_model_state_dict(self.layers, save_embedding_layers=False).items():
-            module, _, rest = key.partition(".lora_")
-            state[f"base_model.model.{modules[module]}.lora_{rest}"] = value.detach().cpu().contiguous()
-        config = copy.copy(configs["default"])
+        state: dict[str, torch.Tensor] | None = self._adapter_state("default")  # inject_adapter_in_model's name
+        if state is not None and not getattr(self.layers, "holds_all_layers", True):
+            state = _gathered_adapters(state)
+        if state is None:  # not global rank 0 of a pipelined model: its stage's adapters went there
+            return Path(directory)
+        config = copy.copy(config)
         config.base_model_name_or_path, config.task_type = str(self.hparams["name_or_path"]), "CAUSAL_LM"
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -379,6 +380,35 @@ class PretrainedCausalLM(ZooModule):
             for written in Path(staging).iterdir():
                 os.replace(written, out / written.name)
         return out
+
+    def _adapter_state(self, adapter: str) -> dict[str, torch.Tensor]:
+        """This process's adapters under ``peft``'s saved names for the library model (``base_model.model.`` and the
+        library's module path, the adapter's name left out), read from the parameters: no pending weight is read."""
+        # A zoo module path (`1.layer.self_attn.q_proj`) -> the library's (`model.layers.0.self_attn.q_proj`).
+        modules = {
+            zoo.removeprefix("layers.").rsplit(".", 1)[0]: library.rsplit(".", 1)[0]
+            for zoo, library in self.library_keys.items()
+        }
+        state = {}
+        for key, value in self.layers.named_parameters():
+            if ".lora_" not in key:
+                continue
+            module, _, rest = key.partition(".lora_")  # rest: "A.default.weight"
+            rest = rest.replace(f".{adapter}.", ".", 1)
+            state[f"base_model.model.{modules[module]}.lora_{rest}"] = value.detach().cpu().contiguous()
+        return state
+
+
+def _gathered_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Every pipeline stage's adapters on global rank 0 (``None`` elsewhere), a collective over the world; replicas
+    and tied copies hold equal values: any one is kept."""
+    if not dist.is_initialized():
+        return state
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(state, parts, dst=0)
+    if parts is None:
+        return None
+    return {key: value for part in parts for key, value in part.items()}
 
 
 _BASE_FREE_LORA_INITS = (True, False, "gaussian")  # peft's initializations that do not read the base weights
