@@ -51,8 +51,7 @@ def __getattr__(name: str) -> Any:
     # Reached only for names the imports above did not bind: the Lightning layer's, when Lightning cannot be imported.
     if name in _LIGHTNING_NAMES:
         raise ImportError(
-            f"lightning_gpipe.{name} needs Lightning and torchmetrics, which cannot be imported here "
-            f"({_LIGHTNING_MISSING}); install them (pip install lightning torchmetrics), or use the engine alone: "
-            "from lightning_gpipe.engine import Pipeline"
+            f"lightning_gpipe.{name} needs Lightning and torchmetrics ({_LIGHTNING_MISSING}): pip install "
+            "lightning torchmetrics, or use lightning_gpipe.engine alone"
         ) from _LIGHTNING_MISSING
     raise AttributeError(f"module 'lightning_gpipe' has no attribute {name!r}")

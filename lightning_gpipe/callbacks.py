@@ -53,8 +53,8 @@ class PipelineTimeline(Callback):
         strategy = trainer.strategy
         if not isinstance(strategy, GPipeStrategy):
             raise TypeError(
-                f"PipelineTimeline records a GPipe pipeline, but the trainer's strategy is {type(strategy).__name__}. "
-                "HINT: pass strategy=GPipeStrategy(...) (or strategy='gpipe') to the Trainer, or drop the callback."
+                f"PipelineTimeline needs strategy='gpipe', not {type(strategy).__name__}; change it, or drop the "
+                "callback"
             )
         return strategy
 
@@ -112,7 +112,7 @@ class PipelineTimeline(Callback):
         if not self._recorded:
             rank_zero_warn(
                 f"PipelineTimeline(step={self.step}) wrote no chart: training ended at global step "
-                f"{trainer.global_step} without starting step {self.step}. HINT: choose a step the run reaches."
+                f"{trainer.global_step}; choose a step the run reaches"
             )
 
     def _stop(self, strategy: GPipeStrategy) -> None:

@@ -118,8 +118,8 @@ class StageCheckpoints:
     def _module(self) -> LightningModule:
         if self.module is None:
             raise RuntimeError(
-                "the module is not cut into stages (before setup, or after trainer.strategy.gather_module() released "
-                "them): save checkpoints during or right after fit, before gathering the module"
+                "the module is not cut into stages (before setup, or after gather_module()): save checkpoints "
+                "during or right after fit, before gathering the module"
             )
         return self.module
 
@@ -169,9 +169,8 @@ class StageCheckpoints:
         except RuntimeError as error:
             raise RuntimeError(
                 f"trainer.save_checkpoint was called on global rank {self.layout.rank}, but not on every rank "
-                f"within {wait.total_seconds():.0f} s ({error}). Under GPipeStrategy every rank must call "
-                "trainer.save_checkpoint, since the stages hold different parts of the model and optimizer: remove "
-                "an `if trainer.is_global_zero:` guard around it (each rank writes its part, or sends it to rank 0)."
+                f"within {wait.total_seconds():.0f} s ({error}): call it on every rank (no `if "
+                "trainer.is_global_zero:` guard)"
             ) from error
 
     # ------------------------------------------------------------------ saving
@@ -206,8 +205,8 @@ class StageCheckpoints:
         if sharded:
             if path is None:
                 raise ValueError(
-                    f"state_dict_type='sharded' writes a directory on a file system every rank reaches; {filepath!r} "
-                    "is a remote path: use a local or mounted path, or state_dict_type='full'"
+                    f"state_dict_type='sharded' writes a directory every rank reaches; {filepath!r} is a remote "
+                    "path: use a local or mounted one, or state_dict_type='full'"
                 )
             self._save_sharded(checkpoint, path)
         else:
@@ -320,8 +319,8 @@ class StageCheckpoints:
         if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
             held = ", ".join(map(str, list(checkpoint)[:6])) if isinstance(checkpoint, Mapping) else type(checkpoint)
             raise ValueError(
-                f"{path} holds no 'state_dict' ({held}): it is not a checkpoint of trainer.save_checkpoint. If it "
-                f"belongs to a sharded checkpoint, pass its directory, {Path(str(path)).parent}."
+                f"{path} holds no 'state_dict' ({held}): not a trainer.save_checkpoint file; pass a sharded one's "
+                f"directory, {Path(str(path)).parent}"
             )
         check_loadable(checkpoint["state_dict"], self.names.keys, self.names.shapes, self._module.strict_loading, path)
         saved = checkpoint.get("optimizer_states")
@@ -330,8 +329,7 @@ class StageCheckpoints:
         if len(saved) != len(optimizers):
             raise ValueError(
                 f"{path} holds the state of {len(saved)} optimizer(s) and configure_optimizers returned "
-                f"{len(optimizers)}: resume with the optimizers that wrote it, or load only the weights "
-                "(`model.load_state_dict`) and start new optimizers"
+                f"{len(optimizers)}: resume with the same optimizers, or load only the weights"
             )
         order, aliases = self.names.parameter_order, self.names.aliases
         for optimizer, state in zip(optimizers, saved, strict=True):

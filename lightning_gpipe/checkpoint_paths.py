@@ -116,9 +116,8 @@ def read_whole(path: Path) -> Any:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:
         raise ValueError(
-            f"{path} is not a checkpoint file that torch.load reads with weights_only=True ({error}). A file cut short "
-            "(a copy or a save interrupted) cannot be read: use another checkpoint. A file of a sharded checkpoint "
-            f"(a .distcp file, .metadata) is read through its directory, {path.parent}."
+            f"{path} is not a checkpoint file that torch.load reads with weights_only=True ({error}): pass another "
+            f"checkpoint, or for a shard of a sharded one its directory, {path.parent}"
         ) from error
 
 

@@ -49,15 +49,12 @@ class StrategyConfig(BuildConfig):
         if self.start_method not in START_METHODS:
             raise ValueError(
                 f"start_method={self.start_method!r} is not a way to start the processes; use one of "
-                f"{', '.join(map(repr, START_METHODS))} ('popen' re-runs the script per rank, 'fork' works in "
-                "notebooks)"
+                f"{', '.join(map(repr, START_METHODS))}"
             )
         validate_flag("verify_batches", self.verify_batches)
         if self.state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(
-                f"state_dict_type={self.state_dict_type!r} is not a checkpoint format; use 'full' (one file of the "
-                "whole model, loadable anywhere with torch.load) or 'sharded' (a torch.distributed.checkpoint "
-                "directory with one shard per rank, for models too large for one process's memory)"
+                f"state_dict_type={self.state_dict_type!r} is not a checkpoint format; use 'full' or 'sharded'"
             )
 
     def backend_for(self, device: torch.device) -> str:
@@ -69,8 +66,7 @@ class StrategyConfig(BuildConfig):
         backend = self.process_group_backend or default_process_group_backend(device)
         if backend == "gloo" and device.type == "cuda":
             raise ValueError(
-                f"process_group_backend='gloo' cannot move the pipeline's tensors on {device}: gloo's send and receive "
-                "take CPU tensors only. Use process_group_backend='nccl' (or leave it None to choose by device)."
+                f"process_group_backend='gloo' cannot move the pipeline's tensors on {device}: use 'nccl', or None"
             )
         return backend
 
@@ -80,8 +76,7 @@ def _check_backend(backend: object) -> str | None:
         return None
     if not isinstance(backend, str) or not backend:
         raise TypeError(
-            f"process_group_backend={backend!r} must be the name of a torch.distributed backend, e.g. 'gloo' or "
-            "'nccl', or None to choose by device"
+            f"process_group_backend={backend!r} must be a torch.distributed backend ('gloo', 'nccl') or None"
         )
     return backend
 

@@ -119,9 +119,8 @@ class LogRecorder:
             if tensor is None:
                 raise TypeError(
                     f"self.log({name!r}, ...) got a {type(value).__name__}"
-                    f"{' of ' + str(value.numel()) + ' elements' if isinstance(value, torch.Tensor) else ''}; under "
-                    "GPipeStrategy logged values must be one-element tensors, numbers or torchmetrics Metrics, so "
-                    "that they can be sent to every stage"
+                    f"{' of ' + str(value.numel()) + ' elements' if isinstance(value, torch.Tensor) else ''}; log "
+                    "one-element tensors, numbers or torchmetrics Metrics"
                 )
             entry = self.values.get(name)
             if entry is None:
@@ -287,8 +286,8 @@ def _step_value(metric: Metric, inputs: list[tuple[tuple, dict]]) -> torch.Tenso
     value = twin.compute()
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         raise TypeError(
-            f"the Metric {type(metric).__name__} computes a {type(value).__name__}, not a one-element tensor, so it "
-            "cannot be logged with self.log; log one of its values instead"
+            f"the Metric {type(metric).__name__} computes a {type(value).__name__}, not one value: log one of its "
+            "values"
         )
     return value.detach().reshape(())
 

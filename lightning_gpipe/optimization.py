@@ -130,10 +130,8 @@ def setup_stage_optimizers(
         if "multiple optimizers" not in str(error):
             raise
         raise ValueError(
-            f"{error} But GPipeStrategy supports automatic optimization only: use one optimizer with parameter "
-            "groups instead, one group per set of layers (e.g. torch.optim.AdamW([{'params': "
-            f"self.{partition.path}[:-1].parameters()}}, {{'params': self.{partition.path}[-1]"
-            ".parameters(), 'lr': 1e-3}])); a group may be empty on a stage that holds none of its layers."
+            f"{error} But GPipeStrategy supports automatic optimization only: use one optimizer, with a parameter "
+            "group per set of layers (docs/troubleshooting.md#the-module-is-refused)"
         ) from error
     except ValueError as error:
         if "empty parameter list" not in str(error):
@@ -141,17 +139,12 @@ def setup_stage_optimizers(
         stage = ", ".join(map(str, partition.stages))
         if any(p.requires_grad for p in module.parameters()):
             raise ValueError(
-                f"an optimizer of `configure_optimizers` got no parameters on stage {stage} ({error}): "
-                f"each stage builds its optimizers from its own layers of {partition.path!r}, and this one's "
-                "layers are all elsewhere. Use one optimizer over all parameters with parameter groups (e.g. "
-                f"[{{'params': self.{partition.path}[-1].parameters(), 'lr': 1e-3}}, ...]): a group may be "
-                "empty on a stage."
+                f"an optimizer got no parameters on stage {stage}, which holds none of its layers ({error}); "
+                "use one optimizer over all parameters, in groups (a group may be empty on a stage)"
             ) from error
         layers = ", ".join(f"{bound[0]}-{bound[-1]}" for bound in (partition.bounds[s] for s in partition.stages))
         sizes = [len(bound) for bound in partition.bounds]
         raise ValueError(
-            f"stage {stage} (layers {layers} of {partition.path!r}) has no "
-            f"trainable parameters, so `configure_optimizers` gave its optimizer none ({error}). Give every stage "
-            f"a trainable layer with `balance=[...]` (layers per stage; now {sizes}), use fewer stages, or build "
-            "the optimizer from all parameters (frozen ones are then simply not updated)."
+            f"stage {stage} (layers {layers} of {partition.path!r}) has no trainable parameters ({error}); give it "
+            f"one with balance= (now {sizes}), use fewer stages, or optimize all parameters"
         ) from error

@@ -93,9 +93,8 @@ class ShardedDirectory:
         self.directory = directory
         if not (directory / META_FILE).is_file():
             raise ValueError(
-                f"{directory} holds a torch.distributed.checkpoint index but no {META_FILE}: it was not written by "
-                "trainer.save_checkpoint under GPipeStrategy(state_dict_type='sharded') (or Lightning's FSDP), or that "
-                "save did not finish. Resume from another checkpoint."
+                f"{directory} holds a torch.distributed.checkpoint index but no {META_FILE}: not a finished "
+                "sharded trainer.save_checkpoint; resume from another checkpoint"
             )
         self.metadata: Metadata = FileSystemReader(directory).read_metadata()
         self._check_files()
@@ -111,9 +110,8 @@ class ShardedDirectory:
             if size is None or size < end:
                 what = "is missing" if size is None else f"is truncated ({size} of at least {end} bytes)"
                 raise ValueError(
-                    f"{file} {what}: this sharded checkpoint is incomplete (a shard was lost or a copy was cut short). "
-                    "Copy the whole directory again from where it was written, or resume from another checkpoint. "
-                    "Nothing was loaded."
+                    f"{file} {what}: this sharded checkpoint is incomplete; copy the whole directory again, or "
+                    "resume another. Nothing was loaded."
                 )
 
     def model_shapes(self) -> dict[str, torch.Tensor]:

@@ -43,12 +43,12 @@ from lightning_gpipe.compat import (
 )
 from lightning_gpipe.config import StartMethod, StateDictType, StrategyConfig, eager_selective_advice
 from lightning_gpipe.engine.errors import collective_errors
-from lightning_gpipe.engine.layout import ProcessLayout, new_stage_groups
+from lightning_gpipe.engine.layout import ProcessLayout, StageGroups, new_stage_groups
 from lightning_gpipe.engine.relay import CallRelay
 from lightning_gpipe.engine.rematerialization import CheckpointMode
 from lightning_gpipe.engine.stage import Stage
 from lightning_gpipe.engine.timeline import Timeline
-from lightning_gpipe.engine.transport import LinkGroups, ProcessGroupTransport
+from lightning_gpipe.engine.transport import ProcessGroupTransport
 from lightning_gpipe.launcher import StagesToLauncher
 from lightning_gpipe.log_mirror import sharing_from_last_stage, sync_metrics_over
 from lightning_gpipe.optimization import StageGradients, setup_stage_optimizers
@@ -60,9 +60,9 @@ from lightning_gpipe.partition.assembly import (
     take_over_cut,
 )
 from lightning_gpipe.partition.config import Balance, DataParallel, ResolvedPipeline
+from lightning_gpipe.partition.discovery import find_sequence
 from lightning_gpipe.partition.fsdp import mixed_precision
 from lightning_gpipe.partition.reader import WeightsReader, claim_reader
-from lightning_gpipe.partition.sequence import find_sequence
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.plan.auto import AutoPlan, auto_plan, planned_settings
 from lightning_gpipe.summary import describe_pipeline
@@ -134,44 +134,22 @@ class GPipeStrategy(ParallelStrategy):
         state_dict_type: StateDictType = "full",
     ) -> None:
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        self.config = StrategyConfig(
-            pipe_size=pipe_size,
-            chunks=chunks,
-            balance=balance,
-            checkpoint=checkpoint,
-            schedule=schedule,
-            module_name=module_name,
-            deferred_batch_norm=deferred_batch_norm,
-            virtual_stages=virtual_stages,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            detect_anomalies=detect_anomalies,
-            verify_batches=verify_batches,
-            compile=compile,
-            data_parallel=data_parallel,
-            state_dict_type=state_dict_type,
-        )
-        # Settled in setup, by _follow_plan; refused here beside the settings it would choose.
-        self._auto_plan = auto_plan(
-            plan, pipe_size=pipe_size, chunks=chunks, balance=balance, checkpoint=checkpoint, schedule=schedule,
-            virtual_stages=virtual_stages, data_parallel=data_parallel,
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )  # fmt: skip
+        self.config = StrategyConfig(  # every setting checked here, where it is given
+            pipe_size=pipe_size, chunks=chunks, balance=balance, checkpoint=checkpoint, schedule=schedule,
+            module_name=module_name, deferred_batch_norm=deferred_batch_norm, virtual_stages=virtual_stages,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+            detect_anomalies=detect_anomalies, verify_batches=verify_batches, compile=compile,
+            data_parallel=data_parallel, state_dict_type=state_dict_type,
+        )  # fmt: skip
+        self._auto_plan = auto_plan(plan, self.config)  # settled in setup, by _follow_plan
         self._planned: dict[str, Any] = {}  # the settings the plan chose, in place of the config's
         self._settings: ResolvedPipeline | None = None  # the config resolved against the world, by set_world_ranks
         self._process_group_backend = self.config.process_group_backend  # resolved from the device in setup_environment
         self._num_nodes = 1
-        self._pipeline_group: dist.ProcessGroup | None = None
-        self._replica_group: dist.ProcessGroup | None = None
-        self._object_group: dist.ProcessGroup | None = None
-        self._links: list[LinkGroups | None] = []  # per adjacent stage pair, a group per direction (None: in-process)
-        self._control_group: dist.ProcessGroup | None = None
+        self._groups: StageGroups | None = None  # pipelines, replicas, links, objects, control: by _new_groups
         self._device_mesh: DeviceMesh | None = None  # ("pipe", "data"), under data_parallel="fsdp"
         self._assembled: AssembledStage | None = None  # this process's stage of the module, its partition and ties
         self._reader: WeightsReader | None = None  # the module's pretrained weights, claimed in connect
@@ -288,8 +266,7 @@ class GPipeStrategy(ParallelStrategy):
 
     def _new_groups(self) -> None:
         """The groups of the layout: pipelines, replicas, links, objects and control (collective over the world)."""
-        groups = new_stage_groups(self.layout, self._process_group_backend, self.config.timeout)
-        self._pipeline_group, self._replica_group, self._links, self._object_group, self._control_group = groups
+        self._groups = groups = new_stage_groups(self.layout, self._process_group_backend, self.config.timeout)
         if self.settings.data_parallel == "fsdp":  # made of the groups above: the replicas shard over "data"
             self._device_mesh = self.layout.device_mesh(self.root_device.type, groups.pipeline, groups.replicas)
             if self.lightning_module is not None:
@@ -331,11 +308,15 @@ class GPipeStrategy(ParallelStrategy):
             if advice is not None:
                 rank_zero_warn(advice)
         self.setup_precision_plugin()
-        groups, sharded = (self._pipeline_group, self._replica_group), self.settings.data_parallel == "fsdp"
-        self._gradients = StageGradients(self.layout, *groups, assembled.ties, sharded)
+        groups, sharded = self._stage_groups(), self.settings.data_parallel == "fsdp"
+        self._gradients = StageGradients(self.layout, groups.pipeline, groups.replicas, assembled.ties, sharded)
         self._gradients.install(self.precision_plugin, self.root_device, fitting)
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _stage_groups(self) -> StageGroups:
+        assert self._groups is not None, "the groups are made in setup_environment, or by _follow_plan"
+        return self._groups
 
     def _follow_plan(self, module: LightningModule) -> None:
         """``plan="auto"``: plan on global rank 0, resolve its choice on every rank, then make the groups it needs."""
@@ -358,19 +339,18 @@ class GPipeStrategy(ParallelStrategy):
         balance = take_over_cut(module, self.settings)  # cut alike by another Trainer's strategy: each rank keeps its
         if balance is not None:  # layers, nothing moves
             self._planned, self._settings = {**self._planned, "balance": balance}, None
-        ranks, timeout = self.layout.stage_ranks(), self.settings.timeout
+        ranks, timeout, groups = self.layout.stage_ranks(), self.settings.timeout, self._stage_groups()
         transport = ProcessGroupTransport.for_stages(
-            ranks, self.layout.stages, self.root_device, timeout, links=self._links
+            ranks, self.layout.stages, self.root_device, timeout, links=groups.links
         )
         sharded = self.settings.data_parallel == "fsdp"
         self._assembled = assembled = assemble_stage(
             module, self.settings, self.root_device, transport, sample=module.example_input_array,
-            replica_group=self._replica_group, timeline=self.timeline, mesh=self._device_mesh,
+            replica_group=groups.replicas, timeline=self.timeline, mesh=self._device_mesh,
             mixed_precision=mixed_precision(self.precision_plugin.precision) if sharded else None, reader=self._reader,
         )  # fmt: skip
         self._reader = None
-        if self._replica_group is not None:
-            sync_metrics_over(module, self._replica_group)
+        sync_metrics_over(module, groups.replicas)
         self._stages, self._names = assembled.pipeline.stages, assembled.names
         register_release(assembled.partition.stand_in, self._put_back)
         # Lightning's model summary runs example_input_array through the module on rank 0 alone, outside any step,
@@ -379,7 +359,7 @@ class GPipeStrategy(ParallelStrategy):
         self._steps = UserSteps(
             module, assembled.pipeline, assembled.partition, CallRelay(self._stages[-1]), self._batches,
             precision=self.precision_plugin, device=self.root_device,
-            share=sharing_from_last_stage(self.layout, self._object_group, self.root_device),
+            share=sharing_from_last_stage(self.layout, groups.objects, self.root_device),
             verify_batches=self.config.verify_batches, detect_anomalies=self.config.detect_anomalies,
         )  # fmt: skip
         describe_pipeline(self.layout, self.chunks, assembled)
@@ -470,7 +450,7 @@ class GPipeStrategy(ParallelStrategy):
     def _checkpoints(self) -> StageCheckpoints:
         device = self.root_device if self.parallel_devices else torch.device("cpu")  # before the Trainer sets devices
         module = self.lightning_module if self._assembled is not None else None
-        groups = self._object_group, self._control_group
+        groups = (self._groups.objects, self._groups.control) if self._groups is not None else (None, None)
         return StageCheckpoints(self.layout, self._names, *groups, self.config, device, module)
 
     def gather_timeline(self) -> Timeline | None:
@@ -536,7 +516,9 @@ class GPipeStrategy(ParallelStrategy):
         assert self._assembled is not None
         partition = self._assembled.partition
         self._planned = {**self._planned, "balance": [len(bound) for bound in partition.bounds]}
-        self._assembled.gather(destination, self.layout.pipeline_ranks(self.layout.replica), self._object_group)
+        self._assembled.gather(
+            destination, self.layout.pipeline_ranks(self.layout.replica), self._stage_groups().objects
+        )
         partition.module.example_input_array = self._example_input
         self._assembled, self._steps, self._stages = None, None, ()
 

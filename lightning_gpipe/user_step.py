@@ -49,11 +49,8 @@ def check_automatic_optimization(module: LightningModule) -> None:
     """
     if not module.automatic_optimization:
         raise ValueError(
-            "GPipeStrategy supports automatic optimization only: the pipeline runs every micro-batch's forward in "
-            "training_step and every backward in Lightning's backward. Set `self.automatic_optimization = True` "
-            "(the default) and return the loss from training_step. For several optimizers, use one optimizer "
-            "with parameter groups (e.g. torch.optim.AdamW([{'params': self.layers[:-1].parameters()}, "
-            "{'params': self.layers[-1].parameters(), 'lr': 1e-3}]))."
+            "GPipeStrategy supports automatic optimization only: set self.automatic_optimization = True and return "
+            "the loss from training_step (docs/troubleshooting.md#the-module-is-refused)"
         )
 
 
@@ -254,7 +251,7 @@ class UserSteps:
         if not captured:
             raise RuntimeError(
                 f"{hook} returned without calling the pipelined sequence {self.partition.path!r} for micro-batch "
-                f"{mb.index}; under GPipeStrategy each step calls it once"
+                f"{mb.index}; call it once per step"
             )
         return captured[0]
 
@@ -276,9 +273,8 @@ def check_rounds(config: PipelineConfig, samples: int, processes: int) -> None:
         interleaved_round(processes, samples)
     except ValueError as error:
         raise ValueError(
-            f"a training batch of {samples} samples, fewer than chunks={config.chunks}, runs {samples} micro-batches "
-            f"of one sample, which schedule={config.schedule!r} cannot order ({error}) Drop the short last batch with "
-            "DataLoader(..., drop_last=True), or use a batch size that is a multiple of chunks."
+            f"a training batch of {samples} samples, fewer than chunks={config.chunks}, cannot run under "
+            f"schedule={config.schedule!r} ({error}); use batches of at least chunks samples (drop_last=True)"
         ) from error
 
 
@@ -329,10 +325,8 @@ class BatchChecks:
             if samples < chunks:
                 self._sized = None
                 rank_zero_warn(
-                    f"chunks={chunks}, but the first {hook.removesuffix('_step')} batch holds {samples} samples "
-                    f"and a micro-batch holds at least one, so the step runs {samples} micro-batches of one sample, "
-                    f"not {chunks}. Set chunks={samples} (or fewer) to say so, or use batches of at least "
-                    f"{chunks} samples."
+                    f"chunks={chunks}, but the first {hook.removesuffix('_step')} batch holds {samples} samples: it "
+                    f"runs {samples} micro-batches of one sample. Set chunks={samples}, or use batches of {chunks}."
                 )
 
 

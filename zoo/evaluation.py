@@ -31,8 +31,9 @@ from rich.table import Table
 from zoo._registry import model_class
 from zoo.backbone import read_checkpoint
 from zoo.bleu import bleu_by_pair, bleu_signature
+from zoo.data.language_model import LanguageModelDataModule
 from zoo.data.tokenizer import EOS_ID, PAD_ID, SubwordTokenizer
-from zoo.data.translation import LanguageModelDataModule, TranslationDataModule, pad_sequences
+from zoo.data.translation import TranslationDataModule, pad_sequences
 from zoo.tasks.base import ZooModule
 from zoo.tasks.language_model import TransformerLM
 from zoo.tasks.translation import Transformer

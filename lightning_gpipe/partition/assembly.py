@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.collectives import TensorSpec, broadcast_tensors, receive_tensors, send_tensors, to_device
+from lightning_gpipe.engine.config import PipelineConfig
 from lightning_gpipe.engine.errors import collective_errors
 from lightning_gpipe.engine.layout import ProcessLayout
 from lightning_gpipe.engine.pipeline import Pipeline
@@ -45,15 +46,10 @@ from lightning_gpipe.engine.transport import Transport
 from lightning_gpipe.partition.balance import balance_by_cost, checked_total, in_place_starts
 from lightning_gpipe.partition.compile import CompiledLayers, compile_layers
 from lightning_gpipe.partition.config import ResolvedPipeline
+from lightning_gpipe.partition.discovery import find_sequence
 from lightning_gpipe.partition.fsdp import shard_stage, unshard_stage
 from lightning_gpipe.partition.reader import WeightsReader, read_held
-from lightning_gpipe.partition.sequence import (
-    Partition,
-    PipelinedSequential,
-    find_sequence,
-    materialize,
-    partition_module,
-)
+from lightning_gpipe.partition.sequence import Partition, PipelinedSequential, materialize, partition_module
 from lightning_gpipe.partition.state_dict import ModelNames
 from lightning_gpipe.partition.tied import TiedCopies, retie, ties_between_processes
 from lightning_gpipe.profile.cost import layer_costs
@@ -195,6 +191,30 @@ def assemble_stage(
             read from it, the module's others never are.
     """
     layout = settings.layout
+    path, sequence = _sequence_to_cut(module, settings)
+    names = ModelNames.of(module)
+    whole = parameter_counts(module.parameters())  # before the split: each tied tensor once
+    balance = resolve_balance(settings, sequence, sample, device, deferred=reader is not None)
+    trained = [i for i, layer in enumerate(sequence) if _holds_weights(layer)]  # before the cut sets others aside
+    partition = partition_module(module, path, sequence, balance, layout.stages)
+    if reader is None:  # a reader fills every layer it holds; layers built on meta alone are initialized
+        _refuse_stranded_layers([(i, sequence[i]) for i in partition.layers], trained)
+    _materialize_stage(module, path, partition, settings, device, reader, mesh, mixed_precision)
+    compiled, engine = _compile_stage(partition, settings)
+    cells = {stage: partition.stand_in.cell(partition.bounds[stage]) for stage in layout.stages}
+    _broadcast_replica_weights(module, layout, device, replica_group)
+    ties = _tied_copies(partition, settings, device)
+    held: nn.Module | dict[int, nn.Sequential] = cells
+    if len(cells) == 1:  # one stage per process: its cell, and its transport
+        (stage,) = layout.stages
+        held, transport = cells[stage], transport[stage] if isinstance(transport, Mapping) else transport
+    pipeline = Pipeline(held, transport, engine, timeline=timeline)
+    return AssembledStage(partition, pipeline, ties, names, whole, compiled, layout.pipe_size)
+
+
+def _sequence_to_cut(module: nn.Module, settings: ResolvedPipeline) -> tuple[str, nn.Sequential]:
+    """The path and the ``nn.Sequential`` of ``module`` to pipeline, refused when it cannot give every stage a layer."""
+    layout = settings.layout
     refuse_a_cut_module(module, " and has not put it back")
     path, sequence = find_sequence(module, settings.module_name)
     if len(sequence) < layout.num_stages:
@@ -208,13 +228,21 @@ def assemble_stage(
             f"cannot split the {len(sequence)} layers of {path!r} into {layout.num_stages} stages: every stage "
             f"needs at least one layer; use {fix} or split the model into more layers"
         )
-    names = ModelNames.of(module)
-    whole = parameter_counts(module.parameters())  # before the split: each tied tensor once
-    balance = resolve_balance(settings, sequence, sample, device, deferred=reader is not None)
-    trained = [i for i, layer in enumerate(sequence) if _holds_weights(layer)]  # before the cut sets others aside
-    partition = partition_module(module, path, sequence, balance, layout.stages)
-    if reader is None:  # a reader fills every layer it holds; layers built on meta alone are initialized
-        _refuse_stranded_layers([(i, sequence[i]) for i in partition.layers], trained)
+    return path, sequence
+
+
+def _materialize_stage(
+    module: nn.Module,
+    path: str,
+    partition: Partition,
+    settings: ResolvedPipeline,
+    device: torch.device,
+    reader: WeightsReader | None,
+    mesh: DeviceMesh | None,
+    mixed_precision: MixedPrecisionPolicy | None,
+) -> None:
+    """Give this process's layers their weights on ``device``: read from ``reader``, else initialized with one seed on
+    every rank; sharded over the replicas under ``data_parallel="fsdp"``, BatchNorm deferred when asked."""
     seed = torch.initial_seed() % 2**62
     provided = set(reader.keys()) if reader is not None else set()
 
@@ -225,26 +253,37 @@ def assemble_stage(
         assert mesh is not None, "data_parallel='fsdp' shards over the job's mesh: pass mesh="
         fill = None if reader is None else partial(_read_layer, module, reader, device, path)
         shard_stage(
-            partition, layout, mesh["data"], device, seed=seed, deferred_batch_norm=settings.deferred_batch_norm,
-            policy=mixed_precision, provided=is_provided, fill=fill,
+            partition, settings.layout, mesh["data"], device, seed=seed,
+            deferred_batch_norm=settings.deferred_batch_norm, policy=mixed_precision, provided=is_provided, fill=fill,
         )  # fmt: skip
         if reader is not None:  # what lies outside the sequence (a frozen part), never sharded
             read_held(module, reader, device, only=lambda key: not key.startswith(f"{path}."))
-    else:
-        materialize([(i, sequence[i]) for i in partition.layers], device, seed, is_provided)
-        retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
-        if reader is not None:
-            read_held(module, reader, device)
-        if settings.deferred_batch_norm:
-            DeferredBatchNorm.convert(partition.stand_in)
-    # The final layer objects (materialized, BatchNorm converted) are the ones compiled; the checkpointed cell
-    # around them stays eager, so a replay runs the compiled layers with the engine's RNG and BatchNorm handling.
-    # Compiled selective layers re-materialize themselves, inside their graphs: the stage wraps nothing around them.
+        return
+    sequence = partition.original
+    materialize([(i, sequence[i]) for i in partition.layers], device, seed, is_provided)
+    retie(sequence, partition.ties)  # materializing gave each name of a tied parameter its own tensor
+    if reader is not None:
+        read_held(module, reader, device)
+    if settings.deferred_batch_norm:
+        DeferredBatchNorm.convert(partition.stand_in)
+
+
+def _compile_stage(partition: Partition, settings: ResolvedPipeline) -> tuple[CompiledLayers, PipelineConfig]:
+    """Compile this process's layers in place when asked, and the engine's settings that go with them.
+
+    The final layer objects (materialized, BatchNorm converted) are the ones compiled; the checkpointed cell around
+    them stays eager, so a replay runs the compiled layers with the engine's RNG and BatchNorm handling. Compiled
+    selective layers re-materialize themselves, inside their graphs: the stage wraps nothing around them.
+    """
     selective = settings.compile is not None and settings.checkpoint == "selective"
     compiled = compile_layers(partition.stand_in.children(), settings.compile, selective=selective)
     engine = replace(settings.pipeline, checkpoint="never") if selective else settings.pipeline
-    cells = {stage: partition.stand_in.cell(partition.bounds[stage]) for stage in layout.stages}
-    _broadcast_replica_weights(module, layout, device, replica_group)
+    return compiled, engine
+
+
+def _tied_copies(partition: Partition, settings: ResolvedPipeline, device: torch.device) -> TiedCopies:
+    """This process's copies of tensors tied to other processes' layers, broadcast equal (a collective)."""
+    layout = settings.layout
     with collective_errors(layout.stage, "creating the groups of stages that share tied weights and broadcasting them"):
         ties = TiedCopies(
             ties_between_processes(partition.ties, layout.position_of),  # a tie within one process is one tensor
@@ -255,12 +294,7 @@ def assemble_stage(
             settings.timeout,
         )
         ties.broadcast(device)
-    held: nn.Module | dict[int, nn.Sequential] = cells
-    if len(cells) == 1:  # one stage per process: its cell, and its transport
-        (stage,) = layout.stages
-        held, transport = cells[stage], transport[stage] if isinstance(transport, Mapping) else transport
-    pipeline = Pipeline(held, transport, engine, timeline=timeline)
-    return AssembledStage(partition, pipeline, ties, names, whole, compiled, layout.pipe_size)
+    return ties
 
 
 def _read_layer(module: nn.Module, reader: WeightsReader, device: torch.device, path: str, index: int) -> None:

@@ -11,6 +11,7 @@ model (:meth:`Partition.put_back`); a tensor they share with this process's laye
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,135 +29,15 @@ __all__ = [
     "Partition",
     "PipelinedSequential",
     "RemoteLayers",
-    "find_sequence",
     "materialize",
     "non_persistent_buffers",
     "partition_module",
 ]
 
 
-def _resolve(module: nn.Module, path: str) -> Any:
-    target: Any = module
-    for part in path.split("."):
-        target = getattr(target, part)
-    return target
-
-
 def _assign(module: nn.Module, path: str, value: nn.Module) -> None:
     *parents, name = path.split(".")
-    owner = _resolve(module, ".".join(parents)) if parents else module
-    setattr(owner, name, value)
-
-
-def find_sequence(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential]:
-    """The ``nn.Sequential`` to pipeline: ``module_name`` (a dotted attribute path) or the only top-level one.
-
-    Found automatically, it must be the model's sequence, not a sub-block of it: a model whose layers sit in an
-    ``nn.ModuleList`` (a GPT's blocks), or whose only ``nn.Sequential`` attributes are small parts (a U-Net's
-    ``enc1``, a block's ``mlp``), is refused with how to rewrite it as one sequence.
-    """
-    if module_name is not None:
-        try:
-            found = _resolve(module, module_name)
-        except AttributeError:
-            found = None
-        if not isinstance(found, nn.Sequential):
-            raise TypeError(
-                f"module_name={module_name!r} must name an nn.Sequential attribute of {type(module).__name__}, "
-                f"found {type(found).__name__ if found is not None else 'nothing'}; "
-                "put the layers to pipeline in one nn.Sequential and pass its attribute name"
-            )
-        return module_name, found
-    candidates: list[tuple[str, nn.Sequential]] = []
-    for name, child in module.named_modules():
-        if isinstance(child, nn.Sequential) and not any(name.startswith(f"{c}.") for c, _ in candidates):
-            candidates.append((name, child))
-    reason = _not_one_sequence(module, candidates)
-    if reason is not None:
-        raise TypeError(
-            f"{type(module).__name__}'s layers are not one sequence: {reason}. GPipeStrategy cuts one nn.Sequential "
-            "into stages, so it must hold every trainable layer in the order the data flows through them (for a "
-            "GPT: the embedding, each block, the head), and training_step calls it once (`self.layers(x)`). "
-            f"Rewrite the model that way: {_REWRITE}"
-        )
-    if len(candidates) == 1:
-        return candidates[0]
-    if not candidates:
-        raise TypeError(
-            f"{type(module).__name__} has no nn.Sequential to pipeline. GPipeStrategy partitions one sequence of "
-            "layers: build them as `self.layers = nn.Sequential(...)` and call `self.layers(x)` in training_step."
-        )
-    names = ", ".join(repr(name) for name, _ in candidates)
-    largest = max(candidates, key=lambda candidate: _count(_trainable(candidate[1])))[0]
-    raise TypeError(
-        f"{type(module).__name__} has several nn.Sequential attributes ({names}); "
-        f"say which one to pipeline with GPipeStrategy(module_name=...), e.g. module_name={largest!r}"
-    )
-
-
-_REWRITE = (
-    "an nn.ModuleList of blocks goes into the nn.Sequential between the layers before and after it; a head tied "
-    "to the embedding stays tied (`head.weight = embedding.weight`: each stage holds a copy, kept equal); a value "
-    "needed further down (a U-Net's skip connections) rides along in a tuple that each layer passes on. A GPT and a "
-    "U-Net rewritten so: docs/getting_started.md#models-that-are-not-one-sequence; the rules: "
-    "docs/guide/strategy.md#tied-weights-and-shared-modules and docs/troubleshooting.md#the-module-is-refused."
-)
-
-
-def _trainable(module: nn.Module) -> dict[int, int]:
-    """The sizes of ``module``'s trainable parameters, by identity (a tied parameter once)."""
-    return {id(p): p.numel() for p in module.parameters() if p.requires_grad}
-
-
-def _kind(module: nn.Module, path: str) -> str:
-    return "nn.ModuleList" if isinstance(module.get_submodule(path), nn.ModuleList) else "nn.ModuleDict"
-
-
-def _count(parameters: Mapping[int, int]) -> int:
-    return sum(parameters.values())
-
-
-def _not_one_sequence(module: nn.Module, candidates: Sequence[tuple[str, nn.Sequential]]) -> str | None:
-    """Why no ``nn.Sequential`` found in ``module`` can be its sequence, or None when the usual rules apply.
-
-    Only when none holds every trainable parameter (setup would refuse the others anyway) and the one holding most is
-    not the model's sequence: its layers are in an ``nn.ModuleList`` or ``nn.ModuleDict``, the sequence is part of a
-    larger trainable block (a block's ``mlp``), several sequences hold trainable layers (a U-Net's ``enc1``,
-    ``enc2``, ...), or it holds less than half of them. A sequence with a small head outside it keeps setup's
-    message, which says to move the head in; a frozen sequence beside a trainable one, the hint to name the latter.
-    """
-    trainable = _trainable(module)
-    if not trainable:
-        return None
-    lists = [
-        name
-        for name, sub in module.named_modules()
-        if isinstance(sub, nn.ModuleList | nn.ModuleDict) and _trainable(sub)
-    ]
-    if not candidates:  # the message that asks for an nn.Sequential, unless the layers are in a list
-        return None if not lists else f"its layers are in an {_kind(module, lists[0])} ({lists[0]!r})"
-    path, sequence = max(candidates, key=lambda candidate: _count(_trainable(candidate[1])))
-    inside = _trainable(sequence)
-    if inside.keys() >= trainable.keys():
-        return None
-    share = _count(inside) / _count(trainable)
-    which = f"its nn.Sequential {path!r}" if len(candidates) == 1 else f"the largest of its nn.Sequential, {path!r},"
-    found = f"{which} holds {share:.0%} of the trainable parameters"
-    for name in lists:
-        if not name.startswith(f"{path}.") and _trainable(module.get_submodule(name)).keys() - inside.keys():
-            return f"its layers are in an {_kind(module, name)} ({name!r}); {found}"
-    parts = path.split(".")
-    for end in range(1, len(parts)):
-        block = ".".join(parts[:end])
-        if _trainable(module.get_submodule(block)).keys() - inside.keys():
-            return f"{found} and is part of a larger block, {block!r}, with trainable layers outside it"
-    trained = [name for name, candidate in candidates if _trainable(candidate)]
-    if len(trained) > 1:  # naming one of them with module_name would leave the others' layers outside it
-        shown = ", ".join(repr(name) for name in trained[:4]) + (", ..." if len(trained) > 4 else "")
-        return f"its trainable layers are spread over {len(trained)} nn.Sequential ({shown}) joined in forward"
-    if share < 0.5:
-        return found
-    return None
+    setattr(functools.reduce(getattr, parents, module), name, value)
 
 
 class PipelinedSequential(nn.Module):

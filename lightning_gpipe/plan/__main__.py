@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.engine.schedule import SCHEDULES
 from lightning_gpipe.engine.tree import map_tensors
-from lightning_gpipe.partition.sequence import find_sequence
+from lightning_gpipe.partition.discovery import find_sequence
 from lightning_gpipe.plan import DEFAULT_VIRTUAL_STAGES, InfeasiblePlanError, plan
 from lightning_gpipe.plan.sharding import DATA_PARALLEL_CHOICES
 
@@ -110,8 +110,7 @@ def _placed(tensor: Tensor, device: str) -> Tensor:
     return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)  # token 0 is valid in any vocabulary
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the command line, plan, print; the exit status is 0, or 2 when nothing fits."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_gpipe.plan",
         description=(__doc__ or "").split("\n\n")[0].replace("``", ""),
@@ -160,8 +159,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(auto, the default)",
     )
     parser.add_argument("--flops-per-second", type=float, help="time layers from FLOPs instead of measuring them")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line, plan, print; the exit status is 0, or 2 when nothing fits."""
+    parser = _parser()
+    args = parser.parse_args(argv)
     kwargs = {}
     for item in args.model_arg:
         key, sep, text = item.partition("=")

@@ -118,11 +118,11 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def auto_plan(value: object, **explicit: Any) -> AutoPlan | None:
+def auto_plan(value: object, config: BuildConfig) -> AutoPlan | None:
     """The request behind the strategy's ``plan=`` argument, refusing it beside settings it would choose itself.
 
-    ``explicit`` holds the strategy's ``pipe_size``, ``chunks``, ``balance``, ``checkpoint``, ``schedule``,
-    ``virtual_stages`` and ``data_parallel`` arguments; with a plan each must be left at its default.
+    ``config`` holds the strategy's settings; with a plan its ``pipe_size``, ``chunks``, ``balance``, ``checkpoint``,
+    ``schedule``, ``virtual_stages`` and ``data_parallel`` must be left at their defaults.
 
     Raises:
         TypeError: ``value`` is neither ``None``, ``"auto"`` nor an :class:`AutoPlan`.
@@ -138,8 +138,8 @@ def auto_plan(value: object, **explicit: Any) -> AutoPlan | None:
         raise TypeError(
             f"plan={value!r} must be 'auto' or a lightning_gpipe.plan.AutoPlan(...), not {type(value).__name__}"
         )
-    named = [name for name in _PLANNED if name in _DEFAULTS and name in explicit]  # as the strategy has them
-    given = {name: explicit[name] for name in named if explicit[name] != _DEFAULTS[name]}
+    explicit = {name: getattr(config, name) for name in _PLANNED}
+    given = {name: setting for name, setting in explicit.items() if setting != _DEFAULTS[name]}
     if given:
         settings = ", ".join(f"{name}={setting!r}" for name, setting in given.items())
         restrict = {

@@ -23,7 +23,7 @@ from lightning_gpipe.engine.schedule import SCHEDULES, SPLIT_BACKWARD, validate_
 from lightning_gpipe.engine.torch_compat import BatchNormBase
 from lightning_gpipe.partition.balance import balance_by_cost
 from lightning_gpipe.partition.config import DataParallel
-from lightning_gpipe.partition.sequence import find_sequence
+from lightning_gpipe.partition.discovery import find_sequence
 from lightning_gpipe.plan.evaluate import evaluate
 from lightning_gpipe.plan.reasons import data_parallel_reason, not_weighed, reasons
 from lightning_gpipe.plan.result import Candidate, InfeasiblePlanError, Plan, format_bytes, parse_bytes

@@ -87,7 +87,8 @@ class _LinksOnWorld(lightning_gpipe.GPipeStrategy):
 
     def _new_groups(self) -> None:
         super()._new_groups()
-        self._links = None  # type: ignore[assignment]  # ProcessGroupTransport.for_stages: the world group
+        # links=None: ProcessGroupTransport.for_stages then sends on the world group
+        self._groups = self._stage_groups()._replace(links=None)  # type: ignore[arg-type]
 
 
 def trainer_for(run: dict[str, Any], root: Path, **overrides: Any) -> L.Trainer:

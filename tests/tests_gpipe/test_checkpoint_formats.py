@@ -105,16 +105,16 @@ def _bad_inputs(four: Path, root: Path) -> list[dict[str, Any]]:
 BAD_INPUT_MESSAGES = [
     r"folder is a directory but not a sharded checkpoint: it has no torch.distributed.checkpoint index \(.metadata\) "
     r"\(it holds epoch=0.ckpt: pass one of those files\)",
-    r"missing.sharded/__2_0.distcp is missing: this sharded checkpoint is incomplete .* Nothing was loaded",
+    r"missing.sharded/__2_0.distcp is missing: this sharded checkpoint is incomplete.* Nothing was loaded",
     r"truncated.sharded/__1_0.distcp is truncated \(100 of at least \d+ bytes\): this sharded checkpoint is incomplete",
     r"k4.sharded: the checkpoint does not match this model: missing \['layers.0.hidden.weight'.*Nothing was loaded",
     r"k4.sharded: the checkpoint does not match this model: 9 tensor\(s\) have another shape \(layers.0.weight: "
     r"\(12, 6\) in the checkpoint, \(16, 6\) in the model",
     r"k4.full: the checkpoint does not match this model: 9 tensor\(s\) have another shape",
     r"k4.sharded: the checkpoint's optimizer has 1 parameter groups, this one has 2: configure_optimizers must build",
-    r"__0_0.distcp (holds no 'state_dict'|is not a checkpoint file).* sharded checkpoint.*k4.sharded",
-    r"meta.pt holds no 'state_dict' \(.*\): it is not a checkpoint of trainer.save_checkpoint\. If it belongs to a "
-    r"sharded checkpoint, pass its directory, .*k4.sharded",
+    r"__0_0.distcp (holds no 'state_dict'|is not a checkpoint file).* sharded one.*k4.sharded",
+    r"meta.pt holds no 'state_dict' \(.*\): not a trainer.save_checkpoint file; pass a sharded one's directory, "
+    r".*k4.sharded",
     r"taken.sharded is a sharded checkpoint, and state_dict_type='full' writes one file there: choose another path .* "
     r"Nothing was written",
     r"taken.full is a file \(a full checkpoint\?\), and state_dict_type='sharded' writes a directory there: .* "

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.partition.sequence import find_sequence
+from lightning_gpipe.partition.discovery import find_sequence
 
 NOT_ONE_SEQUENCE = r"layers are not one sequence: .*docs/getting_started.md#models-that-are-not-one-sequence"
 

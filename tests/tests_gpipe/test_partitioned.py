@@ -6,7 +6,8 @@ from helpers.models import mlp
 from helpers.runif import RunIf
 from torch import nn
 
-from lightning_gpipe.partition.sequence import PipelinedSequential, find_sequence, materialize, partition_module
+from lightning_gpipe.partition.discovery import find_sequence
+from lightning_gpipe.partition.sequence import PipelinedSequential, materialize, partition_module
 
 
 class Holder(nn.Module):

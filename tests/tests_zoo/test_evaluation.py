@@ -10,7 +10,8 @@ import pytest
 import torch
 from torchmetrics.text import Perplexity
 
-from zoo.data.translation import LanguageModelDataModule, TranslationDataModule
+from zoo.data.language_model import LanguageModelDataModule
+from zoo.data.translation import TranslationDataModule
 from zoo.evaluation import (
     evaluate_perplexity,
     evaluate_translation,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset, DatasetDict, Features, Translation
 
+from zoo.data.language_model import LanguageModelDataModule
 from zoo.data.sampling import TemperatureSampler, temperature_probabilities
 from zoo.data.synthetic_text import (
     DEFAULT_SIZES,
@@ -26,7 +27,7 @@ from zoo.data.synthetic_text import (
     save_corpus,
 )
 from zoo.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SubwordTokenizer
-from zoo.data.translation import LanguageModelDataModule, TranslationDataModule
+from zoo.data.translation import TranslationDataModule
 
 SMALL = {"xa": 400, "xb": 120, "xc": 40, "xd": 30}
 

@@ -32,9 +32,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from zoo.data.language_model import load_text_splits
 from zoo.data.sampling import TemperatureSampler
 from zoo.data.synthetic_text import make_synthetic_corpus
-from zoo.data.translation import SPLITS, TranslationDataModule, _Sequences, _split_pair, load_text_splits
+from zoo.data.translation import SPLITS, TranslationDataModule, _Sequences, _split_pair
 
 __all__ = ["PretrainedCausalLMDataModule", "PretrainedTranslationDataModule"]
 
