@@ -38,7 +38,7 @@ class PipelineTimeline(Callback):
 
     def __init__(self, path: str | os.PathLike[str], step: int = 2) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"PipelineTimeline(step={step!r}): step must be a global step, an int >= 0, e.g. step=2")
+            raise ValueError(f"PipelineTimeline(step={step!r}) must be a global step, an int >= 0")
         self.path = pathlib.Path(path)
         self.step = step
         self.timeline: Timeline | None = None
@@ -52,10 +52,7 @@ class PipelineTimeline(Callback):
     def _strategy(trainer: Trainer) -> GPipeStrategy:
         strategy = trainer.strategy
         if not isinstance(strategy, GPipeStrategy):
-            raise TypeError(
-                f"PipelineTimeline needs strategy='gpipe', not {type(strategy).__name__}; change it, or drop the "
-                "callback"
-            )
+            raise TypeError(f"PipelineTimeline needs strategy='gpipe', not {type(strategy).__name__}")
         return strategy
 
     @override

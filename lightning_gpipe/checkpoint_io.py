@@ -118,8 +118,8 @@ class StageCheckpoints:
     def _module(self) -> LightningModule:
         if self.module is None:
             raise RuntimeError(
-                "the module is not cut into stages (before setup, or after gather_module()): save checkpoints "
-                "during or right after fit, before gathering the module"
+                "the module is not cut into stages (before setup, or after gather_module()): save during fit, or "
+                "before gather_module()"
             )
         return self.module
 
@@ -169,8 +169,7 @@ class StageCheckpoints:
         except RuntimeError as error:
             raise RuntimeError(
                 f"trainer.save_checkpoint was called on global rank {self.layout.rank}, but not on every rank "
-                f"within {wait.total_seconds():.0f} s ({error}): call it on every rank (no `if "
-                "trainer.is_global_zero:` guard)"
+                f"within {wait.total_seconds():.0f} s: call it on every rank (no is_global_zero guard)"
             ) from error
 
     # ------------------------------------------------------------------ saving
@@ -205,8 +204,8 @@ class StageCheckpoints:
         if sharded:
             if path is None:
                 raise ValueError(
-                    f"state_dict_type='sharded' writes a directory every rank reaches; {filepath!r} is a remote "
-                    "path: use a local or mounted one, or state_dict_type='full'"
+                    f"state_dict_type='sharded' cannot write to the remote path {filepath!r}: use a local or mounted "
+                    "one, or state_dict_type='full'"
                 )
             self._save_sharded(checkpoint, path)
         else:
@@ -329,7 +328,7 @@ class StageCheckpoints:
         if len(saved) != len(optimizers):
             raise ValueError(
                 f"{path} holds the state of {len(saved)} optimizer(s) and configure_optimizers returned "
-                f"{len(optimizers)}: resume with the same optimizers, or load only the weights"
+                f"{len(optimizers)}: use the same optimizers, or load only the weights"
             )
         order, aliases = self.names.parameter_order, self.names.aliases
         for optimizer, state in zip(optimizers, saved, strict=True):

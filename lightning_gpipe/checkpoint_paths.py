@@ -116,8 +116,8 @@ def read_whole(path: Path) -> Any:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:
         raise ValueError(
-            f"{path} is not a checkpoint file that torch.load reads with weights_only=True ({error}): pass another "
-            f"checkpoint, or for a shard of a sharded one its directory, {path.parent}"
+            f"{path} is not a checkpoint file torch.load reads ({error}): pass another, or a sharded one's "
+            f"directory, {path.parent}"
         ) from error
 
 

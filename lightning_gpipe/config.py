@@ -65,9 +65,7 @@ class StrategyConfig(BuildConfig):
         """
         backend = self.process_group_backend or default_process_group_backend(device)
         if backend == "gloo" and device.type == "cuda":
-            raise ValueError(
-                f"process_group_backend='gloo' cannot move the pipeline's tensors on {device}: use 'nccl', or None"
-            )
+            raise ValueError(f"process_group_backend='gloo' cannot send tensors on {device}; use 'nccl' or None")
         return backend
 
 
@@ -75,9 +73,7 @@ def _check_backend(backend: object) -> str | None:
     if backend is None:
         return None
     if not isinstance(backend, str) or not backend:
-        raise TypeError(
-            f"process_group_backend={backend!r} must be a torch.distributed backend ('gloo', 'nccl') or None"
-        )
+        raise TypeError(f"process_group_backend={backend!r} must be a backend name ('gloo', 'nccl') or None")
     return backend
 
 

@@ -120,7 +120,7 @@ class LogRecorder:
                 raise TypeError(
                     f"self.log({name!r}, ...) got a {type(value).__name__}"
                     f"{' of ' + str(value.numel()) + ' elements' if isinstance(value, torch.Tensor) else ''}; log "
-                    "one-element tensors, numbers or torchmetrics Metrics"
+                    "one-element tensors, numbers or Metrics"
                 )
             entry = self.values.get(name)
             if entry is None:

@@ -129,22 +129,18 @@ def setup_stage_optimizers(
     except RuntimeError as error:
         if "multiple optimizers" not in str(error):
             raise
-        raise ValueError(
-            f"{error} But GPipeStrategy supports automatic optimization only: use one optimizer, with a parameter "
-            "group per set of layers (docs/troubleshooting.md#the-module-is-refused)"
-        ) from error
+        raise ValueError(f"{error} But GPipeStrategy takes one optimizer: use one with parameter groups") from error
     except ValueError as error:
         if "empty parameter list" not in str(error):
             raise
         stage = ", ".join(map(str, partition.stages))
         if any(p.requires_grad for p in module.parameters()):
             raise ValueError(
-                f"an optimizer got no parameters on stage {stage}, which holds none of its layers ({error}); "
-                "use one optimizer over all parameters, in groups (a group may be empty on a stage)"
+                f"an optimizer got no parameters on stage {stage}: use one optimizer over all parameters, in groups"
             ) from error
         layers = ", ".join(f"{bound[0]}-{bound[-1]}" for bound in (partition.bounds[s] for s in partition.stages))
         sizes = [len(bound) for bound in partition.bounds]
         raise ValueError(
-            f"stage {stage} (layers {layers} of {partition.path!r}) has no trainable parameters ({error}); give it "
-            f"one with balance= (now {sizes}), use fewer stages, or optimize all parameters"
+            f"stage {stage} (layers {layers} of {partition.path!r}) has no trainable parameters: move some to it "
+            f"with balance= (now {sizes}), or use fewer stages"
         ) from error

@@ -93,8 +93,8 @@ class ShardedDirectory:
         self.directory = directory
         if not (directory / META_FILE).is_file():
             raise ValueError(
-                f"{directory} holds a torch.distributed.checkpoint index but no {META_FILE}: not a finished "
-                "sharded trainer.save_checkpoint; resume from another checkpoint"
+                f"{directory} holds a torch.distributed.checkpoint index but no {META_FILE}: resume from another "
+                "checkpoint"
             )
         self.metadata: Metadata = FileSystemReader(directory).read_metadata()
         self._check_files()
@@ -111,7 +111,7 @@ class ShardedDirectory:
                 what = "is missing" if size is None else f"is truncated ({size} of at least {end} bytes)"
                 raise ValueError(
                     f"{file} {what}: this sharded checkpoint is incomplete; copy the whole directory again, or "
-                    "resume another. Nothing was loaded."
+                    "resume another"
                 )
 
     def model_shapes(self) -> dict[str, torch.Tensor]:

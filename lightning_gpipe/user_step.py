@@ -50,7 +50,7 @@ def check_automatic_optimization(module: LightningModule) -> None:
     if not module.automatic_optimization:
         raise ValueError(
             "GPipeStrategy supports automatic optimization only: set self.automatic_optimization = True and return "
-            "the loss from training_step (docs/troubleshooting.md#the-module-is-refused)"
+            "the loss"
         )
 
 
@@ -250,8 +250,8 @@ class UserSteps:
             stand_in.runner = runner
         if not captured:
             raise RuntimeError(
-                f"{hook} returned without calling the pipelined sequence {self.partition.path!r} for micro-batch "
-                f"{mb.index}; call it once per step"
+                f"{hook} returned without calling the pipelined sequence {self.partition.path!r} (micro-batch "
+                f"{mb.index}); call it"
             )
         return captured[0]
 
@@ -274,7 +274,7 @@ def check_rounds(config: PipelineConfig, samples: int, processes: int) -> None:
     except ValueError as error:
         raise ValueError(
             f"a training batch of {samples} samples, fewer than chunks={config.chunks}, cannot run under "
-            f"schedule={config.schedule!r} ({error}); use batches of at least chunks samples (drop_last=True)"
+            f"schedule={config.schedule!r}: use drop_last=True"
         ) from error
 
 

@@ -65,8 +65,7 @@ def build_model(spec: str, kwargs: dict[str, Any]) -> nn.Module:
         found: Any = functools.reduce(getattr, attribute.split("."), importlib.import_module(path))
     except (ImportError, AttributeError) as error:
         raise ValueError(
-            f"cannot load the model {spec!r}: {error}. HINT: give module:attribute with the module importable from "
-            "here (run from your project's root, or set PYTHONPATH), e.g. my_project.models:Net"
+            f"cannot load the model {spec!r}: {error}; give module:attribute, importable from here (PYTHONPATH)"
         ) from error
     if isinstance(found, nn.Module):
         if kwargs:
@@ -94,8 +93,8 @@ def _sample_of(model: nn.Module, args: argparse.Namespace, device: str) -> Any:
     example = getattr(model, "example_input_array", None)
     if example is None:
         raise ValueError(
-            f"{args.model!r} has no example_input_array to profile its layers on; pass --sample-shape (one input of "
-            "the first layer, any number of rows, e.g. 2,3,224,224) and --sample-dtype long for token ids"
+            f"{args.model!r} has no example_input_array: pass --sample-shape (e.g. 2,3,224,224; --sample-dtype "
+            "long for token ids)"
         )
     return map_tensors(lambda value: _placed(value, device), example)
 

@@ -87,7 +87,7 @@ class AutoPlan:
             parse_bytes(self.memory_per_device)
         size = self.batch_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"AutoPlan(batch_size={size!r}) must be an int >= 1: the samples each pipeline reads")
+            raise ValueError(f"AutoPlan(batch_size={size!r}) must be an int >= 1 (samples per pipeline)")
         slots = self.optimizer_slots
         if isinstance(slots, bool) or not isinstance(slots, (int, float)) or not (0 <= slots < math.inf):
             raise ValueError(
@@ -103,10 +103,7 @@ class AutoPlan:
         if stages is not None and (
             isinstance(stages, (str, int)) or not stages or not all(_positive_int(v) and v >= 2 for v in stages)
         ):
-            raise ValueError(
-                f"AutoPlan(virtual_stages={stages!r}) must be a non-empty list of ints >= 2 (stages per process for "
-                "schedule='interleaved'), or None"
-            )
+            raise ValueError(f"AutoPlan(virtual_stages={stages!r}) must be a non-empty list of ints >= 2, or None")
         check_data_parallel(self.data_parallel)
         for mode in self.checkpoints or ():
             validate_mode(mode)
@@ -154,10 +151,8 @@ def auto_plan(value: object, config: BuildConfig) -> AutoPlan | None:
             hints.append(f"data_parallel={given['data_parallel']!r}")
         how = f"plan=AutoPlan({', '.join(hints)})" if hints else "the balance the plan finds"
         raise ValueError(
-            f"plan chooses pipe_size, chunks, balance, checkpoint, schedule, virtual_stages and data_parallel, but "
-            f"{settings} {'was' if len(given) == 1 else 'were'} given as well. "
-            f"HINT: drop {settings} to let the plan choose, restrict the plan instead ({how}), or drop plan= and set "
-            "them all yourself."
+            f"plan chooses the layout, but {settings} {'was' if len(given) == 1 else 'were'} given as well: drop "
+            f"{'it' if len(given) == 1 else 'them'}, restrict the plan ({how}), or drop plan="
         )
     return value
 
@@ -194,10 +189,8 @@ def planned_batch(request: AutoPlan, loader: Callable[[], Any]) -> int:
     size = loader_batch_size(given)
     if size is None:
         raise ValueError(
-            f"plan='auto' plans for the batch each pipeline reads per step, but the run's loader (a "
-            f"{type(given).__name__}) does not say its batch_size (none, an IterableDataset that batches itself, a "
-            "batch sampler without one, or several loaders). HINT: pass plan=AutoPlan(batch_size=...), the samples "
-            "each pipeline reads per step"
+            f"plan='auto' cannot read the batch_size of the run's loader (a {type(given).__name__}): pass "
+            "plan=AutoPlan(batch_size=...), the samples per pipeline and step"
         )
     return size
 
@@ -210,10 +203,8 @@ def check_planned_batch(planned: int, samples: int) -> None:
     """
     if samples != planned:
         raise ValueError(
-            f"plan='auto' planned for a batch of {planned} samples per pipeline, but the first training batch has "
-            f"{samples}; the plan's memory and step time were predicted for {planned}, so the run is refused (not "
-            f"re-planned). HINT: pass plan=AutoPlan(batch_size={samples}) to plan for the batches the DataLoader "
-            f"gives, or give the DataLoader batch_size={planned}"
+            f"plan='auto' planned for batches of {planned} samples per pipeline, but the first training batch has "
+            f"{samples}: pass plan=AutoPlan(batch_size={samples}), or DataLoader(batch_size={planned})"
         )
 
 
@@ -223,8 +214,7 @@ def _budget(request: AutoPlan, device: torch.device) -> float:
     if device.type == "cuda":
         return DEVICE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
     raise ValueError(
-        f"plan='auto' needs a memory budget per device on {device.type!r}, which has no memory size to read; "
-        "HINT: pass plan=AutoPlan(memory_per_device='4GB') (bytes, or a string with a unit)"
+        f"plan='auto' needs a memory budget per device on {device.type!r}: pass plan=AutoPlan(memory_per_device='4GB')"
     )
 
 
@@ -251,9 +241,8 @@ def plan_for_module(
     sample = request.sample if request.sample is not None else example
     if sample is None:
         raise ValueError(
-            "plan='auto' profiles the pipelined sequence on a sample input, but there is none. HINT: set "
-            "`self.example_input_array` in the LightningModule to an input of the sequence (a few rows are enough), "
-            "or pass plan=AutoPlan(sample=...)"
+            "plan='auto' needs a sample input to profile: set self.example_input_array (a few rows), or pass "
+            "plan=AutoPlan(sample=...)"
         )
     budget = _budget(request, device)
     options: dict[str, Any] = {}

@@ -177,8 +177,8 @@ def _stage_balance(
     entries = checked_entries(balance)
     if len(entries) != S:
         raise ValueError(
-            f"balance={entries} has {len(entries)} stages, but schedule={schedule!r} on K={K} processes has {S} "
-            f"({len(table[0])} per process); give one number of layers per stage"
+            f"balance={entries} has {len(entries)} stages, but schedule={schedule!r} on K={K} processes has {S}: "
+            "give one number of layers per stage"
         )
     return entries
 

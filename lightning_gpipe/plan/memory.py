@@ -203,8 +203,7 @@ def stage_memory(
     """
     if schedule in MULTI_STAGE:
         raise ValueError(
-            f"stage_memory predicts one stage per process; schedule={schedule!r} places several on each. "
-            "HINT: use process_memory with every stage's cell."
+            f"stage_memory predicts one stage per process; schedule={schedule!r} has several: use process_memory"
         )
     actions = cached_process_actions(schedule, stage, num_stages, num_microbatches)
     step = _Step(num_stages, num_microbatches, microbatch_size, batch_size, checkpoint, optimizer_slots, compiled)
@@ -250,7 +249,7 @@ def process_memory(
     if len(cells) != num_processes * len(held):
         raise ValueError(
             f"cells has {len(cells)} ranges; schedule={schedule!r} with {num_processes} processes has "
-            f"{num_processes * len(held)} stages. HINT: give one range of layers per stage."
+            f"{num_processes * len(held)} stages: give one per stage"
         )
     actions = cached_process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages)
     step = _Step(len(cells), num_microbatches, microbatch_size, batch_size, checkpoint, optimizer_slots, compiled)

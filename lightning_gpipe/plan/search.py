@@ -279,10 +279,7 @@ def _checked(
         isinstance(v, int) and not isinstance(v, bool) and v >= 2
         for v in virtual_stages  # type: ignore[attr-defined]
     ):
-        raise ValueError(
-            f"virtual_stages={virtual_stages!r} must be a list of ints >= 2: the stages per process to weigh for "
-            "schedule='interleaved'"
-        )
+        raise ValueError(f"virtual_stages={virtual_stages!r} must be a list of ints >= 2 (stages per process)")
     return modes, kinds
 
 
@@ -291,8 +288,8 @@ def _planned_data_parallel(data_parallel: object, compiled: bool) -> PlannedData
     requested = check_data_parallel(data_parallel)
     if compiled and requested == "fsdp":
         raise ValueError(
-            "data_parallel='fsdp' cannot be planned for compiled layers: the strategy does not shard compiled stages "
-            "yet. HINT: plan with data_parallel='ddp' (or 'auto'), or without compile"
+            "data_parallel='fsdp' cannot be planned for compiled layers (not sharded yet): use 'ddp' or 'auto', or "
+            "drop compile"
         )
     return "ddp" if compiled else requested
 
@@ -356,10 +353,7 @@ def _batch_norm_pipe_sizes(
         per_replica = batch_size if per_pipeline else math.ceil(batch_size / replicas)
         need = smallest if per_pipeline else smallest * replicas
         raise ValueError(
-            f"batch_size={batch_size} on devices={devices} gives micro-batches of {per_replica} sample(s) even at "
-            f"K={K} ({replicas} pipeline(s) of {per_replica}, one micro-batch each), but the model's BatchNorm layers "
-            f"need at least {smallest} samples per micro-batch in training (torch would stop with 'Expected more "
-            f"than 1 value per channel'). HINT: use batch_size >= {need}, or replace BatchNorm by GroupNorm or "
-            "LayerNorm"
+            f"batch_size={batch_size} on devices={devices} gives micro-batches of {per_replica} sample(s); "
+            f"BatchNorm needs {smallest} per micro-batch: use batch_size >= {need}, or GroupNorm"
         )
     return kept, skipped

@@ -47,10 +47,7 @@ def check_data_parallel(value: object) -> PlannedDataParallel:
         ValueError: any other value.
     """
     if value not in DATA_PARALLEL_CHOICES:
-        raise ValueError(
-            f"data_parallel={value!r} is not a way to plan the replicas; use 'ddp' (each holds its stages whole), "
-            "'fsdp' (each holds a shard) or 'auto' (whole, unless nothing fits whole)"
-        )
+        raise ValueError(f"data_parallel={value!r} is not a way to plan the replicas; use 'ddp', 'fsdp' or 'auto'")
     return value  # type: ignore[return-value]
 
 

@@ -164,8 +164,7 @@ def simulate_step(
         raise ValueError("forward is empty; give one forward time per stage (at least one stage)")
     if S % per_process:
         raise ValueError(
-            f"forward has {S} entries, but schedule={schedule!r} places {per_process} stages on each process; "
-            f"give a multiple of {per_process} stage times"
+            f"forward has {S} entries, but schedule={schedule!r} needs a multiple of {per_process} (stages per process)"
         )
     fwd, bwd = _per_stage("forward", forward, S), _per_stage("backward", backward, S)
     weights = [b / 2 for b in bwd] if weight is None else _per_stage("weight", weight, S)

@@ -32,7 +32,7 @@ def spiral_script() -> ModuleType:
 
 @pytest.mark.parametrize("step", [-1, 1.5, True])
 def test_step_must_be_a_global_step(step):
-    with pytest.raises(ValueError, match=r"step must be a global step, an int >= 0"):
+    with pytest.raises(ValueError, match=r"PipelineTimeline\(step=.*\) must be a global step, an int >= 0"):
         PipelineTimeline("timeline.png", step=step)
 
 

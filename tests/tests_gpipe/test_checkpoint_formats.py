@@ -105,7 +105,7 @@ def _bad_inputs(four: Path, root: Path) -> list[dict[str, Any]]:
 BAD_INPUT_MESSAGES = [
     r"folder is a directory but not a sharded checkpoint: it has no torch.distributed.checkpoint index \(.metadata\) "
     r"\(it holds epoch=0.ckpt: pass one of those files\)",
-    r"missing.sharded/__2_0.distcp is missing: this sharded checkpoint is incomplete.* Nothing was loaded",
+    r"missing.sharded/__2_0.distcp is missing: this sharded checkpoint is incomplete; copy the whole directory again",
     r"truncated.sharded/__1_0.distcp is truncated \(100 of at least \d+ bytes\): this sharded checkpoint is incomplete",
     r"k4.sharded: the checkpoint does not match this model: missing \['layers.0.hidden.weight'.*Nothing was loaded",
     r"k4.sharded: the checkpoint does not match this model: 9 tensor\(s\) have another shape \(layers.0.weight: "

@@ -61,7 +61,7 @@ BAD_ARGUMENTS = [
     ({"timeout": 60}, TypeError, r"timeout=60 must be a datetime.timedelta, e.g. timeout=datetime.timedelta"),
     ({"timeout": datetime.timedelta(0)}, ValueError, r"timeout=datetime.timedelta\(0\) must be positive"),
     ({"start_method": "thread"}, ValueError, r"start_method='thread' is not a way to start the processes; use one of"),
-    ({"process_group_backend": 1}, TypeError, r"process_group_backend=1 must be a torch.distributed backend"),
+    ({"process_group_backend": 1}, TypeError, r"process_group_backend=1 must be a backend name"),
 ]
 
 

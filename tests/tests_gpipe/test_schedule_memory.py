@@ -96,7 +96,7 @@ def test_split_backwards_keep_rebuilt_micro_batches_until_w() -> None:
 def test_memory_refuses_a_mismatched_layout() -> None:
     kwargs = {"num_microbatches": M, "microbatch_size": N, "batch_size": M * N, "checkpoint": "never"}
     with pytest.raises(
-        ValueError, match=r"stage_memory predicts one stage per process; schedule='zbv'.*process_memory"
+        ValueError, match=r"stage_memory predicts one stage per process; schedule='zbv' has several: use process_memory"
     ):
         stage_memory(profile(), range(4), stage=0, num_stages=K, schedule="zbv", **kwargs)
     with pytest.raises(ValueError, match=r"cells has 4 ranges; schedule='zbv' with 4 processes has 8 stages"):

@@ -191,7 +191,7 @@ def test_stages_on_one_process_pass_values_for_free_and_step_together() -> None:
 def test_split_times_are_checked() -> None:
     with pytest.raises(ValueError, match=r"weight holds \[3\.0\], more than backward \[2\.0\]"):
         simulate_step("zero_bubble", [1.0], [2.0], 2, weight=[3.0])
-    with pytest.raises(ValueError, match=r"forward has 3 entries, but schedule='zbv' places 2 stages on each process"):
+    with pytest.raises(ValueError, match=r"forward has 3 entries, but schedule='zbv' needs a multiple of 2"):
         simulate_step("zbv", [1.0] * 3, [2.0] * 3, 2)
 
 
