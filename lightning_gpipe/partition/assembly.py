@@ -215,7 +215,7 @@ def assemble_stage(
 def _sequence_to_cut(module: nn.Module, settings: ResolvedPipeline) -> tuple[str, nn.Sequential]:
     """The path and the ``nn.Sequential`` of ``module`` to pipeline, refused when it cannot give every stage a layer."""
     layout = settings.layout
-    refuse_a_cut_module(module, " and has not put it back")
+    refuse_a_cut_module(module, " that has not put it back")
     path, sequence = find_sequence(module, settings.module_name)
     if len(sequence) < layout.num_stages:
         per = len(layout.stages)
@@ -225,8 +225,8 @@ def _sequence_to_cut(module: nn.Module, settings: ResolvedPipeline) -> tuple[str
             else f"pipe_size x {per} stages per process (schedule={layout.schedule!r}) <= {len(sequence)}"
         )
         raise ValueError(
-            f"cannot split the {len(sequence)} layers of {path!r} into {layout.num_stages} stages: every stage "
-            f"needs at least one layer; use {fix} or split the model into more layers"
+            f"cannot split the {len(sequence)} layers of {path!r} into {layout.num_stages} stages; use {fix} or "
+            "more layers"
         )
     return path, sequence
 
@@ -320,8 +320,7 @@ def resolve_balance(
         how = "flops" if sample is not None and (deferred or not _is_meta(sequence)) else "params"
     if how in ("flops", "time", "memory") and sample is None:
         raise ValueError(
-            f"balance={how!r} measures the layers on a sample input: set `self.example_input_array` in the "
-            "LightningModule to one input of the sequence, or use balance='params' or a list of layers per stage"
+            f"balance={how!r} needs a sample input: set `self.example_input_array`, or use balance='params' or a list"
         )
     distributed = dist.is_available() and dist.is_initialized()
     balance: list[int] | None = None
@@ -383,10 +382,8 @@ def refuse_a_cut_module(module: nn.Module, why: str = "") -> None:
     cut = next((name for name, sub in module.named_modules() if isinstance(sub, PipelinedSequential)), None)
     if cut is not None:
         raise ValueError(
-            f"{type(module).__name__}.{cut} holds one pipeline stage only: it was cut by the GPipeStrategy of "
-            f"another Trainer, which keeps each stage on its rank after fit{why}. Call `trainer.strategy."
-            "gather_module()` of that Trainer on every rank first to put the sequence back, or resume from a "
-            "checkpoint it saved."
+            f"{type(module).__name__}.{cut} holds one stage only, cut by another Trainer{why}: call that Trainer's "
+            "strategy.gather_module() on every rank, or resume from a checkpoint"
         )
 
 
@@ -431,9 +428,7 @@ def _refuse_stranded_layers(own: Sequence[tuple[int, nn.Module]], trained: Seque
         which = f"layers {listed} of the sequence are" if len(stranded) > 1 else f"layer {listed} of the sequence is"
         raise ValueError(
             f"{which} on the meta device on this rank while layers {', '.join(map(str, trained[:8]))} hold weights: "
-            "this rank kept only its own stage's layers when the module was gathered on global rank 0, and this "
-            "stage is cut differently. Cut it as before (the same pipe_size and an explicit balance=[...]), or load "
-            "the trained weights from a checkpoint (trainer.save_checkpoint, then fit(ckpt_path=...))."
+            "cut as before (pipe_size, balance=[...]) or resume from a checkpoint"
         )
 
 

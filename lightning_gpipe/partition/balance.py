@@ -184,14 +184,9 @@ def _checked_costs(costs: Sequence[float]) -> list[float]:
         try:
             value = float(cost)
         except (TypeError, ValueError):
-            raise TypeError(
-                f"cost of layer {index} is {cost!r}, which is not a number; give one non-negative number per layer"
-            ) from None
+            raise TypeError(f"cost of layer {index} is {cost!r}, which is not a number") from None
         if not math.isfinite(value) or value < 0:
-            raise ValueError(
-                f"cost of layer {index} is {cost!r}; layer costs must be non-negative and finite,"
-                " so check the cost function (a NaN often comes from a failed measurement)"
-            )
+            raise ValueError(f"cost of layer {index} is {cost!r}; layer costs must be non-negative and finite")
         values.append(value)
     return values
 
@@ -203,8 +198,7 @@ def _checked_num_stages(num_stages: int, num_layers: int) -> int:
         raise ValueError(f"the number of stages must be at least 1, got {num_stages}; use pipe_size >= 1")
     if num_stages > num_layers:
         raise ValueError(
-            f"cannot split {num_layers} layers into {num_stages} stages: each stage needs at least one layer;"
-            f" use pipe_size <= {num_layers} or give the model more layers"
+            f"cannot split {num_layers} layers into {num_stages} stages; use pipe_size <= {num_layers} or more layers"
         )
     return num_stages
 
@@ -215,7 +209,7 @@ def validate_balance(balance: Sequence[int], num_layers: int) -> list[int]:
     Raises:
         TypeError: ``balance`` is not a sequence of ints (``bool`` is refused: ``True`` is not a layer count).
         ValueError: an entry is not positive, there are more stages than layers, or the entries do not add up to
-            ``num_layers``. The message suggests an even balance that would work.
+            ``num_layers``. The message of a wrong sum suggests an even balance.
     """
     return checked_total(checked_entries(balance), num_layers)
 
@@ -229,15 +223,14 @@ def checked_total(entries: list[int], num_layers: int) -> list[int]:
         raise ValueError(f"the module must have at least one layer to partition, got num_layers={num_layers!r}")
     if len(entries) > num_layers:
         raise ValueError(
-            f"balance {entries} has {len(entries)} stages but the module has only {num_layers} layers:"
-            f" each stage needs at least one layer; give at most {num_layers} stages,"
-            f" e.g. {_even_balance(num_layers, num_layers)}"
+            f"balance {entries} has {len(entries)} stages but the module has only {num_layers} layers; give at most "
+            f"{num_layers} stages"
         )
     total = sum(entries)
     if total != num_layers:
         raise ValueError(
-            f"balance {entries} sums to {total} but the module has {num_layers} layers; give one int per stage"
-            f" that adds up to {num_layers}, e.g. {_even_balance(num_layers, len(entries))}"
+            f"balance {entries} sums to {total} but the module has {num_layers} layers; use e.g. "
+            f"{_even_balance(num_layers, len(entries))}"
         )
     return entries
 
@@ -253,18 +246,12 @@ def checked_entries(balance: Sequence[int]) -> list[int]:
         )
     entries = list(balance)
     if not entries:
-        raise ValueError("balance [] has no stages; give one positive int (layers) per stage, e.g. [2, 2]")
+        raise ValueError("balance [] has no stages; give one positive int per stage")
     for stage, layers in enumerate(entries):
         if isinstance(layers, bool) or not isinstance(layers, int):
-            raise TypeError(
-                f"balance {entries} has {layers!r} ({type(layers).__name__}) for stage {stage};"
-                " every entry must be an int number of layers"
-            )
+            raise TypeError(f"balance {entries} has {layers!r} ({type(layers).__name__}) for stage {stage}, not an int")
         if layers < 1:
-            raise ValueError(
-                f"balance {entries} gives stage {stage} {layers} layers; every stage needs at least one layer,"
-                " so use positive ints"
-            )
+            raise ValueError(f"balance {entries} gives stage {stage} {layers} layers; every stage needs at least one")
     return entries
 
 
@@ -320,9 +307,7 @@ def split(module: nn.Sequential, balance: Sequence[int], *, allow_shared: bool =
     :class:`~lightning_gpipe.partition.tied.TiedCopies` keeps the copies equal.
     """
     if not isinstance(module, nn.Sequential):
-        raise TypeError(
-            f"split needs an nn.Sequential, got {type(module).__name__}; wrap the layers as nn.Sequential(*layers)"
-        )
+        raise TypeError(f"split needs an nn.Sequential, got {type(module).__name__}; pass nn.Sequential(*layers)")
     # _modules rather than named_children(): named_children() skips a layer object repeated at two positions, which
     # would silently shift every later layer into the wrong cell.
     children = list(module._modules.items())
@@ -333,11 +318,8 @@ def split(module: nn.Sequential, balance: Sequence[int], *, allow_shared: bool =
         second = next(i for i, stage in enumerate(tie.name_stages) if stage != tie.owner)
         raise ValueError(
             f"layer {tie.names[0]} (cell {tie.owner}) and layer {tie.names[second]} (cell {tie.name_stages[second]}) "
-            f"share one {'parameter' if tie.is_parameter else 'buffer'}: cells trained in separate processes would "
-            "each update their own copy of it. Run the cells in one process (run_in_threads, where they share the "
-            "tensor and its gradient sums) and pass split(..., allow_shared=True); across processes pass "
-            "allow_shared=True and keep the copies equal with lightning_gpipe.partition.tied.TiedCopies (GPipeStrategy "
-            "does it for you)."
+            f"share one {'parameter' if tie.is_parameter else 'buffer'}: pass allow_shared=True and use "
+            "run_in_threads, or TiedCopies across processes"
         )
     return [
         nn.Sequential(OrderedDict((name, layer) for name, layer in children[bounds.start : bounds.stop]))

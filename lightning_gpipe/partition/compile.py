@@ -65,10 +65,7 @@ def check_compile(value: object) -> Compile:
     if isinstance(value, bool):
         return value
     if not isinstance(value, Mapping):
-        raise TypeError(
-            f"compile={value!r} must be True, False or a dict of torch.compile's keyword arguments, e.g. "
-            "compile={'mode': 'max-autotune'}"
-        )
+        raise TypeError(f"compile={value!r} must be True, False or a dict of torch.compile's keyword arguments")
     options = dict(value)
     known = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
     unknown = [name for name in options if not isinstance(name, str) or name not in known]

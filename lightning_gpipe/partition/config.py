@@ -56,9 +56,7 @@ class BuildConfig(PipelineConfig):
         super().__post_init__()
         pipe_size = self.pipe_size
         if pipe_size is not None and (isinstance(pipe_size, bool) or not isinstance(pipe_size, int) or pipe_size < 1):
-            raise ValueError(
-                f"pipe_size={pipe_size!r} must be a positive int (stages per pipeline) or None (all ranks)"
-            )
+            raise ValueError(f"pipe_size={pipe_size!r} must be a positive int, or None for all ranks")
         stages = None if pipe_size is None else pipe_size * self.stages_per_process
         object.__setattr__(self, "balance", _check_balance(self.balance, stages, self.stages_per_process))
         if pipe_size is not None:
@@ -103,7 +101,7 @@ class BuildConfig(PipelineConfig):
             per = f" ({K} processes x {len(layout.stages)} stages each)" if layout.num_stages != K else ""
             raise ValueError(
                 f"balance={balance} has {len(balance)} stages but the pipelines have {layout.num_stages}{per} "
-                f"(world_size={world_size}, pipe_size={self.pipe_size}); give one number of layers per stage"
+                f"(world_size={world_size}, pipe_size={self.pipe_size}); give one number per stage"
             )
         if M < K:
             warnings.warn(
@@ -188,8 +186,8 @@ def _check_balance(balance: Any, num_stages: int | None, per_process: int = 1) -
     if isinstance(balance, str):
         if balance not in COST_SOURCES:
             raise ValueError(
-                f"balance={balance!r} is not a way to balance stages; use a list of layers per stage, one of "
-                f"{', '.join(map(repr, COST_SOURCES))}, or a callable cost(layer) -> float"
+                f"balance={balance!r} is not a cost source; use one of {', '.join(map(repr, COST_SOURCES))}, a list "
+                "or a callable"
             )
         return balance  # type: ignore[return-value]
     if isinstance(balance, (list, tuple)):
@@ -197,32 +195,24 @@ def _check_balance(balance: Any, num_stages: int | None, per_process: int = 1) -
         if num_stages is not None and len(entries) != num_stages:
             if per_process == 1:
                 raise ValueError(
-                    f"balance={entries} has {len(entries)} stages but pipe_size={num_stages}; give one number of "
-                    "layers per stage"
+                    f"balance={entries} has {len(entries)} stages but pipe_size={num_stages}; give one per stage"
                 )
             raise ValueError(
                 f"balance={entries} has {len(entries)} stages but the pipeline has {num_stages}: pipe_size="
-                f"{num_stages // per_process} processes holding {per_process} stages each; give one number of "
-                "layers per stage"
+                f"{num_stages // per_process} x {per_process} stages each; give one per stage"
             )
         return checked_entries(entries)  # the sequence's length is checked once it is known: assembly
     raise TypeError(
-        f"balance={balance!r} must be a list of ints (layers per stage), a cost name or a callable, "
-        f"not {type(balance).__name__}"
+        f"balance={balance!r} must be a list of ints, a cost name or a callable, not {type(balance).__name__}"
     )
 
 
 def _check_data_parallel(data_parallel: object, compile: Compile) -> None:
     if data_parallel not in DATA_PARALLEL:
-        raise ValueError(
-            f"data_parallel={data_parallel!r} is not a way to share a stage among its replicas; use 'ddp' (each "
-            "replica holds the whole stage, gradients averaged) or 'fsdp' (each holds a shard of its parameters, "
-            "gradients and optimizer state)"
-        )
+        raise ValueError(f"data_parallel={data_parallel!r} is not a data-parallel mode; use 'ddp' or 'fsdp'")
     if data_parallel == "fsdp" and compile is not False:
         raise ValueError(
-            f"compile={compile!r} with data_parallel='fsdp' is not supported yet. "
-            "Use compile=False with 'fsdp', or data_parallel='ddp' with compile"
+            f"compile={compile!r} with data_parallel='fsdp' is not supported yet; use compile=False or 'ddp'"
         )
 
 
@@ -232,7 +222,7 @@ def _resolve_data_parallel(data_parallel: DataParallel, layout: ProcessLayout) -
         warnings.warn(
             f"data_parallel='fsdp' with a single replica (world_size={layout.world_size}, pipe_size="
             f"{layout.pipe_size}) has nothing to shard over: each stage runs as with 'ddp'. Shard with more "
-            "processes than pipe_size (devices x num_nodes = replicas x pipe_size).",
+            "processes than pipe_size.",
             stacklevel=4,
         )
         return "ddp"
@@ -243,24 +233,15 @@ def _check_module_name(module_name: object) -> str | None:
     if module_name is None:
         return None
     if not isinstance(module_name, str):
-        raise TypeError(
-            f"module_name={module_name!r} must be a str, the dotted attribute path of the nn.Sequential to pipeline "
-            "(e.g. 'layers' or 'backbone.layers'), or None to find it"
-        )
+        raise TypeError(f"module_name={module_name!r} must be a str such as 'backbone.layers', or None")
     if not module_name or not all(part.isidentifier() or part.isdigit() for part in module_name.split(".")):
-        raise ValueError(
-            f"module_name={module_name!r} is not an attribute path; give attribute names joined by dots, e.g. "
-            "'layers' or 'backbone.layers'"
-        )
+        raise ValueError(f"module_name={module_name!r} is not an attribute path such as 'backbone.layers'")
     return module_name
 
 
 def _check_timeout(timeout: object) -> datetime.timedelta:
     if not isinstance(timeout, datetime.timedelta):
-        raise TypeError(
-            f"timeout={timeout!r} must be a datetime.timedelta, e.g. timeout=datetime.timedelta(minutes=30): how "
-            "long a stage waits for a peer"
-        )
+        raise TypeError(f"timeout={timeout!r} must be a datetime.timedelta, e.g. datetime.timedelta(minutes=30)")
     if timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout={timeout!r} must be positive: how long a stage waits for a peer before it gives up")
+        raise ValueError(f"timeout={timeout!r} must be positive")
     return timeout

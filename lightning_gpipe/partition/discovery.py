@@ -30,8 +30,7 @@ def find_sequence(module: nn.Module, module_name: str | None = None) -> tuple[st
         if not isinstance(found, nn.Sequential):
             raise TypeError(
                 f"module_name={module_name!r} must name an nn.Sequential attribute of {type(module).__name__}, "
-                f"found {type(found).__name__ if found is not None else 'nothing'}; "
-                "put the layers to pipeline in one nn.Sequential and pass its attribute name"
+                f"found {type(found).__name__ if found is not None else 'nothing'}"
             )
         return module_name, found
     candidates: list[tuple[str, nn.Sequential]] = []
@@ -41,33 +40,21 @@ def find_sequence(module: nn.Module, module_name: str | None = None) -> tuple[st
     reason = _not_one_sequence(module, candidates)
     if reason is not None:
         raise TypeError(
-            f"{type(module).__name__}'s layers are not one sequence: {reason}. GPipeStrategy cuts one nn.Sequential "
-            "into stages, so it must hold every trainable layer in the order the data flows through them (for a "
-            "GPT: the embedding, each block, the head), and training_step calls it once (`self.layers(x)`). "
-            f"Rewrite the model that way: {_REWRITE}"
+            f"{type(module).__name__}'s layers are not one sequence: {reason}; rewrite them as one nn.Sequential: "
+            "docs/getting_started.md#models-that-are-not-one-sequence"
         )
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
         raise TypeError(
-            f"{type(module).__name__} has no nn.Sequential to pipeline. GPipeStrategy partitions one sequence of "
-            "layers: build them as `self.layers = nn.Sequential(...)` and call `self.layers(x)` in training_step."
+            f"{type(module).__name__} has no nn.Sequential to pipeline; build `self.layers = nn.Sequential(...)`"
         )
     names = ", ".join(repr(name) for name, _ in candidates)
     largest = max(candidates, key=lambda candidate: _count(_trainable(candidate[1])))[0]
     raise TypeError(
         f"{type(module).__name__} has several nn.Sequential attributes ({names}); "
-        f"say which one to pipeline with GPipeStrategy(module_name=...), e.g. module_name={largest!r}"
+        f"pick one, e.g. module_name={largest!r}"
     )
-
-
-_REWRITE = (
-    "an nn.ModuleList of blocks goes into the nn.Sequential between the layers before and after it; a head tied "
-    "to the embedding stays tied (`head.weight = embedding.weight`: each stage holds a copy, kept equal); a value "
-    "needed further down (a U-Net's skip connections) rides along in a tuple that each layer passes on. A GPT and a "
-    "U-Net rewritten so: docs/getting_started.md#models-that-are-not-one-sequence; the rules: "
-    "docs/guide/strategy.md#tied-weights-and-shared-modules and docs/troubleshooting.md#the-module-is-refused."
-)
 
 
 def _trainable(module: nn.Module) -> dict[int, int]:

@@ -65,7 +65,7 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     if policy is None:
         raise ValueError(
             f"precision={precision!r} is not supported with data_parallel='fsdp'; use one of "
-            f"{', '.join(map(repr, PRECISIONS))}, or data_parallel='ddp'"
+            f"{', '.join(map(repr, PRECISIONS))}, or 'ddp'"
         )
     return policy
 
@@ -108,8 +108,8 @@ def shard_stage(
     # The whole sequence too: the module holds only this process's layers now.
     if any(isinstance(m, FSDPModule) for m in [*partition.module.modules(), *partition.original.modules()]):
         raise ValueError(
-            f"{type(partition.module).__name__} already holds layers sharded with fully_shard: with "
-            "data_parallel='fsdp' the strategy shards each layer of the sequence itself. Build the model unsharded."
+            f"{type(partition.module).__name__} already holds layers sharded with fully_shard; build it unsharded "
+            "(the strategy shards them)"
         )
     whole = ties_kept_whole(partition.ties, layout.position_of)
     group, source = mesh.get_group(), layout.replica_ranks()[0]

@@ -40,7 +40,7 @@ def claim_reader(module: nn.Module) -> WeightsReader | None:
     if reader is not None and not isinstance(reader, WeightsReader):
         raise TypeError(
             f"{type(module).__name__}.claim_weights_reader() returned a {type(reader).__name__}, which lacks keys() "
-            "or read_into(tensors); return an object with both (docs/guide/strategy.md#pretrained-weights-per-stage)"
+            "or read_into(tensors); return an object with both"
         )
     return reader
 

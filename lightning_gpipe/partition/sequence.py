@@ -114,9 +114,7 @@ class PipelinedSequential(nn.Module):
             held = {name: layer for name in chosen if (layer := self._modules.get(name)) is not None}
             return RemoteLayers(held, chosen)
         if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(
-                f"the pipelined sequence is indexed by int or slice, like nn.Sequential, not {type(index).__name__}"
-            )
+            raise TypeError(f"the pipelined sequence is indexed by int or slice, not {type(index).__name__}")
         if not -self.num_layers <= index < self.num_layers:
             raise IndexError(f"index {index} is out of range for a sequence of {self.num_layers} layers")
         name = str(index % self.num_layers)
@@ -143,9 +141,8 @@ class RemoteLayers(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            f"layers {', '.join(self.selected)} of the pipelined sequence are spread over the pipeline's stages "
-            f"(this stage holds {', '.join(self._modules) or 'none'} of them); under GPipeStrategy call the whole "
-            "sequence (`self.layers(x)`) once per step, and index it only to select parameters"
+            f"layers {', '.join(self.selected)} are spread over the stages (held here: "
+            f"{', '.join(self._modules) or 'none'}); call the whole sequence, and index it only for parameters"
         )
 
     def extra_repr(self) -> str:
@@ -261,11 +258,8 @@ def _check_aliases(module: nn.Module, path: str, sequence: nn.Sequential) -> Non
         owner = aliases[0].split(".", 1)[0].split(" ", 1)[0]
         raise ValueError(
             f"{type(module).__name__} reaches layers of the pipelined sequence {path!r} from outside it too: "
-            f"{', '.join(aliases[:3])}{' and more' if len(aliases) > 3 else ''}. Each stage keeps only its own layers "
-            f"during training, so another attribute cannot hold them all. Keep {owner!r} out of the module's "
-            f"submodules, e.g. `object.__setattr__(self, {owner!r}, model)` instead of `self.{owner} = model`: it "
-            "then shares the trained layers again once trainer.strategy.gather_module() puts the whole module back on "
-            "global rank 0 (for save_pretrained and the like)."
+            f"{', '.join(aliases[:3])}{' and more' if len(aliases) > 3 else ''}; assign {owner!r} "
+            f"with `object.__setattr__(self, {owner!r}, model)`"
         )
 
 
@@ -289,10 +283,7 @@ def partition_module(
     if outside:
         raise ValueError(
             f"trainable parameters outside the pipelined sequence {path!r}: {', '.join(outside[:5])}"
-            f"{' ...' if len(outside) > 5 else ''}. Every trainable layer must be inside the nn.Sequential, since "
-            "each stage only updates its own layers: move them into it (e.g. the head as its last layer) or freeze "
-            "them. A model whose layers are not one sequence (blocks in an nn.ModuleList, skip connections): "
-            "docs/getting_started.md#models-that-are-not-one-sequence."
+            f"{' ...' if len(outside) > 5 else ''}; move them into the nn.Sequential, or freeze them"
         )
     bounds = cell_bounds(balance)
     layers = list(sequence._modules.items())  # not named_children(), which drops a module used twice
@@ -363,12 +354,8 @@ def materialize(
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         raise ValueError(
             f"layer{'s' if len(indices) > 1 else ''} {', '.join(indices)} {'were' if len(indices) > 1 else 'was'} "
-            f"built on the meta device (in configure_model) and {shown} would start as uninitialized memory: "
-            "materialization allocates each stage's layers and then calls every module's reset_parameters(), and "
-            "none of them writes these tensors (an nn.Parameter or buffer made in __init__, such as a class token, "
-            "a position embedding or a layer-scale gamma, has no reset_parameters of its own). Give the module that "
-            "owns them a reset_parameters() that initializes them, or build the model in __init__ instead of "
-            "configure_model."
+            f"built on the meta device, and no reset_parameters() initializes {shown}: add one to their module, or "
+            "build the model in __init__"
         )
 
 

@@ -134,10 +134,8 @@ def state_by_name(saved: Mapping[str, Any], order: Sequence[str]) -> Mapping[str
     positions = [index for group in groups for index in group["params"]]
     if len(groups) != 1 or positions != list(range(len(order))):
         raise ValueError(
-            "this checkpoint's optimizer state is keyed by position and cannot be matched to parameter names "
-            f"({len(groups)} parameter groups, {len(positions)} parameters for a model of {len(order)}); resume it "
-            "with the strategy that wrote it, or load only the weights (`model.load_state_dict`) and start a new "
-            "optimizer"
+            f"this checkpoint's optimizer state is keyed by position ({len(groups)} groups, {len(positions)} "
+            f"parameters for a model of {len(order)}); load only the weights"
         )
     return {
         "state": {order[index]: value for index, value in saved["state"].items()},
@@ -162,7 +160,7 @@ def local_optimizer_state(
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(
             f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this one has "
-            f"{len(optimizer.param_groups)}: configure_optimizers must build the same groups to resume"
+            f"{len(optimizer.param_groups)}; resume with the same groups"
         )
     groups, state = [], {}
     for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=True):
@@ -170,8 +168,8 @@ def local_optimizer_state(
         unknown = [name for name in local if name not in saved_group["params"]]
         if unknown:
             raise ValueError(
-                f"the checkpoint's optimizer has no entry for {', '.join(unknown[:5])} in this parameter group: "
-                "it was written for another model or another grouping of parameters"
+                f"the checkpoint's optimizer has no entry for {', '.join(unknown[:5])} in this parameter group; "
+                "resume with the same model and groups"
             )
         groups.append({**saved_group, "params": local})
         state.update({name: saved["state"][name] for name in local if name in saved["state"]})
@@ -199,9 +197,8 @@ def check_loadable(
             raise ValueError(
                 f"{source}: the checkpoint does not match this model: "
                 f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
-                f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. It was written for "
-                "another model, or by one stage alone (save with trainer.save_checkpoint, called on every rank). "
-                "Nothing was loaded."
+                f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} (another model's, or one "
+                "stage's). Nothing was loaded."
             )
     mismatched = [
         f"{key}: {tuple(saved[key].shape)} in the checkpoint, {shape} in the model"
@@ -211,6 +208,6 @@ def check_loadable(
     if mismatched:
         raise ValueError(
             f"{source}: the checkpoint does not match this model: {len(mismatched)} tensor(s) have another shape "
-            f"({'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}). It was written for a model "
-            "of other sizes: build the model with the checkpoint's configuration. Nothing was loaded."
+            f"({'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}): build the model with the "
+            "checkpoint's sizes. Nothing was loaded."
         )

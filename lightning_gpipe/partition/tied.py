@@ -85,9 +85,8 @@ def find_ties(sequence: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
         if shares_statistics and stage(first) != stage(name):
             raise ValueError(
                 f"layer {first} (stage {stage(first)}) and layer {name} (stage {stage(name)}) share one "
-                f"{type(module).__name__}, whose running statistics each stage would update alone, so its copies "
-                "would drift apart. Give each layer its own BatchNorm, set track_running_stats=False, or keep the "
-                "layers that share it on one stage with balance=[...]."
+                f"{type(module).__name__}; give each its own, set track_running_stats=False, or keep "
+                "both on one stage"
             )
     ties = []
     for is_parameter, named in (

@@ -72,9 +72,7 @@ def layer_costs(layers: Iterable[nn.Module], how: str | CostFn | None = None, sa
     if callable(how):
         return _called_costs(layers, how)
     if not isinstance(how, str):
-        raise TypeError(
-            f"the cost source must be a string or a callable cost(layer) -> float, got {how!r} ({type(how).__name__})"
-        )
+        raise TypeError(f"the cost source must be a name or a callable cost(layer), got {how!r} ({type(how).__name__})")
     if how not in COST_SOURCES:
         raise ValueError(
             f"unknown cost source {how!r}; use one of {', '.join(map(repr, COST_SOURCES))},"
@@ -82,8 +80,8 @@ def layer_costs(layers: Iterable[nn.Module], how: str | CostFn | None = None, sa
         )
     if how in _NEEDS_SAMPLE and sample is None:
         raise ValueError(
-            f"cost source {how!r} runs the layers, so it needs a sample input; pass one micro-batch as sample="
-            " (e.g. the LightningModule's example_input_array), or use 'params', which needs none"
+            f"cost source {how!r} runs the layers, so it needs a sample input; pass one micro-batch as sample=, or "
+            "use 'params'"
         )
     if how == "params":
         return param_cost(layers)
@@ -102,8 +100,8 @@ def _called_costs(layers: list[nn.Module], cost: CostFn) -> list[float]:
             value = float(result)
         except (TypeError, ValueError):
             raise TypeError(
-                f"the cost function returned {result!r} ({type(result).__name__}) for layer {index}"
-                f" ({type(layer).__name__}); it must return a number"
+                f"the cost function returned {result!r} ({type(result).__name__}) for layer {index} "
+                f"({type(layer).__name__}), not a number"
             ) from None
         if not math.isfinite(value) or value < 0:
             raise ValueError(
@@ -211,8 +209,7 @@ def memory_cost(layers: Iterable[nn.Module], sample: Any, *, optimizer_slots: fl
     slots = float(optimizer_slots)
     if not math.isfinite(slots) or slots < 0:
         raise ValueError(
-            f"optimizer_slots={optimizer_slots!r} must be a non-negative number of parameter-sized optimizer"
-            " tensors per parameter: 2 for Adam, 1 for SGD with momentum, 0 for plain SGD"
+            f"optimizer_slots={optimizer_slots!r} must be a non-negative number, e.g. 2 for Adam, 0 for plain SGD"
         )
     # Any layer may save a parameter or buffer (its own or a tied one); none of them is a per-micro-batch activation.
     state = state_keys(layers)
@@ -236,13 +233,12 @@ def _device(layers: list[nn.Module], sample: Any) -> torch.device:
 def _refuse_meta(layers: list[nn.Module], sample: Any) -> None:
     if any(isinstance(t, Tensor) and t.is_meta for t in flatten(sample)[0]):
         raise ValueError(
-            "time_cost runs the layers, but the sample is on the meta device; give a real tensor on the device the"
-            " layers run on, or use the analytic 'flops' or 'params' cost, which work on meta"
+            "time_cost runs the layers, but the sample is on the meta device; give a real one, or use 'flops' or "
+            "'params'"
         )
     for index, layer in enumerate(layers):
         if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
             raise ValueError(
-                f"time_cost runs the layers, but layer {index} ({type(layer).__name__}) is on the meta device;"
-                " materialize the model first (model.to_empty(device=...) and initialise it), or use the analytic"
-                " 'flops' or 'params' cost, which work on meta"
+                f"time_cost runs the layers, but layer {index} ({type(layer).__name__}) is on the meta device; "
+                "materialize it, or use 'flops' or 'params'"
             )

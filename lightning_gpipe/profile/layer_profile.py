@@ -279,8 +279,7 @@ def profile_layers(
     target = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
     if target.type == "meta" and flops_per_second is None:
         raise ValueError(
-            "the sample is on the meta device, where nothing can be timed; pass flops_per_second= (the device's "
-            "sustained FLOP rate) to time layers from their FLOPs, or give a real sample and device"
+            "the sample is on the meta device, where nothing can be timed; pass flops_per_second=, or a real sample"
         )
     sample = map_tensors(lambda t: t.to(target), sample)
     rows = sizes[0]

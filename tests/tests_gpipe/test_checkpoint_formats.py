@@ -111,7 +111,7 @@ BAD_INPUT_MESSAGES = [
     r"k4.sharded: the checkpoint does not match this model: 9 tensor\(s\) have another shape \(layers.0.weight: "
     r"\(12, 6\) in the checkpoint, \(16, 6\) in the model",
     r"k4.full: the checkpoint does not match this model: 9 tensor\(s\) have another shape",
-    r"k4.sharded: the checkpoint's optimizer has 1 parameter groups, this one has 2: configure_optimizers must build",
+    r"k4.sharded: the checkpoint's optimizer has 1 parameter groups, this one has 2; resume with the same groups",
     r"__0_0.distcp (holds no 'state_dict'|is not a checkpoint file).* sharded one.*k4.sharded",
     r"meta.pt holds no 'state_dict' \(.*\): not a trainer.save_checkpoint file; pass a sharded one's directory, "
     r".*k4.sharded",

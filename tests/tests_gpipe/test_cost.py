@@ -255,7 +255,7 @@ def test_memory_cost_on_the_meta_device_matches_cpu() -> None:
 
 
 def test_memory_cost_rejects_negative_optimizer_slots() -> None:
-    with pytest.raises(ValueError, match=r"^optimizer_slots=-1 must be a non-negative number .* 2 for Adam"):
+    with pytest.raises(ValueError, match=r"^optimizer_slots=-1 must be a non-negative number, e.g. 2 for Adam"):
         memory_cost([nn.Linear(1, 1)], torch.randn(1, 1), optimizer_slots=-1)
 
 
@@ -283,7 +283,7 @@ def test_layer_costs_rejects_an_unknown_source() -> None:
         match=r"^unknown cost source 'parameters'; use one of 'params', 'flops', 'time', 'memory', or a callable",
     ):
         layer_costs(small_model(), "parameters")
-    with pytest.raises(TypeError, match=r"^the cost source must be a string or a callable .* got 3 \(int\)$"):
+    with pytest.raises(TypeError, match=r"^the cost source must be a name or a callable cost\(layer\), got 3 \(int\)$"):
         layer_costs(small_model(), 3)  # type: ignore[arg-type]
 
 
@@ -308,7 +308,9 @@ def test_layer_costs_rejects_a_bad_cost_from_a_callable(bad: float) -> None:
 
 
 def test_layer_costs_rejects_a_non_number_from_a_callable() -> None:
-    with pytest.raises(TypeError, match=r"^the cost function returned 'x' \(str\) for layer 0 \(Linear\); it must"):
+    with pytest.raises(
+        TypeError, match=r"^the cost function returned 'x' \(str\) for layer 0 \(Linear\), not a number$"
+    ):
         layer_costs(small_model(), lambda layer: "x")  # type: ignore[arg-type,return-value]
 
 

@@ -1,4 +1,4 @@
-"""First contact with a model that is not one sequence: the message says so and how to rewrite it.
+"""First contact with a model that is not one sequence: the message says so, why, and where the rewrite is shown.
 
 The models are written as a newcomer brings them: a GPT whose blocks are an ``nn.ModuleList`` with a head tied to the
 embedding, and a U-Net whose encoder and decoder stages are small ``nn.Sequential`` attributes joined in ``forward``.
@@ -12,7 +12,10 @@ from torch import nn
 
 from lightning_gpipe.partition.discovery import find_sequence
 
-NOT_ONE_SEQUENCE = r"layers are not one sequence: .*docs/getting_started.md#models-that-are-not-one-sequence"
+NOT_ONE_SEQUENCE = (
+    r"layers are not one sequence: .*; rewrite them as one nn.Sequential: "
+    r"docs/getting_started.md#models-that-are-not-one-sequence$"
+)
 
 
 class Block(nn.Module):
@@ -65,8 +68,6 @@ def test_a_gpt_with_a_module_list_is_told_to_rewrite_its_layers_as_one_sequence(
     message = str(error.value)
     assert "nn.ModuleList ('blocks')" in message
     assert "module_name=" not in message
-    assert "head.weight = embedding.weight" in message
-    assert "docs/guide/strategy.md#tied-weights-and-shared-modules" in message
 
 
 def test_a_unet_of_small_sequential_stages_is_told_to_rewrite_its_layers_as_one_sequence() -> None:
@@ -75,8 +76,6 @@ def test_a_unet_of_small_sequential_stages_is_told_to_rewrite_its_layers_as_one_
         find_sequence(UNet())
     message = str(error.value)
     assert "spread over 5 nn.Sequential ('enc1', 'enc2', 'bottleneck', 'dec2', ...)" in message
-    assert "skip connections" in message
-    assert "docs/troubleshooting.md#the-module-is-refused" in message
     assert "module_name=" not in message
 
 

@@ -109,8 +109,7 @@ def test_balance_accepts_numbers_of_any_kind() -> None:
             [1, 2, 3],
             4,
             ValueError,
-            r"^cannot split 3 layers into 4 stages: each stage needs at least one layer; "
-            r"use pipe_size <= 3 or give the model more layers$",
+            r"^cannot split 3 layers into 4 stages; use pipe_size <= 3 or more layers$",
         ),
         ([], 1, ValueError, r"cannot split 0 layers into 1 stages"),
         ([1, 2], 0, ValueError, r"^the number of stages must be at least 1, got 0; use pipe_size >= 1$"),
@@ -118,7 +117,7 @@ def test_balance_accepts_numbers_of_any_kind() -> None:
         ([1, 2], 2.0, TypeError, r"^the number of stages must be an int, got 2\.0 \(float\)$"),
         ([1, 2], True, TypeError, r"must be an int, got True \(bool\)"),
         ([1, -2], 1, ValueError, r"^cost of layer 1 is -2; layer costs must be non-negative and finite"),
-        ([1, float("nan")], 1, ValueError, r"cost of layer 1 is nan; .*a NaN often comes from a failed measurement"),
+        ([1, float("nan")], 1, ValueError, r"^cost of layer 1 is nan; layer costs must be non-negative and finite$"),
         ([float("inf")], 1, ValueError, r"cost of layer 0 is inf; layer costs must be non-negative and finite"),
         ([1, "big"], 1, TypeError, r"^cost of layer 1 is 'big', which is not a number"),
         ("123", 1, TypeError, r"^costs must be a sequence of numbers, one per layer, got str$"),
@@ -141,26 +140,24 @@ def test_validate_balance_returns_a_list() -> None:
             [2, 2],
             5,
             ValueError,
-            r"^balance \[2, 2\] sums to 4 but the module has 5 layers; "
-            r"give one int per stage that adds up to 5, e.g. \[3, 2\]$",
+            r"^balance \[2, 2\] sums to 4 but the module has 5 layers; use e.g. \[3, 2\]$",
         ),
-        ([4, 4], 5, ValueError, r"sums to 8 but the module has 5 layers; .* e\.g\. \[3, 2\]$"),
+        ([4, 4], 5, ValueError, r"sums to 8 but the module has 5 layers; use e\.g\. \[3, 2\]$"),
         (
             [1, 1, 1, 1],
             3,
             ValueError,
-            r"^balance \[1, 1, 1, 1\] has 4 stages but the module has only 3 layers: each stage needs at least one "
-            r"layer; give at most 3 stages, e.g. \[1, 1, 1\]$",
+            r"^balance \[1, 1, 1, 1\] has 4 stages but the module has only 3 layers; give at most 3 stages$",
         ),
         (
             [3, 0, 2],
             5,
             ValueError,
-            r"^balance \[3, 0, 2\] gives stage 1 0 layers; every stage needs at least one layer, so use positive ints$",
+            r"^balance \[3, 0, 2\] gives stage 1 0 layers; every stage needs at least one$",
         ),
         ([-1, 6], 5, ValueError, r"gives stage 0 -1 layers"),
-        ([], 5, ValueError, r"^balance \[\] has no stages; give one positive int \(layers\) per stage"),
-        ([2.0, 3], 5, TypeError, r"^balance \[2\.0, 3\] has 2\.0 \(float\) for stage 0; every entry must be an int"),
+        ([], 5, ValueError, r"^balance \[\] has no stages; give one positive int per stage$"),
+        ([2.0, 3], 5, TypeError, r"^balance \[2\.0, 3\] has 2\.0 \(float\) for stage 0, not an int$"),
         ([True, 4], 5, TypeError, r"has True \(bool\) for stage 0"),
         ("23", 5, TypeError, r"^balance must be a list of ints \(layers per stage\), got '23' \(str\)$"),
         (5, 5, TypeError, r"got 5 \(int\)"),
@@ -210,7 +207,9 @@ def test_split_counts_a_repeated_layer_at_every_position() -> None:
 
 
 def test_split_rejects() -> None:
-    with pytest.raises(TypeError, match=r"^split needs an nn.Sequential, got ModuleList; wrap the layers as"):
+    with pytest.raises(
+        TypeError, match=r"^split needs an nn.Sequential, got ModuleList; pass nn.Sequential\(\*layers\)$"
+    ):
         split(nn.ModuleList([nn.Linear(1, 1)]), [1])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"balance \[1, 1\] sums to 2 but the module has 3 layers"):
         split(nn.Sequential(nn.ReLU(), nn.ReLU(), nn.ReLU()), [1, 1])

@@ -39,26 +39,26 @@ from tools.launch import loopback_store
 # ---------------------------------------------------------------------------------------------- the bad-input catalogue
 
 BAD_ARGUMENTS = [
-    ({"pipe_size": 0}, ValueError, r"pipe_size=0 must be a positive int \(stages per pipeline\) or None"),
+    ({"pipe_size": 0}, ValueError, r"pipe_size=0 must be a positive int, or None for all ranks"),
     ({"pipe_size": "2"}, ValueError, r"pipe_size='2' must be a positive int"),
     ({"pipe_size": True}, ValueError, r"pipe_size=True must be a positive int"),
     ({"chunks": 0}, ValueError, r"chunks=0 must be at least 1"),
     ({"chunks": 2.0}, TypeError, r"chunks=2.0 must be an int: the number of micro-batches M"),
-    ({"balance": "speed"}, ValueError, r"balance='speed' is not a way to balance stages; use a list"),
-    ({"balance": 3}, TypeError, r"balance=3 must be a list of ints \(layers per stage\), a cost name or a callable"),
+    ({"balance": "speed"}, ValueError, r"balance='speed' is not a cost source; use one of 'params', .*, a list or"),
+    ({"balance": 3}, TypeError, r"balance=3 must be a list of ints, a cost name or a callable, not int"),
     ({"balance": [2, 0]}, ValueError, r"balance \[2, 0\] gives stage 1 0 layers; every stage needs at least one"),
-    ({"balance": [2, "1"]}, TypeError, r"balance \[2, '1'\] has '1' \(str\) for stage 1; every entry must be an int"),
+    ({"balance": [2, "1"]}, TypeError, r"balance \[2, '1'\] has '1' \(str\) for stage 1, not an int"),
     ({"balance": [1, 1, 1], "pipe_size": 2}, ValueError, r"balance=\[1, 1, 1\] has 3 stages but pipe_size=2"),
     ({"checkpoint": "sometimes"}, ValueError, r"checkpoint='sometimes' is not a re-materialization mode"),
     ({"schedule": "pipedream"}, ValueError, r"Unknown pipeline schedule 'pipedream'\. HINT: use one of"),
     ({"schedule": "interleaved"}, ValueError, r"schedule='interleaved' needs virtual_stages >= 2 .* HINT: pass"),
     ({"schedule": "1f1b", "virtual_stages": 2}, ValueError, r"virtual_stages=2 applies to schedule='interleaved' only"),
-    ({"module_name": 3}, TypeError, r"module_name=3 must be a str, the dotted attribute path of the nn.Sequential"),
+    ({"module_name": 3}, TypeError, r"module_name=3 must be a str such as 'backbone.layers', or None"),
     ({"module_name": "body..layers"}, ValueError, r"module_name='body..layers' is not an attribute path"),
     ({"deferred_batch_norm": "yes"}, TypeError, r"deferred_batch_norm='yes' must be True or False, not str"),
     ({"detect_anomalies": 1}, TypeError, r"detect_anomalies=1 must be True or False, not int"),
     ({"verify_batches": None}, TypeError, r"verify_batches=None must be True or False, not NoneType"),
-    ({"timeout": 60}, TypeError, r"timeout=60 must be a datetime.timedelta, e.g. timeout=datetime.timedelta"),
+    ({"timeout": 60}, TypeError, r"timeout=60 must be a datetime.timedelta, e.g. datetime.timedelta\(minutes=30\)"),
     ({"timeout": datetime.timedelta(0)}, ValueError, r"timeout=datetime.timedelta\(0\) must be positive"),
     ({"start_method": "thread"}, ValueError, r"start_method='thread' is not a way to start the processes; use one of"),
     ({"process_group_backend": 1}, TypeError, r"process_group_backend=1 must be a backend name"),
@@ -345,12 +345,13 @@ def test_a_training_step_that_never_calls_the_sequence_fails_on_every_rank(catal
 @pytest.mark.parametrize(
     ("run", "name", "message"),
     [
-        (5, "architecture", r"the checkpoint does not match this model: missing \['layers\.0\.weight'.*It was written "
-                            r"for another model, or by one stage alone .* Nothing was loaded\."),
+        (5, "architecture", r"the checkpoint does not match this model: missing \['layers\.0\.weight'.* \(another "
+                            r"model's, or one stage's\)\. Nothing was loaded\."),
         (6, "shape", r"the checkpoint does not match this model: 2 tensor\(s\) have another shape \(layers\.2\.weight: "
-                     r"\(13, 12\) in the checkpoint, \(12, 12\) in the model; .* Nothing was loaded\."),
+                     r"\(13, 12\) in the checkpoint, \(12, 12\) in the model; .*\): build the model with the "
+                     r"checkpoint's sizes\. Nothing was loaded\."),
         (7, "one-stage", r"the checkpoint does not match this model: missing \['layers\.0\.weight', .*, unexpected "
-                         r"\[\]\. It was written for another model, or by one stage alone"),
+                         r"\[\] \(another model's, or one stage's\)"),
     ],
 )  # fmt: skip
 def test_an_incompatible_checkpoint_fails_on_every_rank_and_overwrites_nothing(
