@@ -47,7 +47,6 @@ def check_finite(stage: int, microbatch: int, what: str, value: Any) -> None:
             where = "" if path == "value" else f" (at {path})"
             raise PipelineError(
                 stage,
-                f"{what} of micro-batch {microbatch} holds {found}{where}. This is where the non-finite value first "
-                "appeared: check this stage's layers and inputs (learning rate, division by zero, log of zero); "
-                "detect_anomalies=True checks every stage's outputs, gradients and the loss.",
+                f"{what} of micro-batch {microbatch} holds {found}{where}, the first non-finite value: check this "
+                "stage's layers and inputs",
             )

@@ -306,22 +306,15 @@ class ActivationLink:
         if message["sizes"] != self._sizes or message["index"] != index:
             raise PipelineError(
                 self.stage,
-                f"stage {self.peer} splits this step into micro-batches of sizes {message['sizes']} and sends "
-                f"micro-batch {message['index']} first, but this stage expects sizes {self._sizes} starting with "
-                f"micro-batch {index}. Every stage of a pipeline must see the same batch and the same chunks: use "
-                "the data-parallel sampler only (not one per stage) and the same settings on every rank.",
+                f"stage {self.peer} sends micro-batch {message['index']} of sizes {message['sizes']}, but this stage "
+                f"expects micro-batch {index} of sizes {self._sizes}: give every stage the same batch and chunks",
             )
         theirs = message.get("fingerprint")
         if theirs is not None and self._fingerprint is not None and not same_fingerprint(theirs, self._fingerprint):
             raise PipelineError(
                 self.stage,
-                f"stage {self.peer} and this stage read different batches at this step (the batch fingerprints, "
-                f"shape, dtype and checksum per tensor, are {_show_fingerprint(theirs)} there and "
-                f"{_show_fingerprint(self._fingerprint)} here). Every stage of a pipeline must read the same batches "
-                "in the same order: keep Lightning's distributed sampler (use_distributed_sampler=True), seed any "
-                "shuffling identically on every rank, and do not make the data depend on the rank. If the stages "
-                "read different inputs on purpose (random augmentation seeded per rank, used by the first stage "
-                "only), turn the check off with GPipeStrategy(verify_batches=False).",
+                f"stage {self.peer} and this stage read different batches at this step ({_show_fingerprint(theirs)} "
+                f"there, {_show_fingerprint(self._fingerprint)} here): give every stage the same batches, in order",
             )
         self._set_layout(message["layout"], index, bool(message.get("described")))
 

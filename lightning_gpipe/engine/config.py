@@ -82,14 +82,10 @@ def config_from(config: PipelineConfig | None, owner: str, **settings: Any) -> P
     if config is None:
         return PipelineConfig(**given)
     if not isinstance(config, PipelineConfig):
-        raise TypeError(
-            f"{owner} got config={config!r}, which must be a PipelineConfig or None; give the settings as keywords "
-            "instead, e.g. chunks=4"
-        )
+        raise TypeError(f"{owner} got config={config!r}; give a PipelineConfig or None, or the settings as keywords")
     if given:
         listing = ", ".join(f"{name}={value!r}" for name, value in given.items())
         raise ValueError(
-            f"{owner} got a config and also {listing}; give each setting once: in the config "
-            f"(dataclasses.replace(config, {listing})) or as keywords without a config"
+            f"{owner} got a config and also {listing}; give each setting once, in the config or as keywords"
         )
     return config

@@ -229,8 +229,8 @@ class _Outgoing:
             raise PipelineError(
                 stage,
                 f"round {count} of micro-batch {m} sends its {self.what} in another layout than round {count - 1} "
-                f"({_shapes(layout)} after {_shapes(self.layouts[m])}); from round 2 on a decoding round keeps its "
-                "layout: rebuild what grows with the cache (a mask) on the stage that uses it",
+                f"({_shapes(layout)} after {_shapes(self.layouts[m])}); build a growing value on the stage that "
+                "uses it",
             )
         self.layouts[m] = layout
         frame = Frame.of(layout[1], control=False)

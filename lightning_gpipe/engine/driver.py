@@ -112,9 +112,8 @@ class StepDriver:
         self._feed = feed if first.is_first and self.stage is not first else None
         if first.is_first and self.stage is not first and feed is None:
             raise TypeError(
-                f"this process holds stage 0 and calls its step at stage {self.stage.index} (stages "
-                f"{[stage.index for stage in run.stages]} under schedule={run.schedule!r}), so stage 0's input must "
-                "come from elsewhere: pass StepDriver(..., feed=fn), fn(micro-batch) -> stage 0's input"
+                f"this process steps at stage {self.stage.index} of its stages {[stage.index for stage in run.stages]}"
+                ", so stage 0 needs its input: pass StepDriver(..., feed=fn)"
             )
         self._losses: dict[int, torch.Tensor] = {}  # the last stage's losses, weighted once their weight is known
         self._current: Microbatch | None = None
@@ -176,8 +175,7 @@ class StepDriver:
             self._current = None
         if self._calls == 0:
             raise RuntimeError(
-                f"{self.hook} returned without calling the pipelined sequence {self.sequence!r}"
-                "; the pipeline runs its stages in that call, so every step must pass its input through it once"
+                f"{self.hook} returned without calling the pipelined sequence {self.sequence!r}; call it once per step"
             )
         return output
 
@@ -195,14 +193,12 @@ class StepDriver:
             return self.run.forward(mb.index, value if self.stage.is_first else None, self._call_index)
         if self._call_index is not None:
             raise RuntimeError(
-                f"the step called the pipelined sequence twice for one batch under schedule={self.run.schedule!r}, "
-                "whose processes hold several stages; further calls (decoding) are served with one stage per process "
-                "only: evaluate with schedule='gpipe' or '1f1b' (another Trainer, or a strategy of its own)"
+                f"the step called the pipelined sequence twice for one batch under schedule={self.run.schedule!r}; "
+                "evaluate with schedule='gpipe' or '1f1b'"
             )
         if self._relay is None:
             raise RuntimeError(
-                "the step called the pipelined sequence twice for one batch; a training step passes its input "
-                "through the sequence exactly once (an evaluation step may call it again, e.g. to decode)"
+                "the step called the pipelined sequence twice for one batch; call it once per training step"
             )
         return self._relay.call(mb.index, value)  # decoding: only the last stage gets here
 
@@ -217,15 +213,10 @@ class StepDriver:
             raise RuntimeError("the pipelined sequence was asked to decode outside a step of the pipeline")
         if self.run.training:
             raise RuntimeError(
-                f"{self.hook} asked the pipelined sequence {self.sequence!r} to decode; decoding runs in evaluation "
-                "steps (validation, test, predict) only"
+                f"{self.hook} asked the pipelined sequence {self.sequence!r} to decode; decode in evaluation steps only"
             )
         if self._call_index is not None:
-            raise RuntimeError(
-                f"{self.hook} asked the pipelined sequence to decode under schedule={self.run.schedule!r}, whose "
-                "processes hold several stages; decoding runs with one stage per process: evaluate with "
-                "schedule='gpipe' or '1f1b'"
-            )
+            raise RuntimeError(f"{self.hook} cannot decode under schedule={self.run.schedule!r}; use 'gpipe' or '1f1b'")
         self._calls += 1
         if self._calls > 1:
             if self._relay is None:
@@ -234,8 +225,8 @@ class StepDriver:
         if self._decoding_chunks is None:
             if mb.index != 0:
                 raise RuntimeError(
-                    f"{self.hook} decoded at its first call for micro-batch {mb.index} but not for micro-batch 0; a "
-                    "step that decodes at its first call must do so for every batch"
+                    f"{self.hook} decoded at its first call for micro-batch {mb.index} but not for micro-batch 0; "
+                    "decode at the first call for every batch or none"
                 )
             raise WholeBatchDecoding
         return decode(self.run.stage, decoding, self._decoding_chunks)
@@ -246,8 +237,7 @@ class StepDriver:
         declare = self._declare
         if not callable(declare):
             raise TypeError(
-                f"batch_loss_weight is a {type(declare).__name__}; it is called as a method "
-                "batch_loss_weight(batch) -> the number of elements the loss of `batch` averages over; rename it"
+                f"batch_loss_weight is a {type(declare).__name__}, not a method batch_loss_weight(batch); rename it"
             )
         microbatches = self.run.microbatches
         return count_weights([declare(mb.value) for mb in microbatches], microbatches, self.stage.transport.device)
@@ -257,8 +247,7 @@ class StepDriver:
         loss = output["loss"] if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
-                f"{self.hook} returned {type(output).__name__}; on the last stage it must return the loss "
-                "tensor or a dict with a 'loss' tensor for every batch"
+                f"{self.hook} returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor"
             )
         if self._check_losses:
             check_finite(self.stage.index, mb.index, "the loss", loss)
@@ -266,14 +255,12 @@ class StepDriver:
             if self.declared is not None:
                 raise ValueError(
                     f"{self.hook} returned 'loss_weight' and {_owner(self._declare)} declares batch_loss_weight(batch) "
-                    "too; say it once: drop 'loss_weight' from the step's output"
+                    "too; drop one"
                 )
             if self.early:
                 raise ValueError(
-                    f"{self.hook} returned 'loss_weight' under schedule={self.run.schedule!r}, which runs the backward "
-                    "of micro-batch 0 before the forward of the last one, before the weights of all micro-batches are "
-                    "known. Use schedule='gpipe', or declare the weight from the batch before the schedule runs: a "
-                    "method batch_loss_weight(batch) of the module, without 'loss_weight'."
+                    f"{self.hook} returned 'loss_weight' under schedule={self.run.schedule!r}; use schedule='gpipe', "
+                    "or declare batch_loss_weight(batch) instead"
                 )
         if self.returns_weights and not self.early:
             return loss  # weighed once every micro-batch's step has returned

@@ -30,6 +30,5 @@ def collective_errors(stage: int, what: str) -> Iterator[None]:
     except RuntimeError as error:
         raise PipelineError(
             stage,
-            f"{what} failed: {error}. Another rank of the job probably failed first (an error, or a process that was "
-            "killed): look for its error above.",
+            f"{what} failed: {error}. Another rank of the job probably failed first: look for its error above",
         ) from error

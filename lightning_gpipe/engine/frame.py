@@ -72,8 +72,7 @@ def describe(stage: int, value: Any, batch_size: int) -> tuple[Layout, list[torc
         else:
             raise TypeError(
                 f"stage {stage} produced {leaf_paths(spec, 'output')[position]} of type {type(leaf).__name__}; only "
-                "tensors (or None) can cross a stage boundary. Turn it into a tensor, or compute it inside the stage "
-                "that uses it."
+                "tensors (or None) can cross a stage boundary: make it a tensor"
             )
     return (spec, tuple(layouts)), leaves
 

@@ -113,11 +113,10 @@ class ProcessLayout:
         if isinstance(self.pipe_size, bool) or not isinstance(self.pipe_size, int) or self.pipe_size < 1:
             raise ValueError(f"pipe_size={self.pipe_size!r} must be a positive int: the number of stages per pipeline")
         if self.world_size % self.pipe_size:
+            divisors = ", ".join(str(k) for k in range(1, self.world_size + 1) if self.world_size % k == 0)
             raise ValueError(
-                f"world_size={self.world_size} (devices x num_nodes) is not divisible by pipe_size={self.pipe_size}: "
-                "every pipeline needs exactly pipe_size processes. Use a pipe_size that divides the world size "
-                f"({', '.join(str(k) for k in range(1, self.world_size + 1) if self.world_size % k == 0)}) or change "
-                "devices / num_nodes."
+                f"world_size={self.world_size} is not divisible by pipe_size={self.pipe_size}; use one of its "
+                f"divisors: {divisors}"
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size} processes")

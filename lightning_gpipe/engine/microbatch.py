@@ -57,14 +57,9 @@ class Microbatch:
 def validate_chunks(chunks: object) -> int:
     """Return ``chunks`` if it is a positive int, else raise with the value and the fix."""
     if isinstance(chunks, bool) or not isinstance(chunks, int):
-        raise TypeError(
-            f"chunks={chunks!r} must be an int: the number of micro-batches M per mini-batch, e.g. chunks=8"
-        )
+        raise TypeError(f"chunks={chunks!r} must be an int (micro-batches per mini-batch), e.g. chunks=8")
     if chunks < 1:
-        raise ValueError(
-            f"chunks={chunks} must be at least 1: it is the number of micro-batches M per mini-batch; "
-            "use chunks >= 4 * pipe_size to keep the pipeline bubble small"
-        )
+        raise ValueError(f"chunks={chunks} must be at least 1; 4 * pipe_size or more keeps the bubble small")
     return chunks
 
 
@@ -118,16 +113,14 @@ def _tensor_rows(batch: Any) -> int:
     }
     if not sizes:
         raise TypeError(
-            f"cannot split a batch of type {type(batch).__name__} into micro-batches: it holds no tensor with a batch "
-            "dimension, which gives the batch its size (lists of per-sample strings or ids are split with the tensors, "
-            "not alone); return tensors (or tuples, lists, dicts, dataclasses of tensors) from the DataLoader"
+            f"cannot split a batch of type {type(batch).__name__}: it holds no tensor with a batch dimension (lists "
+            "are split with one, not alone); give it one"
         )
     if len(set(sizes.values())) > 1:
         listing = ", ".join(f"{path}: {size}" for path, size in sizes.items())
         raise ValueError(
-            f"the tensors of a batch must share their dim-0 size to be split into micro-batches, got {listing}; "
-            "a tensor without a batch dimension (an attention bias, a rotary cache, a step counter) must be marked: "
-            "wrap it in lightning_gpipe.Unbatched(tensor) and every micro-batch gets it whole"
+            f"the tensors of a batch must share their dim-0 size, got {listing}; wrap a tensor without a batch "
+            "dimension in Unbatched(tensor)"
         )
     return next(iter(sizes.values()))
 
@@ -135,18 +128,15 @@ def _tensor_rows(batch: Any) -> int:
 def _check_rows(path: str, rows: list[Any] | tuple[Any, ...], total: int) -> None:
     """Refuse a list of plain values in a batch of ``total`` samples unless it is unambiguously one per sample."""
     kind = type(rows).__name__
-    fix = "if it is not per-sample, wrap it in lightning_gpipe.Unbatched(...) and every micro-batch gets it whole"
     if len(rows) != total:
         raise ValueError(
-            f"{path} is a {kind} of {len(rows)} values in a batch of {total} samples, so it cannot be split into "
-            f"micro-batches with the rows (a list of per-sample values, strings or ids, has one per sample); {fix}"
+            f"{path} is a {kind} of {len(rows)} values in a batch of {total} samples, not one per sample: wrap it in "
+            "Unbatched(...)"
         )
     if total > 1 and all(_sequence(item) and len(item) == total for item in rows):
         raise ValueError(
             f"{path} is a {kind} of {total} {type(rows[0]).__name__}s of {total} values in a batch of {total} samples: "
-            "whether the outer or the inner level holds one value per sample cannot be told (default_collate turns a "
-            "per-sample list of L strings into L tuples of one string per sample). Give the values as tensors or as "
-            f"one string per sample, or use a batch size other than {total}; {fix}"
+            "which level is per-sample cannot be told; give tensors, or another batch size"
         )
 
 
@@ -180,7 +170,7 @@ def split_batch(batch: Any, chunks: int) -> list[Microbatch]:
     :class:`~lightning_gpipe.engine.config.PipelineConfig`'s), as the engine splits every step's batch."""
     total, leaves, spec, split = _layout(batch)
     if total == 0:
-        raise ValueError("cannot split an empty batch (0 samples) into micro-batches; drop empty batches upstream")
+        raise ValueError("cannot split an empty batch (0 samples); drop empty batches")
     sizes = microbatch_sizes(total, chunks)
     starts = list(accumulate(sizes, initial=0))
     microbatches = []
@@ -267,8 +257,7 @@ def loss_weights(outputs: Sequence[Any], microbatches: Sequence[Microbatch], dev
         return torch.tensor([mb.weight for mb in microbatches], dtype=torch.float64, device=device)
     if not all(given):
         raise ValueError(
-            f"the step returned 'loss_weight' for {sum(given)} of {len(given)} micro-batches; return it for every "
-            "batch (the number of elements the loss averages over, e.g. the batch's non-padding tokens)"
+            f"the step returned 'loss_weight' for {sum(given)} of {len(given)} micro-batches; return it for all"
         )
     return count_weights([output["loss_weight"] for output in outputs], microbatches, device)
 
@@ -285,8 +274,8 @@ def count_weights(counts: Sequence[Any], microbatches: Sequence[Microbatch], dev
     if any(count.numel() != 1 or count.is_complex() for count in tensors):
         shapes = sorted({tuple(count.shape) for count in tensors if count.numel() != 1})
         raise ValueError(
-            "'loss_weight' must be one real number per batch (the number of elements the loss averages over), got "
-            f"values of shape {shapes[0] if shapes else 'complex'}; return e.g. (target != ignore_index).sum()"
+            f"'loss_weight' must be one real number per batch, not of shape {shapes[0] if shapes else 'complex'}; "
+            "e.g. (target != ignore_index).sum()"
         )
     weights = torch.stack([count.reshape(()) for count in tensors]).to(torch.float64)
     total = weights.sum()
@@ -308,8 +297,8 @@ def step_extras(outputs: Sequence[Any], sizes: Sequence[int] | None = None) -> d
     keys = [sorted(extra) for extra in extras]
     if any(other != keys[0] for other in keys[1:]):
         raise ValueError(
-            f"the step returned dicts with different keys for the micro-batches of one batch ({keys[0]} and "
-            f"{next(other for other in keys if other != keys[0])}); return the same keys for every batch"
+            f"the step returned different keys for the micro-batches of one batch ({keys[0]} and "
+            f"{next(other for other in keys if other != keys[0])}); return the same ones"
         )
     joined = gather(extras, sizes)
     return {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in joined.items()}

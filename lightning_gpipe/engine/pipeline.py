@@ -100,10 +100,7 @@ class Pipeline:
         }
         self.config = config_from(config, "Pipeline", **given)
         if self.config.chunks is None:
-            raise TypeError(
-                "Pipeline needs chunks, M, the number of micro-batches per mini-batch: e.g. chunks=8 (or a config "
-                "with chunks set); 4 per stage keeps the bubble small"
-            )
+            raise TypeError("Pipeline needs chunks (micro-batches per mini-batch), e.g. chunks=8")
         self.chunks: int = self.config.chunks
         self.schedule = self.config.schedule
         self._guard = compute_guard or nullcontext
@@ -120,8 +117,7 @@ class Pipeline:
         """This process's one stage; a process holding several has :attr:`stages`."""
         if len(self.stages) > 1:
             raise AttributeError(
-                f"this Pipeline holds stages {[stage.index for stage in self.stages]}: use Pipeline.stages (model "
-                "order); Pipeline.stage names the one stage of a process that holds one"
+                f"this Pipeline holds stages {[stage.index for stage in self.stages]}, not one; use Pipeline.stages"
             )
         return self.stages[0]
 
@@ -171,8 +167,8 @@ class Pipeline:
         the last stage, else ``None``. Every process calls it with the same call."""
         if len(self.stages) > 1:
             raise ValueError(
-                f"decoding runs with one stage per process, but schedule={self.schedule!r} places "
-                f"{len(self.stages)} on each; decode under schedule='gpipe' or '1f1b'"
+                f"schedule={self.schedule!r} places {len(self.stages)} stages on each process; decode under 'gpipe' "
+                "or '1f1b'"
             )
         return decode(self.stages[0], decoding, self.chunks)
 
@@ -191,22 +187,17 @@ def _held_stages(
     """Each stage the process holds, in model order, with its cell and transport; checked against the schedule."""
     if not isinstance(cells, Mapping):
         if isinstance(transport, Mapping):
-            raise TypeError(
-                "Pipeline got one cell and a mapping of transports; give a mapping of cells with the same stages, or "
-                "one transport"
-            )
+            raise TypeError("Pipeline got one cell but a mapping of transports; give one transport")
         if config.stages_per_process > 1:
             raise ValueError(
                 f"schedule={config.schedule!r} places {config.stages_per_process} stages on each process, but "
-                "Pipeline got one cell; give a mapping {stage: cell} of the process's stages_of(schedule, rank, K, v), "
-                "with a mapping {stage: transport}"
+                "Pipeline got one cell; give mappings {stage: cell} and {stage: transport}"
             )
         return {transport.stage: (cells, transport)}
     if not isinstance(transport, Mapping) or set(transport) != set(cells):
         keys = sorted(transport) if isinstance(transport, Mapping) else type(transport).__name__
         raise ValueError(
-            f"Pipeline got cells for stages {sorted(cells)} and transports for {keys}; give one transport per stage, "
-            "a mapping with the same keys"
+            f"Pipeline got cells for stages {sorted(cells)} and transports for {keys}; give a transport per stage"
         )
     wrong = {stage: link.stage for stage, link in transport.items() if link.stage != stage}
     if wrong:
@@ -216,10 +207,8 @@ def _held_stages(
     table = stage_table(config.schedule, max(1, total // v), v)
     if total % v or tuple(order) != table[order[0] % len(table)]:
         raise ValueError(
-            f"Pipeline got cells for stages {order} of {total}, but under schedule={config.schedule!r} with "
-            f"{v} stage(s) per process a process holds stages_of(schedule, rank, K={total // v}, v={v}), such as "
-            f"{list(table[0])}; give the cells of those stages (and set virtual_stages to the number of stages per "
-            "process)"
+            f"Pipeline got cells for stages {order} of {total}, but schedule={config.schedule!r} with "
+            f"virtual_stages={v} gives a process stages such as {list(table[0])}; give those"
         )
     return {stage: (cells[stage], transport[stage]) for stage in order}
 
@@ -307,7 +296,7 @@ def _process_devices(cells: Sequence[nn.Module], held: Sequence[Sequence[int]]) 
         if len(placed) > 1:
             raise ValueError(
                 f"the stages {list(stages)} of one process sit on devices {[str(devices[s]) for s in stages]}; put "
-                "the cells of one process on one device"
+                "them on one"
             )
         for s in stages:
             devices[s] = next(iter(placed), devices[s])
@@ -400,16 +389,16 @@ def _thread_stages(
     v = config.stages_per_process
     if num_cells % v:
         raise ValueError(
-            f"{num_cells} cells cannot be split into processes of {v} stages each (schedule={config.schedule!r}); give "
-            f"a multiple of {v} cells, one per stage"
+            f"schedule={config.schedule!r} places {v} stages on each process; give a multiple of {v} cells, not "
+            f"{num_cells}"
         )
     K = num_cells // v
     if seeds is not None and len(seeds) != K:
         raise ValueError(f"seeds has {len(seeds)} entries for {K} processes; give one seed per process")
     if concurrent and seeds is not None:
         raise ValueError(
-            "concurrent=True shares torch's global random generators between the processes, so seeds cannot give "
-            "each its own stream: drop seeds, or drop concurrent=True to have the processes take turns"
+            "concurrent=True shares torch's global random generators, so seeds cannot apply; drop seeds or "
+            "concurrent=True"
         )
     return stage_table(config.schedule, K, v)
 

@@ -96,8 +96,8 @@ class CallRelay:
             raise PipelineError(stage.index, "only the last stage drives further calls of the sequence")
         if torch.is_grad_enabled():
             raise RuntimeError(
-                "the step called the pipelined sequence a second time with gradients enabled; a step may call the "
-                "sequence several times (decoding) only in evaluation (validation, test, predict), without gradients"
+                "the step called the pipelined sequence a second time with gradients enabled; call it again only in "
+                "evaluation"
             )
         self.count += 1
         if stage.num_stages == 1:

@@ -83,10 +83,7 @@ def validate_mode(mode: object) -> CheckpointMode:
     """Return ``mode`` if it names a re-materialization mode, else raise a ``ValueError`` that lists the valid ones."""
     if mode not in CHECKPOINT_MODES:
         raise ValueError(
-            f"checkpoint={mode!r} is not a re-materialization mode. Use one of "
-            f"{', '.join(map(repr, CHECKPOINT_MODES))}: 'except_last' (default) recomputes every micro-batch but "
-            "the last, 'always' recomputes all of them, 'selective' recomputes all but the last keeping their "
-            "matrix multiplications' and attention's outputs, 'never' keeps every activation."
+            f"checkpoint={mode!r} is not a re-materialization mode; use one of {', '.join(map(repr, CHECKPOINT_MODES))}"
         )
     return mode  # type: ignore[return-value]
 

@@ -120,7 +120,7 @@ def validate_schedule(name: object) -> str:
     if isinstance(name, str) and name in SCHEDULES:
         return name
     valid = ", ".join(repr(s) for s in SCHEDULES)
-    raise ValueError(f"Unknown pipeline schedule {name!r}. HINT: use one of {valid}.")
+    raise ValueError(f"Unknown pipeline schedule {name!r}; use one of {valid}")
 
 
 _COUNT_HINTS = {
@@ -135,7 +135,7 @@ def _check_count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int >= 1, got {value!r} of type {type(value).__name__}.")
     if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}. HINT: {_COUNT_HINTS[name]}.")
+        raise ValueError(f"{name} must be >= 1, got {value}; {_COUNT_HINTS[name]}")
     return value
 
 
@@ -144,9 +144,7 @@ def _check_stage(stage: object, num_stages: object) -> tuple[int, int]:
     if isinstance(stage, bool) or not isinstance(stage, int):
         raise TypeError(f"stage must be an int, got {stage!r} of type {type(stage).__name__}.")
     if not 0 <= stage < K:
-        raise ValueError(
-            f"stage must satisfy 0 <= stage < num_stages = {K}, got stage={stage}. HINT: stages count from 0."
-        )
+        raise ValueError(f"stage must satisfy 0 <= stage < num_stages = {K}, got stage={stage}")
     return stage, K
 
 
@@ -154,10 +152,7 @@ def stage_actions(schedule: str, stage: int, num_stages: int, num_microbatches: 
     """The ordered actions that stage ``stage`` of a ``num_stages``-stage pipeline runs for one mini-batch."""
     schedule = validate_schedule(schedule)
     if schedule in MULTI_STAGE:
-        raise ValueError(
-            f"schedule={schedule!r} places several stages on each process, so its actions come per process. "
-            "HINT: use process_actions(schedule, rank, num_processes, num_microbatches, virtual_stages)."
-        )
+        raise ValueError(f"schedule={schedule!r} places several stages on each process; use process_actions()")
     j, K = _check_stage(stage, num_stages)
     return _stage_actions(schedule, j, K, _check_count("num_microbatches", num_microbatches))
 
@@ -189,7 +184,7 @@ def dependencies(stage: int, action: Action, num_stages: int) -> list[tuple[int,
     """
     j, K = _check_stage(stage, num_stages)
     if action.stage is not None and action.stage != j:
-        raise ValueError(f"{action} runs on stage {action.stage}, not on stage={j}. HINT: pass stage=action.stage.")
+        raise ValueError(f"{action} runs on stage {action.stage}, not on stage={j}; pass stage=action.stage")
     i = action.microbatch
 
     def on(s: int, phase: Phase) -> tuple[int, Action]:
@@ -215,8 +210,8 @@ def stages_per_process(schedule: str, virtual_stages: object) -> int:
     if schedule == "interleaved":
         if virtual_stages < 2:
             raise ValueError(
-                f"schedule='interleaved' needs virtual_stages >= 2 (stages per process), got {virtual_stages}. "
-                "HINT: pass virtual_stages=2, or use schedule='1f1b' for one stage per process."
+                f"schedule='interleaved' needs virtual_stages >= 2 (stages per process), got {virtual_stages}; pass "
+                "virtual_stages=2"
             )
         return virtual_stages
     if schedule == "zbv" and virtual_stages in (1, 2):
@@ -224,8 +219,7 @@ def stages_per_process(schedule: str, virtual_stages: object) -> int:
     if virtual_stages != 1:
         fixed = "; schedule='zbv' always places 2" if schedule == "zbv" else ""
         raise ValueError(
-            f"virtual_stages={virtual_stages} applies to schedule='interleaved' only{fixed}. "
-            f"HINT: leave virtual_stages at 1 with schedule={schedule!r}, or use schedule='interleaved'."
+            f"virtual_stages={virtual_stages} applies to schedule='interleaved' only{fixed}; leave it at 1"
         )
     return 1
 
@@ -243,9 +237,7 @@ def _check_rank(rank: object, K: int) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {rank!r} of type {type(rank).__name__}.")
     if not 0 <= rank < K:
-        raise ValueError(
-            f"rank must satisfy 0 <= rank < num_processes = {K}, got rank={rank}. HINT: ranks count from 0."
-        )
+        raise ValueError(f"rank must satisfy 0 <= rank < num_processes = {K}, got rank={rank}")
     return rank
 
 
@@ -288,9 +280,8 @@ def interleaved_round(num_processes: int, num_microbatches: int) -> int:
     if M % rounds:
         fits = sorted({M - M % K, M - M % K + K} - {0})
         raise ValueError(
-            f"schedule='interleaved' runs chunks in rounds of about pipe_size micro-batches and needs chunks to be a "
-            f"multiple of max(1, chunks // pipe_size) = {rounds}; got chunks={M} with pipe_size={K}. "
-            f"HINT: use chunks <= {K} or a multiple of {K}, such as {' or '.join(str(m) for m in fits)}."
+            f"schedule='interleaved' cannot split chunks={M} into rounds of about pipe_size={K}; use chunks <= {K} or "
+            f"a multiple of {K}, such as {' or '.join(str(m) for m in fits)}"
         )
     return M // rounds
 
@@ -411,8 +402,8 @@ def process_of(schedule: str, stage: int, num_processes: int, virtual_stages: in
             return rank
     per_process = len(table[0])
     raise ValueError(
-        f"stage={stage!r} is not a stage of a pipeline of {num_processes} processes holding {per_process} each under "
-        f"schedule={schedule!r}. HINT: stages count from 0 to {num_processes * per_process - 1}."
+        f"stage={stage!r} is not among stages 0 to {num_processes * per_process - 1} of schedule={schedule!r} on "
+        f"{num_processes} processes"
     )
 
 

@@ -225,9 +225,7 @@ class Stage:
         if self._stranded is not None:
             raise PipelineError(
                 self.index,
-                f"a new step began after a failed one ({self._stranded}) left receives posted on the transport, where "
-                "they would take this step's messages. A pipeline cannot go on after a failed step: end the job (or "
-                "its process group) and restart it, from the last checkpoint if there is one.",
+                f"a new step began after a failed one ({self._stranded}) left receives posted; restart the job",
             )
         if self._inputs or self._outputs or self._weights:
             pending = sorted(set(self._inputs) | set(self._outputs) | set(self._weights))
@@ -235,7 +233,7 @@ class Stage:
         if gradient_order is not None and sorted(gradient_order) != list(range(len(sizes))):
             raise ValueError(
                 f"gradient_order={list(gradient_order)} must list each of the step's {len(sizes)} micro-batches once "
-                f"(0 to {len(sizes) - 1}), in the order the next stage runs their backward passes"
+                f"(0 to {len(sizes) - 1})"
             )
         self._num_microbatches = len(sizes)
         self._split = split_backward
@@ -346,9 +344,8 @@ class Stage:
                 if needed:
                     raise PipelineError(
                         self.index,
-                        f"backward of micro-batch {through} ran before the forward of micro-batch {index}, whose "
-                        "gradient the next stage sends first (the step's gradient_order); that would wait forever. "
-                        "Run the forward of a micro-batch before any backward that the next stage runs after its own.",
+                        f"backward of micro-batch {through} ran before the forward of micro-batch {index}, earlier in "
+                        "gradient_order; run that forward first",
                     )
                 return
             order.popleft()

@@ -88,8 +88,8 @@ class StepRun:
         """The process's one stage; a process holding several has :attr:`stages` and :attr:`call_stage` instead."""
         if len(self.stages) > 1:
             raise AttributeError(
-                f"this process holds stages {[s.index for s in self.stages]}, so a step has no one stage: use "
-                "StepRun.stages (model order), StepRun.call_stage or StepRun.stage_of(action)"
+                f"this process holds stages {[s.index for s in self.stages]}, not one; use StepRun.stages, "
+                "StepRun.call_stage or StepRun.stage_of(action)"
             )
         return self.stages[0]
 
@@ -199,8 +199,8 @@ def _order(stages: tuple[Stage, ...], schedule: str, num_microbatches: int, trai
         if held == order.stages:
             return order
     raise ValueError(
-        f"a process holds stages {list(held)} of {total}, which schedule={schedule!r} does not give one process; "
-        "pass a process's stages_of(schedule, rank, K, v), in model order"
+        f"stages {list(held)} of {total} are not one process's under schedule={schedule!r}; pass a process's "
+        "stages_of(schedule, rank, K, v)"
     )
 
 

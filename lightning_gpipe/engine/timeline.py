@@ -218,7 +218,7 @@ class Timeline:
     def bubble_fraction(self) -> float:
         """Mean over stages of ``(makespan - busy) / makespan``; only stages with spans take part."""
         if not self.spans:
-            raise ValueError("The timeline has no spans, so it has no bubble. HINT: enable it and record a step first.")
+            raise ValueError("The timeline has no spans, so it has no bubble; enable it and record a step first")
         makespan = self.makespan()
         if makespan == 0.0:
             return 0.0
@@ -240,7 +240,7 @@ class Timeline:
         Draws on a standalone Agg canvas, so pyplot and the session's backend (a notebook's inline one) are untouched.
         """
         if not self.spans:
-            raise ValueError("The timeline has no spans to plot. HINT: enable it and record a step first.")
+            raise ValueError("The timeline has no spans to plot; enable it and record a step first")
         # Imported here: ranks that only record spans never pay for matplotlib.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

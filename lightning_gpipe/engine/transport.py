@@ -146,7 +146,7 @@ class ProcessGroupTransport(Transport):
         links: Sequence[LinkGroups | None] | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("ProcessGroupTransport needs torch.distributed.init_process_group() to have run first")
+            raise RuntimeError("ProcessGroupTransport needs torch.distributed.init_process_group() first")
         rank = dist.get_rank()
         ranks = list(ranks)
         if ranks.count(rank) != 1:
@@ -212,13 +212,13 @@ class ProcessGroupTransport(Transport):
             ValueError: ``stages`` that are not this rank's in ``ranks``, or links missing where messages would mix.
         """
         if not dist.is_initialized():
-            raise RuntimeError("ProcessGroupTransport needs torch.distributed.init_process_group() to have run first")
+            raise RuntimeError("ProcessGroupTransport needs torch.distributed.init_process_group() first")
         rank, ranks = dist.get_rank(), list(ranks)
         own = [stage for stage, holder in enumerate(ranks) if holder == rank]
         if sorted(stages) != own or len(set(stages)) != len(own):
             raise ValueError(
-                f"stages={list(stages)}, but this process (global rank {rank}) holds stages {own} of a pipeline whose "
-                f"stages run on ranks {ranks}; give the stages ranks assigns to this rank"
+                f"stages={list(stages)}, but this process (global rank {rank}) holds stages {own} of ranks {ranks}; "
+                "give those"
             )
         per_link = _link_groups(ranks, links)
         transports = {}
@@ -249,8 +249,8 @@ class ProcessGroupTransport(Transport):
             link = self._links[min(peer, self.stage)]
             if link is None:
                 raise ValueError(
-                    f"stage {self.stage} has no process group to stage {peer} (links[{min(peer, self.stage)}] is None) "
-                    "and does not hold it; make the transports with ProcessGroupTransport.for_stages"
+                    f"stage {self.stage} has no process group to stage {peer} (links[{min(peer, self.stage)}] is "
+                    "None); make the transports with ProcessGroupTransport.for_stages"
                 )
             group = link.down if (self.stage < peer) == sending else link.up
             route = self._routes[(peer, sending)] = (group, dist.get_group_rank(group, self.ranks[peer]))
@@ -351,8 +351,8 @@ def _link_groups(
         shared = [s for s in across if pairs.count(frozenset(ranks[s : s + 2])) > 1]
         if shared:
             raise ValueError(
-                f"the links after stages {shared} join the same two processes (ranks {ranks}), so their messages would "
-                "mix on the default group; give links, LinkGroups per link (new_link_groups creates them)"
+                f"the links after stages {shared} join the same two processes (ranks {ranks}); pass links=, one "
+                "LinkGroups per link (new_link_groups)"
             )
         return None
     if isinstance(links, Mapping):
@@ -361,21 +361,19 @@ def _link_groups(
         per_link = list(links)
         if len(per_link) != len(ranks) - 1:
             raise ValueError(
-                f"links has {len(per_link)} entries for a pipeline of {len(ranks)} stages; give one per pair of "
-                "adjacent stages (None where one process holds both)"
+                f"links has {len(per_link)} entries, not {len(ranks) - 1}: one per link (None within a process)"
             )
     missing = [s for s in across if per_link[s] is None]
     if missing:
         raise ValueError(
-            f"links has no process group for the links after stages {missing}, whose two stages run on two processes "
-            f"(ranks {ranks}); give each its LinkGroups (new_link_groups creates them)"
+            f"links has no process group after stages {missing} (ranks {ranks}); give each its LinkGroups "
+            "(new_link_groups)"
         )
     single = [s for s in across if not isinstance(per_link[s], LinkGroups)]
     if single:
         raise ValueError(
             f"the links after stages {single} are {[type(per_link[s]).__name__ for s in single]}, not LinkGroups; "
-            "give each link a 2-rank group per direction, LinkGroups(down, up) (new_link_groups creates them): NCCL "
-            "runs a group's operations in issue order, so under 1F1B a send would wait behind the other direction's"
+            "give each LinkGroups(down, up) of 2-rank groups (new_link_groups)"
         )
     return per_link
 
@@ -407,8 +405,8 @@ class _Loopback:
                 if not sent:
                     raise PipelineError(
                         receiver,
-                        f"waited for {oldest.what} from stage {sender}, which this process holds too and has not sent "
-                        "it: the process ran its stages' actions out of the schedule's order",
+                        f"waited for {oldest.what} from stage {sender}, which this process holds and has not sent it; "
+                        "run the stages' actions in the schedule's order",
                     )
                 fill_receive(receiver, sender, oldest.buffer, sent.popleft(), oldest.what)
                 oldest.done = True

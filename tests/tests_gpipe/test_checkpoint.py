@@ -23,7 +23,9 @@ def test_checkpoint_stop(mode: str, expected: int) -> None:
 
 
 def test_unknown_mode_names_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"checkpoint='sometimes' is not a re-materialization mode\. Use one of"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint='sometimes' is not a re-materialization mode; use one of 'always'"
+    ):
         validate_mode("sometimes")
 
 

@@ -45,7 +45,7 @@ def test_the_strategy_keeps_the_configuration_it_validated() -> None:
     [
         ({"chunks": 0}, ValueError, r"chunks=0 must be at least 1"),
         ({"balance": [1, 1, 1], "pipe_size": 2}, ValueError, r"balance=\[1, 1, 1\] has 3 stages but pipe_size=2"),
-        ({"schedule": "zb"}, ValueError, r"Unknown pipeline schedule 'zb'\. HINT: use one of 'gpipe', '1f1b'"),
+        ({"schedule": "zb"}, ValueError, r"Unknown pipeline schedule 'zb'; use one of 'gpipe', '1f1b'"),
         ({"timeout": 5}, TypeError, r"timeout=5 must be a datetime.timedelta"),
         ({"start_method": "thread"}, ValueError, r"start_method='thread' is not a way to start the processes"),
     ],
@@ -85,8 +85,14 @@ def _stage(*args: Any, **kwargs: Any) -> None:
 
 ENGINE_MISTAKES = [
     (_pipeline, (PipelineConfig(chunks=4),), {"chunks": 8}, ValueError, r"Pipeline got a config and also chunks=8"),
-    (_pipeline, (4,), {}, TypeError, r"Pipeline got config=4, which must be a PipelineConfig or None; give the"),
-    (_pipeline, (), {}, TypeError, r"Pipeline needs chunks, M, the number of micro-batches per mini-batch"),
+    (
+        _pipeline,
+        (4,),
+        {},
+        TypeError,
+        r"Pipeline got config=4; give a PipelineConfig or None, or the settings as keywords",
+    ),
+    (_pipeline, (), {}, TypeError, r"Pipeline needs chunks \(micro-batches per mini-batch\), e.g. chunks=8"),
     (_pipeline, (), {"chunks": 0}, ValueError, r"chunks=0 must be at least 1"),
     (_pipeline, (), {"chunks": 2, "schedule": "zb"}, ValueError, r"Unknown pipeline schedule 'zb'"),
     (_stage, (), {"checkpoint": "sometimes"}, ValueError, r"checkpoint='sometimes' is not a re-materialization mode"),
@@ -135,7 +141,11 @@ def test_resolve_turns_the_settings_and_the_world_into_what_everything_reads() -
 @pytest.mark.parametrize(
     ("config", "chosen", "message"),
     [
-        (BuildConfig(pipe_size=3), None, r"world_size=4 \(devices x num_nodes\) is not divisible by pipe_size=3"),
+        (
+            BuildConfig(pipe_size=3),
+            None,
+            r"world_size=4 is not divisible by pipe_size=3; use one of its divisors: 1, 2, 4",
+        ),
         (BuildConfig(balance=[1, 1]), None, r"balance=\[1, 1\] has 2 stages but the pipelines have 4 \(world_size=4"),
         (BuildConfig(), {"pipe_size": 2, "balance": [1]}, r"balance=\[1\] has 1 stages but the pipelines have 2"),
     ],
@@ -176,7 +186,10 @@ def test_one_list_of_names_per_setting() -> None:
     ("arguments", "message"),
     [
         # The schedule does not take it: the message names the value and what to do instead.
-        ({"schedule": "1f1b", "virtual_stages": 2}, r"virtual_stages=2 applies to schedule='interleaved' only\."),
+        (
+            {"schedule": "1f1b", "virtual_stages": 2},
+            r"virtual_stages=2 applies to schedule='interleaved' only; leave it at 1",
+        ),
         ({"schedule": "zbv", "virtual_stages": 3}, r"schedule='zbv' always places 2"),
         ({"schedule": "interleaved"}, r"schedule='interleaved' needs virtual_stages >= 2 .* got 1"),
         # Balance counts K * v stages.
@@ -187,7 +200,7 @@ def test_one_list_of_names_per_setting() -> None:
         # Interleaved runs chunks in rounds of about K micro-batches.
         (
             {"schedule": "interleaved", "virtual_stages": 2, "pipe_size": 2, "chunks": 5},
-            r"got chunks=5 with pipe_size=2",
+            r"cannot split chunks=5 into rounds of about pipe_size=2",
         ),
     ],
 )

@@ -69,7 +69,9 @@ def test_weighted_micro_batch_losses_equal_the_full_batch_loss(total: int, chunk
 
 
 def test_batch_size_errors_name_the_problem() -> None:
-    with pytest.raises(ValueError, match=r"share their dim-0 size.*batch\[0\]: 4, batch\[1\]: 3"):
+    with pytest.raises(
+        ValueError, match=r"share their dim-0 size, got batch\[0\]: 4, batch\[1\]: 3; wrap .* in Unbatched"
+    ):
         batch_size((torch.zeros(4), torch.zeros(3)))
     with pytest.raises(TypeError, match="holds no tensor with a batch dimension"):
         batch_size(["a", 1])
@@ -140,9 +142,11 @@ def test_loss_weight_makes_a_token_mean_over_micro_batches_the_batch_token_mean(
     combined = sum(w * out["loss"] for w, out in zip(weights, outputs, strict=True))
     assert combined.item() == pytest.approx(losses[mask].mean().item())
     assert loss_weights([torch.ones(())] * 4, microbatches, torch.device("cpu")).tolist() == [0.25] * 4
-    with pytest.raises(ValueError, match="returned 'loss_weight' for 3 of 4 micro-batches; return it for every"):
+    with pytest.raises(ValueError, match="returned 'loss_weight' for 3 of 4 micro-batches; return it for all"):
         loss_weights([*outputs[:3], {"loss": torch.ones(())}], microbatches, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"one real number per batch .* shape \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"one real number per batch, not of shape \(2,\); e.g. \(target != ignore_index\).sum\(\)"
+    ):
         loss_weights(
             [{"loss": o["loss"], "loss_weight": torch.ones(2)} for o in outputs], microbatches, torch.device("cpu")
         )
@@ -191,7 +195,9 @@ def test_unbatched_values_go_whole_to_every_microbatch_and_gather_once() -> None
 
 
 def test_a_batch_tensor_of_another_dim_0_is_refused_with_the_advice_to_mark_it() -> None:
-    with pytest.raises(ValueError, match=r"batch\[1\]: 5.*wrap it in lightning_gpipe.Unbatched\(tensor\)"):
+    with pytest.raises(
+        ValueError, match=r"batch\[1\]: 5; wrap a tensor without a batch dimension in Unbatched\(tensor\)"
+    ):
         scatter((torch.zeros(8, 3), torch.zeros(5, 5)), 4)
 
 
@@ -246,18 +252,28 @@ def test_a_collated_list_of_tensors_is_a_container_even_when_its_length_is_the_b
 def test_lists_that_cannot_be_split_with_the_rows_are_refused_naming_the_field_and_the_fix() -> None:
     # A list of plain values of another length than the batch is not per-sample; it was handed whole to every
     # micro-batch. Now it must be marked.
-    with pytest.raises(ValueError, match=r"batch\['names'\] is a list of 3 values in a batch of 8 samples.*Unbatched"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch\['names'\] is a list of 3 values in a batch of 8 samples, not one per sample: wrap it in "
+        r"Unbatched",
+    ):
         scatter({"x": torch.zeros(8), "names": ["cat", "dog", "bird"]}, 4)
     with pytest.raises(ValueError, match=r"batch\[1\]\[0\] is a list of 2 values in a batch of 8 samples"):
         batch_size((torch.zeros(8), [["a", "b"], ["c"]]))
     # default_collate of a per-sample list of 3 strings in a batch of 3: either level could be the samples'.
-    with pytest.raises(ValueError, match=r"batch\['tags'\] is a list of 3 tuples of 3 values .* cannot be told"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch\['tags'\] is a list of 3 tuples of 3 values .* cannot be told; give tensors, or another "
+        r"batch size",
+    ):
         scatter(_collated(3), 3)
     marked = scatter({"x": torch.zeros(8), "names": Unbatched(["cat", "dog", "bird"])}, 4)
     assert all(mb.value["names"].value == ["cat", "dog", "bird"] for mb in marked)
     marked = scatter({"x": torch.zeros(2), "classes": Unbatched(("cat", "dog"))}, 2)  # as long as the batch, marked
     assert all(mb.value["classes"].value == ("cat", "dog") for mb in marked)
-    with pytest.raises(TypeError, match=r"no tensor with a batch dimension.*split with the tensors, not alone"):
+    with pytest.raises(
+        TypeError, match=r"no tensor with a batch dimension \(lists are split with one, not alone\); give it one"
+    ):
         batch_size({"text": ["a", "b"]})
 
 

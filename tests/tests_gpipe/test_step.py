@@ -179,7 +179,7 @@ def test_a_loss_weight_under_1f1b_is_refused_with_the_fix_and_weighs_after_the_f
     assert driver.weigh(outputs).item() == pytest.approx(1 * 0.5 + 2 * 0.5)  # weighted by the shares of samples
     driver.backward_phase()
     driver = weighing_driver("1f1b")
-    refusal = r"training_step returned 'loss_weight' under schedule='1f1b'.*Use schedule='gpipe'"
+    refusal = r"training_step returned 'loss_weight' under schedule='1f1b'; use schedule='gpipe', or declare batch_loss"
     with pytest.raises(ValueError, match=refusal):
         driver.forward_phase(lambda mb: loss_of(driver, mb, loss_weight=3))
     driver = weighing_driver("gpipe")

@@ -103,7 +103,7 @@ def test_records_round_trip_through_pickle_and_merge():
 def test_span_and_empty_timeline_validation():
     with pytest.raises(ValueError, match=r"Span ends before it starts: start=2\.0, end=1\.0"):
         Span(0, "forward", 0, 2.0, 1.0)
-    with pytest.raises(ValueError, match=r"no spans, so it has no bubble\. HINT: enable it"):
+    with pytest.raises(ValueError, match=r"no spans, so it has no bubble; enable it"):
         Timeline().bubble_fraction()
     with pytest.raises(ValueError, match=r"no spans to plot"):
         Timeline().plot("unused.png")
