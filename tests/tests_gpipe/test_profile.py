@@ -156,13 +156,13 @@ def test_profile_counts_bytes_alike_on_cpu_and_meta() -> None:
 
 def test_profile_times_rematerialization_and_the_optimizer_step_without_changing_the_model() -> None:
     torch.manual_seed(0)
-    # Wide enough that a step over the first layer's 65k weights clearly exceeds the step's fixed cost, which is taken
-    # off (with 16 x 16 weights the difference was lost in the noise of a loaded machine and read 0).
-    first, second = nn.Linear(256, 256), nn.Linear(256, 256)
+    # Wide enough that a step over the first layer's 1M weights clearly exceeds the step's fixed cost, which is taken
+    # off: smaller layers' difference is lost in the noise of a loaded machine and reads 0.
+    first, second = nn.Linear(1024, 1024), nn.Linear(1024, 1024)
     second.weight = first.weight  # tied: stepped with the first layer only
     layers = nn.Sequential(first, nn.ReLU(), second)
     before = [t.detach().clone() for t in layers.state_dict().values()]
-    profile = profile_layers(layers, torch.randn(4, 256), microbatch_sizes=[2, 4], repeats=2, warmup=1)
+    profile = profile_layers(layers, torch.randn(4, 1024), microbatch_sizes=[2, 4], repeats=2, warmup=1)
     assert all(a.equal(b) for a, b in zip(before, layers.state_dict().values(), strict=True))
     assert profile.updates[0] > 0
     assert profile.updates[1] == 0.0
@@ -174,7 +174,7 @@ def test_profile_times_rematerialization_and_the_optimizer_step_without_changing
     assert all(t >= 0 for t in extra)
     share = profile.recompute_forward_times(4)  # the part of it paid in the first forward
     assert all(0 <= part <= total for part, total in zip(share, extra, strict=True))
-    plain = profile_layers(layers, torch.randn(4, 256), microbatch_sizes=[4], rematerialized=False, optimizer=None)
+    plain = profile_layers(layers, torch.randn(4, 1024), microbatch_sizes=[4], rematerialized=False, optimizer=None)
     assert plain.recompute_times(4) is None
     assert plain.updates == ()
     assert plain.stage_update(range(3)) == 0.0
