@@ -11,6 +11,7 @@ with its deadlines and clean-up.
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -56,6 +57,15 @@ def main(argv: Sequence[str]) -> None:
         print(f"helpers.jobs: {module} {' '.join(args)}", flush=True)
         importlib.import_module(module).main(*args)
         script = []
+    import torch.distributed as dist  # here: the launching process need not import torch
+
+    if dist.is_available() and dist.is_initialized():
+        # Skip the interpreter's finalization: a gloo worker thread still releasing a finished collective's tensors
+        # then aborts the rank ("terminate called without an active exception", pytorch/pytorch#190489), and
+        # destroy_process_group does not join those threads. Every result is written by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
