@@ -626,7 +626,8 @@ def test_a_failed_step_over_gloo_stops_both_processes_and_the_next_step(
 def test_transports_for_stages_another_rank_holds_are_refused(gloo_runs: list[dict[str, Any]]) -> None:
     for rank, run in enumerate(gloo_runs):
         others, one_stage = run["interleaved refused"]
-        assert f"but this process (global rank {rank}) holds stages [{rank}, {rank + 2}] of ranks [0, 1, 0, 1]" in others
+        held = f"but this process (global rank {rank}) holds stages [{rank}, {rank + 2}] of ranks [0, 1, 0, 1]"
+        assert held in others
         assert f"this process (global rank {rank}) holds several stages of the pipeline's ranks" in one_stage
         assert "ProcessGroupTransport.for_stages" in one_stage
 
