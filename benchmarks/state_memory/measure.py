@@ -24,27 +24,10 @@ import torch
 import zoo
 import zoo.tasks.causal_lm  # noqa: F401  (imported before the first measure: transformers and peft are not the model)
 from benchmarks.state_memory.model import SIZES, loader
+from benchmarks.strategy_memory.measure import reset_peak, resident
 from lightning_gpipe import GPipeStrategy
 
-__all__ = ["main", "reset_peak", "resident"]
-
-
-def resident() -> tuple[int, int]:
-    """(resident bytes now, peak resident bytes since the last :func:`reset_peak`)."""
-    values = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(value.split()[0]) * 1024
-    return values["VmRSS"], values["VmHWM"]
-
-
-def reset_peak() -> int:
-    """Make the peak the current resident memory (Linux: ``echo 5 > /proc/self/clear_refs``); returns it."""
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
-    return resident()[0]
+__all__ = ["main"]
 
 
 class Phases(L.Callback):

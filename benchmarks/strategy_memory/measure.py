@@ -123,12 +123,22 @@ def pin_mmap_threshold(threshold: int = 128 * 1024) -> None:
         ctypes.CDLL(None).mallopt(m_mmap_threshold, threshold)
 
 
-def _rss_bytes(field: str) -> int:
+def resident() -> tuple[int, int]:
+    """(resident bytes now, peak resident bytes since the last :func:`reset_peak`)."""
+    values = {}
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(value.split()[0]) * 1024
+    return values["VmRSS"], values["VmHWM"]
+
+
+def reset_peak() -> int:
+    """Make the peak the current resident memory (Linux: ``echo 5 > /proc/self/clear_refs``); returns it."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return resident()[0]
 
 
 class PeakMemory(Callback):
@@ -148,7 +158,7 @@ class PeakMemory(Callback):
         if batch_idx != 0:
             return
         gc.collect()
-        self.rss_before = _rss_bytes("VmRSS")
+        self.rss_before = resident()[0]
         # Writing 5 resets the peak RSS (VmHWM, ru_maxrss) to the current RSS: the peak measured is training's own.
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
@@ -166,7 +176,7 @@ class PeakMemory(Callback):
         if self._tracking:
             self.tensors.__exit__(None, None, None)
             self._tracking = False
-            self.rss_growth = _rss_bytes("VmHWM") - self.rss_before
+            self.rss_growth = resident()[1] - self.rss_before
             if self.cuda_before is not None:
                 self.cuda_growth = torch.cuda.max_memory_allocated() - self.cuda_before
 

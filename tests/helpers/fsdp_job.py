@@ -24,7 +24,6 @@ fit resolved, ``data_parallel`` included, and ``"settings_of": N`` gives a later
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks.strategy_memory.measure import pin_mmap_threshold
+from benchmarks.strategy_memory.measure import pin_mmap_threshold, reset_peak, resident
 from helpers.lightning_job import BATCH, SAMPLES, SequentialModule, dataset, trainer_for
 from helpers.load_job import _recording_reads
 from helpers.models import IN, OUT
@@ -98,12 +97,11 @@ class Module(SequentialModule):
     def setup(self, stage: str) -> None:
         if self.job.get("measure_setup"):
             pin_mmap_threshold()  # freed tensors leave the RSS, whatever the fits before this one allocated
-            self._rss_before = _status_bytes("VmRSS")
-            Path("/proc/self/clear_refs").write_text("5")  # the peak RSS from here on is setup's
+            self._rss_before = reset_peak()  # the peak RSS from here on is setup's
 
     def on_fit_start(self) -> None:
         if self.job.get("measure_setup"):
-            self.setup_growth = _status_bytes("VmHWM") - self._rss_before
+            self.setup_growth = resident()[1] - self._rss_before
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -125,12 +123,6 @@ class Module(SequentialModule):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         # A measured step keeps its gradients' memory between steps, as the planner counts them in the state.
         optimizer.zero_grad(set_to_none="measure_steps" not in self.job)
-
-
-def _status_bytes(field: str) -> int:
-    match = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
-    assert match is not None
-    return int(match.group(1)) * 1024
 
 
 class Holdings(L.Callback):

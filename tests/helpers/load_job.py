@@ -21,26 +21,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks.strategy_memory.measure import reset_peak, resident
 from benchmarks.trainer import quiet_trainer
 
-__all__ = ["main", "resident", "reset_peak"]
-
-
-def resident() -> tuple[int, int]:
-    """(resident bytes now, peak resident bytes since the last :func:`reset_peak`) of this process."""
-    values = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(value.split()[0]) * 1024
-    return values["VmRSS"], values["VmHWM"]
-
-
-def reset_peak() -> None:
-    """Start a new peak: VmHWM becomes the current VmRSS."""
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
+__all__ = ["main"]
 
 
 class SetupMemory(L.Callback):

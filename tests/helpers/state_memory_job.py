@@ -22,28 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.strategy_memory.measure import pin_mmap_threshold
+from benchmarks.strategy_memory.measure import pin_mmap_threshold, reset_peak, resident
 from lightning_gpipe import GPipeStrategy
 
 WIDTH, DEPTH = 1024, 16  # 16 x 4 MiB of float32 weights; Adam adds two moments
-
-
-def resident() -> tuple[int, int]:
-    """(resident bytes now, peak resident bytes since the last :func:`reset_peak`)."""
-    values = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(value.split()[0]) * 1024
-    return values["VmRSS"], values["VmHWM"]
-
-
-def reset_peak() -> int:
-    """Make the peak the current resident memory (Linux: ``echo 5 > /proc/self/clear_refs``); returns it."""
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
-    return resident()[0]
 
 
 class Net(L.LightningModule):
